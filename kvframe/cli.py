@@ -1,0 +1,50 @@
+"""The ``kvframe`` command.
+
+Subcommands:
+
+- ``kvframe demo`` — kvframe's main job (the P/D demo).
+- ``kvframe plugins`` — installed plugins, their versions, transports and capabilities.
+- ``kvframe bench NAME [--json]`` — benchmarks; each prints ratios measured side by side in one
+  run. Each benchmark lives in ``kvframe.bench.<NAME>`` and exposes ``add_arguments(parser)``
+  and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+#: Benchmarks: name -> (module, one-line help).
+BENCHMARKS: dict[str, tuple[str, str]] = {}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvframe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="run kvframe's main job (the P/D demo)")
+    bench = sub.add_parser("bench", help="run a benchmark")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, help_text) in sorted(BENCHMARKS.items()):
+        p = bench_sub.add_parser(name, help=help_text)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvframe`` console script."""
+    args = _build_parser().parse_args(argv)
+    if args.command == "bench":
+        module = importlib.import_module(BENCHMARKS[args.bench][0])
+        return int(module.run(args))
+    if args.command == "demo":
+        print("kvframe demo: not available yet", file=sys.stderr)
+        return 1
+    raise AssertionError(args.command)  # argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

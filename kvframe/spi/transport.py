@@ -1,0 +1,435 @@
+"""The transport SPI: what a transport plugin implements.
+
+A *transport* moves bytes between memory regions of two processes (possibly on two hosts) and
+carries small notifications between them. kvframe's connectors drive it; they never talk to
+NIXL, UCX or sockets directly. A plugin provides a :class:`Transport` subclass and registers a
+factory for it through the ``kvframe_register_transports`` hook (see :mod:`kvframe.spi.hookspecs`).
+
+The life of a transport, in the order a connector calls it::
+
+    t = factory(TransportParams(...))            # create; owns native resources from here on
+    t.register_memory([MemoryRegion, ...])       # once, at start-up (host or device memory)
+    local = t.prepare_local(layout)              # once per region set
+    blob = t.local_metadata()                    # ship to peers over the side channel
+    peer = t.add_peer(remote_blob)               # once per remote engine (and after a restart)
+    remote = t.prepare_remote(peer, remote_layout)   # once per peer and region set
+    h = t.post(READ, local, [3, 4], remote, [10, 11], notification=b"done")  # per request
+    while t.poll(h) is XferState.PENDING: ...    # or poll many handles once per engine step
+    t.release(h)                                 # always, whatever the state
+    t.send_notification(peer, b"...")            # small control messages
+    for n in t.drain_notifications(): ...        # also drives progress; call it often
+    t.close()                                    # always releases everything; safe twice
+
+**Blocks and descriptors.** A :class:`BlockLayout` cuts each registered region into equal
+blocks (a KV cache of one layer is typically one or two regions: K and V). Block ``b`` of region
+``r`` is the byte range ``[base_r + b * block_len_r, base_r + (b + 1) * block_len_r)``.
+:meth:`Transport.post` moves the listed blocks of the listed regions; local block ``i`` of the
+request pairs with remote block ``i``. Transports prepare descriptor lists once in
+``prepare_local``/``prepare_remote`` and compute per-request descriptor indices vectorised, so
+the per-request cost is independent of the layout's size.
+
+**Threads.** A transport is used from one thread at a time (the connector's). Methods are not
+re-entrant. Implementations may use threads internally but must not call back into the caller.
+
+**Progress.** Some backends (NIXL without its progress thread) make progress only when called.
+The caller promises to call :meth:`Transport.progress` or :meth:`Transport.drain_notifications`
+at least once per engine step, and at least every few milliseconds while it waits for
+anything (a transfer, a notification, a connecting peer). Implementations that need no explicit
+progress implement :meth:`~Transport.progress` as a no-op.
+
+**Errors and what is left.** Native errors are translated to :mod:`kvframe.errors` in one place
+per plugin (``raise ... from native``):
+
+- :class:`~kvframe.errors.TransportClosedError` — *you* used something after ``close()`` or
+  ``release()``. Nothing happened.
+- :class:`~kvframe.errors.PeerUnreachableError` — the peer is gone or unknown. In-flight
+  transfers with it are stopped (``poll`` answers ``FAILED``); remove and re-add it to reuse.
+- :class:`~kvframe.errors.TransferFailedError` — one transfer failed; it has stopped and its
+  destination bytes are undefined. The transport stays usable.
+- :class:`~kvframe.errors.CapabilityError` — not supported (memory kind, WRITE, a notification
+  over the size limit). Nothing happened.
+- ``ValueError`` (plain) — malformed arguments (block index out of range, length mismatch,
+  unknown layout handle). Nothing happened.
+
+A transfer that has *stopped* will write no more bytes: after ``poll`` returns ``DONE`` or
+``FAILED``, or after ``release``, the destination blocks may be reused at once.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+from kvframe.errors import CapabilityError, TransportError
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+__all__ = [
+    "BlockLayout",
+    "LayoutHandle",
+    "MemoryKind",
+    "MemoryRegion",
+    "Notification",
+    "Op",
+    "Transport",
+    "TransportCapabilities",
+    "TransportFactory",
+    "TransportParams",
+    "XferHandle",
+    "XferState",
+    "descriptor_ids",
+]
+
+
+class MemoryKind(enum.Enum):
+    """Where a region lives."""
+
+    HOST = "host"
+    """Process memory (pageable or pinned)."""
+    DEVICE = "device"
+    """Accelerator memory (CUDA), identified by ``device_id``."""
+
+
+class Op(enum.Enum):
+    """Direction of a transfer, seen from the side that posts it."""
+
+    READ = "read"
+    """Pull: remote blocks are copied into local blocks."""
+    WRITE = "write"
+    """Push: local blocks are copied into remote blocks."""
+
+
+class XferState(enum.Enum):
+    """What :meth:`Transport.poll` answers."""
+
+    PENDING = "pending"
+    """Still moving; poll again later."""
+    DONE = "done"
+    """Every byte landed. The notification (if any) was sent to the peer."""
+    FAILED = "failed"
+    """Stopped without completing; destination bytes are undefined. ``handle.error`` says why."""
+
+
+@attrs.frozen(kw_only=True)
+class MemoryRegion:
+    """A contiguous range of memory to register with a transport.
+
+    Build one from raw numbers or from a tensor with :meth:`from_tensor`.
+    """
+
+    addr: int = attrs.field(validator=attrs.validators.ge(0))
+    """Start address (a virtual address for host memory, a device pointer for device memory)."""
+    length: int = attrs.field(validator=attrs.validators.gt(0))
+    """Size in bytes."""
+    kind: MemoryKind = MemoryKind.HOST
+    device_id: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Device index for ``DEVICE`` memory; 0 for host memory."""
+
+    @classmethod
+    def from_tensor(cls, tensor: Any) -> MemoryRegion:
+        """The region covering a contiguous torch tensor (CPU or CUDA).
+
+        Raises ``ValueError`` for a non-contiguous or empty tensor: a transport registers
+        address ranges, and a strided view would silently register the wrong bytes.
+        """
+        if not tensor.is_contiguous():
+            raise ValueError(
+                "tensor is not contiguous; register the contiguous base tensor "
+                "(or call .contiguous() and keep that copy alive)"
+            )
+        nbytes = int(tensor.numel() * tensor.element_size())
+        if nbytes == 0:
+            raise ValueError("tensor is empty; there is nothing to register")
+        is_cuda = tensor.device.type == "cuda"
+        return cls(
+            addr=int(tensor.data_ptr()),
+            length=nbytes,
+            kind=MemoryKind.DEVICE if is_cuda else MemoryKind.HOST,
+            device_id=int(tensor.device.index or 0) if is_cuda else 0,
+        )
+
+
+def _check_regions(
+    instance: BlockLayout, attribute: attrs.Attribute[Any], value: tuple[MemoryRegion, ...]
+) -> None:
+    if not value:
+        raise ValueError("a BlockLayout needs at least one region")
+
+
+@attrs.frozen(kw_only=True)
+class BlockLayout:
+    """Registered regions, each cut into ``num_blocks`` equal blocks.
+
+    ``block_lens[r]`` is the block size of region ``r`` in bytes; every region has the same
+    number of blocks (a block id names the same logical block in every region, as a KV block id
+    names the same tokens in every layer). A layout is a plain value: the remote side's layout
+    travels in the handshake and is given to :meth:`Transport.prepare_remote`.
+    """
+
+    regions: tuple[MemoryRegion, ...] = attrs.field(converter=tuple, validator=_check_regions)
+    block_lens: tuple[int, ...] = attrs.field(converter=tuple)
+    num_blocks: int = attrs.field(validator=attrs.validators.gt(0))
+
+    @block_lens.validator
+    def _check_block_lens(self, attribute: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
+        if len(value) != len(self.regions):
+            raise ValueError(
+                f"block_lens has {len(value)} entries but there are {len(self.regions)} regions; "
+                "give one block length per region"
+            )
+        for i, (region, blen) in enumerate(zip(self.regions, value, strict=True)):
+            if blen <= 0:
+                raise ValueError(f"block_lens[{i}] = {blen}; block lengths must be positive")
+            if blen * self.num_blocks > region.length:
+                raise ValueError(
+                    f"region {i} is {region.length} bytes but {self.num_blocks} blocks of "
+                    f"{blen} bytes need {blen * self.num_blocks}"
+                )
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.regions)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes moved per block id across all regions."""
+        return sum(self.block_lens)
+
+
+@attrs.frozen(kw_only=True)
+class TransportCapabilities:
+    """What a transport supports; checked by connectors before they rely on it."""
+
+    memory_kinds: frozenset[MemoryKind] = attrs.field(converter=frozenset)
+    read: bool
+    write: bool
+    notifications: bool
+    max_notification_bytes: int = attrs.field(validator=attrs.validators.ge(0))
+    """Largest payload :meth:`Transport.send_notification` (and ``post(..., notification=)``)
+    accepts; 0 when notifications are unsupported."""
+    cross_process: bool = True
+    """False for transports that only work inside one process (the in-process transport)."""
+    ordered_notifications: bool = True
+    """Notifications between one pair of peers arrive in the order they were sent (they may
+    still be delayed or lost)."""
+
+
+@attrs.frozen(kw_only=True)
+class TransportParams:
+    """What a connector passes to a transport factory."""
+
+    name: str
+    """This endpoint's unique name (peers see it as the sender of notifications)."""
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    """Plugin-specific options from ``kv_connector_extra_config["transport_options"]``. A plugin
+    rejects unknown keys with :class:`~kvframe.errors.ConfigError`."""
+
+
+@attrs.frozen(kw_only=True)
+class Notification:
+    """A notification received from a peer."""
+
+    sender: str
+    """The sending endpoint's name (as given in its :class:`TransportParams`)."""
+    payload: bytes
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class LayoutHandle:
+    """A prepared descriptor list: a layout registered once, on this side or for a peer."""
+
+    layout: BlockLayout
+    peer: str | None
+    """``None`` for a local layout, else the peer's name."""
+    native: Any = attrs.field(default=None, repr=False)
+    """The plugin's own object (a NIXL prepared-list handle, ...)."""
+
+
+@attrs.define(eq=False, kw_only=True)
+class XferHandle:
+    """One posted transfer. Poll it until it stops, then release it."""
+
+    op: Op
+    peer: str
+    nbytes: int
+    num_descriptors: int
+    native: Any = attrs.field(default=None, repr=False)
+    state: XferState = XferState.PENDING
+    error: TransportError | None = None
+    """Why it failed, once ``state`` is ``FAILED``."""
+    released: bool = False
+
+
+class Transport(abc.ABC):
+    """Base class of every transport. Subclasses implement the abstract methods.
+
+    Read the module docstring first: it states the call order, the threading rule, the progress
+    rule and what each error leaves usable.
+    """
+
+    #: Set by each subclass: what this transport supports.
+    capabilities: TransportCapabilities
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """This endpoint's name, as peers see it."""
+
+    # -- memory -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        """Register regions for transfers. Call before exporting metadata.
+
+        Raises :class:`~kvframe.errors.CapabilityError` for a memory kind not in
+        ``capabilities.memory_kinds``. On any error nothing was registered.
+        """
+
+    @abc.abstractmethod
+    def local_metadata(self) -> bytes:
+        """Opaque bytes a peer passes to :meth:`add_peer` to reach this endpoint."""
+
+    @abc.abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Make a peer reachable from its :meth:`local_metadata`; returns the peer's name.
+
+        Adding a peer that is already known with the same metadata is a no-op; a peer that
+        restarted (same name, new metadata) replaces the old entry, whose in-flight transfers
+        fail. Raises :class:`~kvframe.errors.PeerUnreachableError` when the metadata is not
+        usable (the transport stays usable).
+        """
+
+    @abc.abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer. Its in-flight transfers stop and poll ``FAILED``. Unknown names are
+        ignored."""
+
+    @abc.abstractmethod
+    def prepare_local(self, layout: BlockLayout) -> LayoutHandle:
+        """Prepare descriptors for a layout of this side's registered memory (once)."""
+
+    @abc.abstractmethod
+    def prepare_remote(self, peer: str, layout: BlockLayout) -> LayoutHandle:
+        """Prepare descriptors for a peer's layout (once per peer and region set).
+
+        Raises :class:`~kvframe.errors.PeerUnreachableError` for an unknown peer.
+        """
+
+    # -- transfers ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def post(
+        self,
+        op: Op,
+        local: LayoutHandle,
+        local_blocks: Sequence[int] | npt.NDArray[Any],
+        remote: LayoutHandle,
+        remote_blocks: Sequence[int] | npt.NDArray[Any],
+        *,
+        regions: Sequence[int] | None = None,
+        notification: bytes | None = None,
+    ) -> XferHandle:
+        """Start moving blocks; returns at once with a handle.
+
+        ``local_blocks[i]`` pairs with ``remote_blocks[i]``; both lists have the same length.
+        ``regions`` selects region indices of the layouts (default: all), so a connector can
+        move one layer at a time; both layouts must have the same block length in each selected
+        region. ``notification`` is delivered to the peer after every byte landed.
+
+        Raises ``ValueError`` for mismatched lists or out-of-range indices,
+        :class:`~kvframe.errors.CapabilityError` for an unsupported op,
+        :class:`~kvframe.errors.PeerUnreachableError` when the peer is gone, and
+        :class:`~kvframe.errors.TransferFailedError` when the backend refuses the post. On any
+        error no handle exists and no byte moved.
+        """
+
+    @abc.abstractmethod
+    def poll(self, handle: XferHandle) -> XferState:
+        """Check progress. Never raises for a failed transfer: it answers ``FAILED`` and sets
+        ``handle.error``. Raises :class:`~kvframe.errors.TransportClosedError` for a released
+        handle."""
+
+    @abc.abstractmethod
+    def release(self, handle: XferHandle) -> None:
+        """Free the handle's resources. A pending transfer is stopped first (its destination
+        bytes are undefined). Releasing twice is a no-op."""
+
+    # -- notifications ------------------------------------------------------------------
+    @abc.abstractmethod
+    def send_notification(self, peer: str, payload: bytes) -> None:
+        """Send a small message. Delivery is best effort: a send that returns may still be
+        lost or delayed if the peer or link fails. Raises
+        :class:`~kvframe.errors.CapabilityError` for a payload over
+        ``capabilities.max_notification_bytes`` and
+        :class:`~kvframe.errors.PeerUnreachableError` for an unknown or failed peer."""
+
+    @abc.abstractmethod
+    def drain_notifications(self) -> list[Notification]:
+        """Every notification received since the last call, oldest first. Also makes progress
+        (see :meth:`progress`)."""
+
+    def progress(self) -> None:  # noqa: B027 - intentionally a no-op by default
+        """Drive the backend without consuming notifications. A no-op unless overridden."""
+
+    # -- telemetry and lifetime ---------------------------------------------------------
+    def stats(self) -> Mapping[str, float]:
+        """Backend counters (bytes, transfers, ...); keys are the plugin's, documented in its
+        capability card. Empty by default."""
+        return {}
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every native resource: handles, prepared lists, registrations, peers.
+
+        Always completes (errors during teardown are swallowed after best effort), and calling
+        it twice is a no-op. Every other method raises
+        :class:`~kvframe.errors.TransportClosedError` afterwards.
+        """
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers for implementations ----------------------------------------------------
+    def _require(self, what: str, supported: bool) -> None:
+        if not supported:
+            raise CapabilityError(f"transport {type(self).__name__!r} does not support {what}")
+
+
+class TransportFactory(Protocol):
+    """What a plugin registers: a callable that builds a transport."""
+
+    def __call__(self, params: TransportParams) -> Transport: ...
+
+
+def descriptor_ids(
+    layout: BlockLayout, blocks: Iterable[int] | npt.NDArray[Any], regions: Sequence[int] | None
+) -> npt.NDArray[Any]:
+    """Indices into a prepared list laid out region-major (``r * num_blocks + b``).
+
+    Vectorised with numpy; validates ranges. Shared by the shipped transports.
+    """
+    import numpy as np
+
+    blk = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    if blk.size and (blk.min() < 0 or blk.max() >= layout.num_blocks):
+        raise ValueError(
+            f"block index out of range: layout has {layout.num_blocks} blocks, "
+            f"got min {int(blk.min())}, max {int(blk.max())}"
+        )
+    reg = (
+        np.arange(layout.num_regions, dtype=np.int64)
+        if regions is None
+        else np.asarray(regions, dtype=np.int64).reshape(-1)
+    )
+    if reg.size and (reg.min() < 0 or reg.max() >= layout.num_regions):
+        raise ValueError(
+            f"region index out of range: layout has {layout.num_regions} regions, got {regions!r}"
+        )
+    out: npt.NDArray[Any] = (reg[:, None] * layout.num_blocks + blk[None, :]).reshape(-1)
+    return out
