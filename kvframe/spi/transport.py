@@ -154,6 +154,14 @@ class MemoryRegion:
         )
 
 
+def _regions_tuple(value: Iterable[MemoryRegion]) -> tuple[MemoryRegion, ...]:
+    return tuple(value)
+
+
+def _ints_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
 def _check_regions(
     instance: BlockLayout, attribute: attrs.Attribute[Any], value: tuple[MemoryRegion, ...]
 ) -> None:
@@ -171,8 +179,10 @@ class BlockLayout:
     travels in the handshake and is given to :meth:`Transport.prepare_remote`.
     """
 
-    regions: tuple[MemoryRegion, ...] = attrs.field(converter=tuple, validator=_check_regions)
-    block_lens: tuple[int, ...] = attrs.field(converter=tuple)
+    regions: tuple[MemoryRegion, ...] = attrs.field(
+        converter=_regions_tuple, validator=_check_regions
+    )
+    block_lens: tuple[int, ...] = attrs.field(converter=_ints_tuple)
     num_blocks: int = attrs.field(validator=attrs.validators.gt(0))
 
     @block_lens.validator

@@ -155,7 +155,7 @@ class HandshakeResult:
 
 
 def _frame(kind: int, chash: bytes, payload: Mapping[str, Any]) -> bytes:
-    body = msgpack.packb(payload, use_bin_type=True)
+    body: bytes = msgpack.packb(payload, use_bin_type=True)
     return _HEADER.pack(_MAGIC, HANDSHAKE_VERSION, kind, chash) + body
 
 
