@@ -162,6 +162,10 @@ def _ints_tuple(value: Iterable[int]) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _kinds_frozenset(value: Iterable[MemoryKind]) -> frozenset[MemoryKind]:
+    return frozenset(value)
+
+
 def _check_regions(
     instance: BlockLayout, attribute: attrs.Attribute[Any], value: tuple[MemoryRegion, ...]
 ) -> None:
@@ -215,7 +219,7 @@ class BlockLayout:
 class TransportCapabilities:
     """What a transport supports; checked by connectors before they rely on it."""
 
-    memory_kinds: frozenset[MemoryKind] = attrs.field(converter=frozenset)
+    memory_kinds: frozenset[MemoryKind] = attrs.field(converter=_kinds_frozenset)
     read: bool
     write: bool
     notifications: bool
