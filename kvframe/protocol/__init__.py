@@ -1,1 +1,33 @@
-"""kvframe.protocol."""
+"""The scheduler↔worker metadata protocol.
+
+- :mod:`kvframe.protocol.messages` — the frozen messages: :class:`ConnectorMetadata`
+  (scheduler → workers, once per step) and :class:`ConnectorOutput` (each worker → scheduler).
+- :mod:`kvframe.protocol.codec` — the one codec that turns them into bytes (msgpack in a
+  versioned, tagged envelope; never pickle).
+- :mod:`kvframe.protocol.aggregate` — :class:`OutputAggregator`, which combines the outputs of
+  several worker ranks.
+"""
+
+from kvframe.protocol.aggregate import OutputAggregator
+from kvframe.protocol.codec import DEFAULT_CODEC, PROTOCOL_VERSION, Codec
+from kvframe.protocol.messages import (
+    ConnectorMetadata,
+    ConnectorOutput,
+    KVEvent,
+    LoadSpec,
+    SaveSpec,
+    Stats,
+)
+
+__all__ = [
+    "DEFAULT_CODEC",
+    "PROTOCOL_VERSION",
+    "Codec",
+    "ConnectorMetadata",
+    "ConnectorOutput",
+    "KVEvent",
+    "LoadSpec",
+    "OutputAggregator",
+    "SaveSpec",
+    "Stats",
+]
