@@ -26,6 +26,11 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvframe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="run kvframe's main job (the P/D demo)")
+    from kvframe.runtime import plugin_report
+
+    plugin_report.add_arguments(
+        sub.add_parser("plugins", help="list installed plugins, what they register, load errors")
+    )
     bench = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in sorted(BENCHMARKS.items()):
@@ -40,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         module = importlib.import_module(BENCHMARKS[args.bench][0])
         return int(module.run(args))
+    if args.command == "plugins":
+        from kvframe.runtime import plugin_report
+
+        return plugin_report.run(args)
     if args.command == "demo":
         print("kvframe demo: not available yet", file=sys.stderr)
         return 1
