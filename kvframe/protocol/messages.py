@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from kvframe.spi.request import BlockIds, _block_ids
+from kvframe.spi.request import BlockIds, as_block_ids
 
 __all__ = [
     "ConnectorMetadata",
@@ -133,11 +133,11 @@ class LoadSpec:
 
     request_id: str = attrs.field(validator=_non_empty_str)
     """The local request id."""
-    local_block_ids: BlockIds = attrs.field(converter=_block_ids)
+    local_block_ids: BlockIds = attrs.field(converter=as_block_ids)
     """Local destination blocks per KV cache group."""
     remote_engine_id: str = attrs.field(validator=_non_empty_str)
     """The engine holding the source blocks (as in its ``engine_id`` configuration)."""
-    remote_block_ids: BlockIds = attrs.field(converter=_block_ids)
+    remote_block_ids: BlockIds = attrs.field(converter=as_block_ids)
     """Source blocks on the remote engine, per KV cache group."""
     remote_request_id: str = attrs.field(validator=_non_empty_str)
     """The request's id on the remote engine (it holds the lease under this id)."""
@@ -164,7 +164,7 @@ class SaveSpec:
     """Save (or keep available for remote reading) one request's blocks."""
 
     request_id: str = attrs.field(validator=_non_empty_str)
-    block_ids: BlockIds = attrs.field(converter=_block_ids)
+    block_ids: BlockIds = attrs.field(converter=as_block_ids)
     """The blocks to save, per KV cache group."""
 
 

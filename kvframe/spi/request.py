@@ -25,6 +25,7 @@ __all__ = [
     "BLOCK_HASH_SIZE",
     "BlockIds",
     "RequestView",
+    "as_block_ids",
     "block_hashes",
     "next_block_hash",
     "root_block_hash",
@@ -47,7 +48,12 @@ _TOKEN = struct.Struct("<Q")
 _MAX_TOKEN = 2**64 - 1
 
 
-def _block_ids(value: Any) -> BlockIds:
+def as_block_ids(value: Any) -> BlockIds:
+    """Convert nested sequences of block ids to :data:`BlockIds` (an attrs converter).
+
+    Raises ``TypeError`` for a str or bytes (a common slip) and ``ValueError`` for an id that
+    is not a non-negative int, naming the group.
+    """
     if isinstance(value, (str, bytes)):
         raise TypeError(f"block_ids must be a sequence of sequences of ints, got {value!r}")
     out = tuple(tuple(group) for group in value)
@@ -56,6 +62,10 @@ def _block_ids(value: Any) -> BlockIds:
             if type(b) is not int or b < 0:
                 raise ValueError(f"block_ids[{g}] contains {b!r}; block ids are non-negative ints")
     return out
+
+
+# Kept for modules that imported the converter before it was public.
+_block_ids = as_block_ids
 
 
 def _block_hashes(value: Iterable[bytes]) -> tuple[bytes, ...]:
@@ -110,7 +120,7 @@ class RequestView:
     """Number of prompt tokens."""
     num_computed_tokens: int = attrs.field(default=0, validator=_non_negative)
     """Tokens whose KV is already in this engine's cache (local prefix-cache hits included)."""
-    block_ids: BlockIds = attrs.field(default=(), converter=_block_ids)
+    block_ids: BlockIds = attrs.field(default=(), converter=as_block_ids)
     """Blocks allocated to the request so far, per KV cache group (empty before allocation)."""
     block_hashes: tuple[bytes, ...] = attrs.field(default=(), converter=_block_hashes)
     """Chained hashes of the request's *full* blocks, in order (see :func:`block_hashes`)."""

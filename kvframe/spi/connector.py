@@ -1,0 +1,442 @@
+"""The connector SPI: what a KV connector implements, and what an engine adapter calls.
+
+A *connector* decides which KV blocks of a request come from (or go to) somewhere else and moves
+them. It has two halves that live in different processes:
+
+- :class:`KVConnectorScheduler` runs inside the engine's scheduler (one per engine). It answers
+  "how many tokens of this request can be loaded from elsewhere?", learns which blocks the
+  engine allocated, and builds one :class:`~kvframe.protocol.messages.ConnectorMetadata` per
+  step telling the workers what to do. It never touches KV memory.
+- :class:`KVConnectorWorker` runs in each worker (one per rank: tensor/pipeline parallel). It
+  registers the KV cache with a transport, executes the step's metadata (loads, saves,
+  heartbeats), and reports what finished in a :class:`~kvframe.protocol.messages.ConnectorOutput`.
+
+The registered object is a :class:`KVConnector` subclass: a class with two factory
+classmethods. The method names and semantics follow vLLM's ``KVConnectorBase_V1`` so that engine
+developers recognise them, but every argument is a kvframe value (:class:`RequestView`,
+:class:`SchedulerStep`, :class:`EngineInfo`, :class:`~kvframe.config.KVTransferConfig`), never
+an engine type.
+
+One engine step, in call order (``docs/connectors.md`` has the diagram)::
+
+    scheduler process                                 each worker process (rank r)
+    -----------------                                 ----------------------------
+    on_new_request(req)              (new arrivals)
+    get_num_new_matched_tokens(req, n)  (per waiting request)
+    update_state_after_alloc(req, blocks, k)
+    meta = build_connector_meta(step)  ──bytes──▶     bind_connector_metadata(meta)
+                                                      start_load_kv(ctx)
+                                                      per layer: wait_for_layer_load(name)
+                                                                 ... attention ...
+                                                                 save_kv_layer(name, kv, attn)
+                                                      wait_for_save()
+    update_connector_output(agg)  ◀──bytes── aggregate  out = build_connector_worker_output(ids)
+    request_finished(req, blocks)    (finished ones)  clear_connector_metadata()
+
+**Threads.** The engine calls each half from one thread at a time; methods are not re-entrant.
+A connector may run its own threads but never calls back into the engine from them.
+
+**Errors.** Connectors raise :mod:`kvframe.errors` exceptions on purpose. Failures of remote
+work (a peer died, a transfer failed) are *not* raised: they are reported as data
+(``finished_recving`` plus ``invalid_block_ids`` and ``failures``), and the engine applies
+``kv_load_failure_policy``. An exception out of a per-request scheduler method means the
+connector refused that request; the connector's state for other requests is unchanged.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping, Set
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvframe.config import KVTransferConfig
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
+from kvframe.spi.request import BlockIds, RequestView
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BlockIds",
+    "EngineInfo",
+    "KVConnector",
+    "KVConnectorScheduler",
+    "KVConnectorWorker",
+    "RequestView",
+    "SchedulerStep",
+]
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{attribute.name} = {value!r}; it must be a positive int")
+
+
+def _token_counts(value: Mapping[str, int]) -> Mapping[str, int]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected a mapping of request id to token count, got {value!r}")
+    for k, v in value.items():
+        if not isinstance(k, str) or type(v) is not int or v < 0:
+            raise ValueError(
+                f"{k!r}: {v!r}; token counts map request ids (str) to non-negative ints"
+            )
+    return dict(value)
+
+
+def _id_set(value: Any) -> frozenset[str]:
+    if isinstance(value, str):
+        raise TypeError(f"expected a set of request ids, got the single str {value!r}")
+    out = frozenset(value)
+    for v in out:
+        if not isinstance(v, str):
+            raise TypeError(f"request ids are str, got {v!r}")
+    return out
+
+
+def _step_number(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"step = {value!r}; it must be a non-negative int")
+
+
+def _now(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"now = {value!r}; it must be a finite number of seconds")
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStep:
+    """What the engine scheduled in one step: the engine-independent scheduler output.
+
+    Raises ``ValueError``/``TypeError`` at construction for a malformed field.
+    """
+
+    step: int = attrs.field(validator=_step_number)
+    """The step number; increases by one each step, starting at 0."""
+    new_requests: Mapping[str, int] = attrs.field(factory=dict, converter=_token_counts, hash=False)
+    """Requests scheduled for the first time (or again after preemption) → tokens scheduled."""
+    cached_requests: Mapping[str, int] = attrs.field(
+        factory=dict, converter=_token_counts, hash=False
+    )
+    """Requests that were already running → tokens scheduled this step."""
+    finished_request_ids: frozenset[str] = attrs.field(factory=frozenset, converter=_id_set)
+    """Requests that finished since the previous step (``request_finished`` was called)."""
+    now: float = attrs.field(validator=_now)
+    """The engine's clock in seconds (monotonic; the same clock as ``RequestView.arrival_time``).
+    Connectors take time from here and never read a clock themselves in scheduling logic."""
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens scheduled this step over all requests."""
+        return sum(self.new_requests.values()) + sum(self.cached_requests.values())
+
+
+@attrs.frozen(kw_only=True)
+class EngineInfo:
+    """Facts about the engine a connector is built for (engine-independent)."""
+
+    block_size: int = attrs.field(validator=_positive)
+    """Tokens per KV block."""
+    num_kv_groups: int = attrs.field(default=1, validator=_positive)
+    """KV cache groups (1 unless the model mixes attention types)."""
+    world_size: int = attrs.field(default=1, validator=_positive)
+    """Worker ranks (tensor × pipeline parallel); ranks are ``0 .. world_size - 1``."""
+    model: str = ""
+    """What the engine serves (a model name or digest); connectors compare it in the handshake
+    so that KV never moves between engines serving different models."""
+
+
+class KVConnectorScheduler(abc.ABC):
+    """The scheduler-side half of a connector: decides, never moves bytes.
+
+    Lives in the engine's scheduler process. Every method is called from the scheduler's thread
+    and must return quickly (no blocking I/O, no waiting on transfers): it runs on the critical
+    path of every step. Built by :meth:`KVConnector.build_scheduler`.
+    """
+
+    def on_new_request(self, request: RequestView) -> None:  # noqa: B027 - optional hook
+        """Called once when the engine accepts a request, before it is first scheduled.
+
+        A connector may start remote work here (a lookup, a handshake with the engine named in
+        ``request.kv_transfer_params``) so that :meth:`get_num_new_matched_tokens` can answer
+        sooner. Must not raise for a request it does not handle. Default: nothing.
+        """
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """How many tokens beyond ``num_computed_tokens`` can be loaded from outside this engine.
+
+        Called each step for each waiting request, before allocation, with the number of
+        tokens already available locally (prefix-cache hits). Returns
+        ``(num_external_tokens, load_is_async)``:
+
+        - ``(0, False)``: nothing to load; schedule normally.
+        - ``(n, False)`` with ``n > 0``: ``n`` tokens will be loaded *during* the next forward
+          pass (layer by layer, via ``start_load_kv`` / ``wait_for_layer_load``).
+        - ``(n, True)``: ``n`` tokens will be loaded asynchronously; the engine allocates the
+          blocks, calls :meth:`update_state_after_alloc`, and keeps the request waiting until
+          a worker reports it in ``finished_recving``.
+        - ``(None, False)``: not known yet (a lookup or handshake is in flight); the engine
+          leaves the request waiting and asks again next step. Nothing is allocated.
+
+        May be called several times for one request (the answer may change until
+        :meth:`update_state_after_alloc`). Must not count the last prompt token when the engine
+        needs to compute at least one token itself. Raises only for a request the connector
+        cannot serve at all (its ``kv_transfer_params`` are malformed:
+        :class:`~kvframe.errors.ConfigError`); the engine then fails that request.
+        """
+
+    @abc.abstractmethod
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: BlockIds, num_external_tokens: int
+    ) -> None:
+        """Called once after the engine allocated blocks for a request it just scheduled.
+
+        ``blocks`` are the request's blocks per KV group (all of them, prefix-cache hits
+        included); ``num_external_tokens`` is what :meth:`get_num_new_matched_tokens` last
+        answered (0 when the engine decided not to load, e.g. because the blocks could not be
+        allocated, in which case the connector must drop its plans for the request and release
+        any remote resources it holds). The connector records what to load or save; the work
+        appears in the next :meth:`build_connector_meta`.
+        """
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerStep) -> ConnectorMetadata:
+        """Called once per step, after scheduling: the instructions for every worker this step.
+
+        Must move the connector's per-step state into the returned value and reset it (each
+        load or save appears in exactly one metadata). Must not block. The result is encoded
+        with the connector's codec and bound in each worker; an empty
+        :class:`~kvframe.protocol.messages.ConnectorMetadata` is the usual answer.
+        """
+
+    def update_connector_output(self, output: ConnectorOutput) -> None:  # noqa: B027
+        """Called once per step with the workers' aggregated output (every rank reported it,
+        see :class:`~kvframe.protocol.aggregate.OutputAggregator`), before the engine frees
+        blocks of ``output.finished_sending`` and reschedules ``output.finished_recving``.
+        Default: nothing."""
+
+    def request_finished(
+        self, request: RequestView, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request finishes for any reason (stop, length, abort), before
+        its blocks are freed. Returns ``(delay_free, kv_transfer_params)``:
+
+        - ``delay_free``: when ``True`` the engine must keep ``block_ids`` allocated until a
+          later :class:`~kvframe.protocol.messages.ConnectorOutput` lists the request in
+          ``finished_sending`` (a producer holding the blocks under a lease for a remote
+          reader). The connector guarantees that report comes, at the latest when the lease
+          expires (``kv_lease_duration``, bounded by ``decoder_kv_blocks_ttl``).
+        - ``kv_transfer_params``: JSON-compatible values returned to the client with the
+          response (what a decoder needs to pull the KV), or ``None``.
+
+        Default: ``(False, None)``.
+        """
+        return False, None
+
+    def set_xfer_handshake_metadata(self, metadata: Mapping[int, bytes]) -> None:  # noqa: B027
+        """Called once after start-up with every worker rank's
+        :meth:`KVConnectorWorker.get_handshake_metadata` (rank → bytes; ranks that returned
+        ``None`` are absent). A connector that serves handshakes from the scheduler process
+        publishes these. Default: nothing."""
+
+    def has_pending_work(self) -> bool:
+        """Whether the engine must keep stepping although it has no requests to run.
+
+        ``True`` while the connector holds leases for remote readers, waits for remote
+        transfers or must send heartbeats: an idle producer holding leases still has to step
+        so that completions, heartbeats and expiries are processed and blocks are freed.
+        Called once per idle loop iteration; must be cheap. Default: ``False``.
+        """
+        return False
+
+    def get_stats(self) -> Stats:
+        """Scheduler-side statistics since the last call (counters) and now (gauges).
+        Default: empty."""
+        return Stats()
+
+    def take_events(self) -> tuple[KVEvent, ...]:
+        """Events since the last call, oldest first; each is returned once. Default: none."""
+        return ()
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release everything (threads, sockets, leases). Called once when the engine stops;
+        must not raise. Default: nothing."""
+
+
+class KVConnectorWorker(abc.ABC):
+    """The worker-side half of a connector: moves bytes.
+
+    Lives in each worker process (one per rank). Built by :meth:`KVConnector.build_worker`.
+    Every method is called from the worker's model-runner thread. Remote failures are never
+    raised from the per-step methods: they surface as ``finished_recving`` plus
+    ``invalid_block_ids`` and ``failures`` in :meth:`build_connector_worker_output`.
+    """
+
+    _connector_metadata: ConnectorMetadata | None = None
+
+    @abc.abstractmethod
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Called once at start-up, after the engine allocated its KV cache: layer name →
+        that layer's KV tensor (CPU or CUDA). The connector registers the memory with its
+        transport and prepares descriptors. The tensors stay alive and at the same address
+        until :meth:`shutdown`.
+
+        Raises :class:`~kvframe.errors.CapabilityError` when the transport cannot use this
+        memory and ``ValueError`` for tensors of an unexpected layout; the engine then stops
+        (nothing stays registered).
+        """
+
+    def bind_connector_metadata(self, meta: ConnectorMetadata) -> None:
+        """Called once per step before the forward pass with the scheduler's metadata for this
+        step (decoded from bytes). Keeps it for the step's other calls."""
+        self._connector_metadata = meta
+
+    def clear_connector_metadata(self) -> None:
+        """Called once per step after the forward pass and the step's output. Forgets the
+        metadata; never raises."""
+        self._connector_metadata = None
+
+    @property
+    def connector_metadata(self) -> ConnectorMetadata:
+        """The metadata bound for the current step.
+
+        Raises ``RuntimeError`` outside ``bind_connector_metadata`` …
+        ``clear_connector_metadata`` (an engine adapter calling out of order).
+        """
+        if self._connector_metadata is None:
+            raise RuntimeError(
+                "no connector metadata is bound; the engine must call bind_connector_metadata() "
+                "before the step's other worker calls"
+            )
+        return self._connector_metadata
+
+    @abc.abstractmethod
+    def start_load_kv(self, forward_context: Any) -> None:
+        """Called once per step before the forward pass: start this step's loads (post the
+        transfers). Must not wait for them. ``forward_context`` is the engine's own object,
+        passed through opaquely (connectors that need none ignore it)."""
+
+    @abc.abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Called before layer ``layer_name``'s attention runs: block until that layer's
+        synchronous loads (``load_is_async=False``) landed. Returns at once when there are
+        none. A failed load does not raise: its blocks go to
+        :meth:`get_block_ids_with_load_errors`."""
+
+    @abc.abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        """Called after layer ``layer_name``'s attention wrote its KV: start saving what the
+        metadata's ``saves`` ask for from ``kv_layer``. Must not wait for completion."""
+
+    @abc.abstractmethod
+    def wait_for_save(self) -> None:
+        """Called once per step after the forward pass: block until this step's saves no
+        longer need the KV memory as it is now (the engine may overwrite those blocks next
+        step)."""
+
+    def get_finished(self, finished_req_ids: Set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose transfers stopped since the last call: ``(finished_sending,
+        finished_recving)``; ``None`` means none.
+
+        ``finished_req_ids`` are the requests the scheduler finished since the previous step.
+        Each request id is reported once, by every rank. Default: ``(None, None)``.
+        """
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local block ids whose loads failed since the last call (contents undefined); each
+        reported once. Their requests also appear in ``finished_recving``. Default: empty."""
+        return set()
+
+    def get_handshake_metadata(self) -> bytes | None:
+        """This rank's handshake payload (transport metadata, layout), called once after
+        :meth:`register_kv_caches`; forwarded to
+        :meth:`KVConnectorScheduler.set_xfer_handshake_metadata`. Default: ``None``."""
+        return None
+
+    def get_stats(self) -> Stats:
+        """This rank's statistics since the last call. Default: empty."""
+        return Stats()
+
+    def take_events(self) -> tuple[KVEvent, ...]:
+        """This rank's events since the last call, oldest first. Default: none."""
+        return ()
+
+    def take_failures(self) -> Mapping[str, str]:
+        """Request id → reason for transfers that failed since the last call. Default: none."""
+        return {}
+
+    def build_connector_worker_output(
+        self, finished_req_ids: Set[str] = frozenset()
+    ) -> ConnectorOutput:
+        """This rank's report for the step, in one value (called after :meth:`wait_for_save`).
+
+        The default combines :meth:`get_finished`, :meth:`get_block_ids_with_load_errors`,
+        :meth:`get_stats`, :meth:`take_events` and :meth:`take_failures`, so an engine adapter
+        calls either this or those (they drain what they report), never both in one step.
+        """
+        sending, recving = self.get_finished(finished_req_ids)
+        return ConnectorOutput(
+            finished_sending=sending or frozenset(),
+            finished_recving=recving or frozenset(),
+            invalid_block_ids=self.get_block_ids_with_load_errors(),
+            failures=self.take_failures(),
+            stats=self.get_stats(),
+            events=self.take_events(),
+        )
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Stop transfers, deregister memory, close the transport. Called once when the worker
+        stops; must not raise. Default: nothing."""
+
+
+class KVConnector(abc.ABC):
+    """The class a plugin registers (``register(name, MyConnector)``): two factories and the
+    engine-level requirements. Never instantiated by the engine.
+
+    Subclasses implement :meth:`build_scheduler` and :meth:`build_worker`; the plugin host
+    refuses a class that leaves either abstract.
+    """
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Mapping[str, Any]) -> bool:
+        """Whether the connector needs the engine to capture CUDA graphs piecewise (so that
+        the per-layer hooks ``wait_for_layer_load`` / ``save_kv_layer`` run eagerly between
+        captured pieces). ``extra_config`` is ``kv_connector_extra_config``. Default: ``False``.
+        """
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, config: KVTransferConfig) -> str | None:
+        """The KV cache memory layout the connector needs (``"NHD"`` or ``"HND"``), or
+        ``None`` to accept the engine's default. Called before the KV cache is allocated.
+        Default: ``None``."""
+        return None
+
+    @classmethod
+    @abc.abstractmethod
+    def build_scheduler(cls, config: KVTransferConfig, engine: EngineInfo) -> KVConnectorScheduler:
+        """Build the scheduler-side half, in the scheduler process, once at engine start.
+
+        Raises :class:`~kvframe.errors.ConfigError` for connector options it rejects (in
+        ``config.kv_connector_extra_config``; the message names the key path). Nothing is left
+        running after an error.
+        """
+
+    @classmethod
+    @abc.abstractmethod
+    def build_worker(
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int
+    ) -> KVConnectorWorker:
+        """Build the worker-side half for ``rank`` (``0 .. engine.world_size - 1``), in that
+        worker's process, once at start.
+
+        Raises :class:`~kvframe.errors.ConfigError` as :meth:`build_scheduler` does, and
+        :class:`~kvframe.errors.PluginNotFoundError` when the configured transport is not
+        installed. Nothing is left running after an error.
+        """
