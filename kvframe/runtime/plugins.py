@@ -45,10 +45,11 @@ import difflib
 import enum
 import importlib
 import importlib.metadata
+import inspect
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import attrs
 import pluggy
@@ -61,15 +62,13 @@ from kvframe.errors import (
     PluginNotFoundError,
 )
 from kvframe.spi import hookspecs
+from kvframe.spi.connector import KVConnector
 from kvframe.spi.transport import (
     Transport,
     TransportCapabilities,
     TransportFactory,
     TransportParams,
 )
-
-if TYPE_CHECKING:
-    from kvframe.spi.connector import KVConnector
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -929,15 +928,15 @@ class _Registrar:
                 f"connector {name!r} must be a class (a KVConnector subclass), got "
                 f"{type(obj).__name__} {obj!r}"
             )
-        try:
-            from kvframe.spi.connector import KVConnector
-        except ImportError:  # pragma: no cover - the connector SPI ships with kvframe
-            return
+        where = f"{obj.__module__}.{obj.__qualname__}"
         if not issubclass(obj, KVConnector):
             self._bad(
-                f"connector {name!r} is {obj.__module__}.{obj.__qualname__}, which is not a "
-                "subclass of kvframe.spi.connector.KVConnector"
+                f"connector {name!r} is {where}, which is not a subclass of "
+                "kvframe.spi.connector.KVConnector"
             )
+        if inspect.isabstract(obj):
+            missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+            self._bad(f"connector {name!r} ({where}) leaves abstract: {missing}; implement them")
 
     def _bad(self, what: str) -> NoReturn:
         self.failure = _Reject(f"{self._kind.hook} called register wrongly: {what}", None)

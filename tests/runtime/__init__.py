@@ -1,0 +1,1 @@
+"""Tests of the runtime shell: the plugin host and ``kvframe plugins``."""
