@@ -23,6 +23,7 @@ import attrs
 
 __all__ = [
     "BLOCK_HASH_SIZE",
+    "FINISH_REASONS",
     "BlockIds",
     "RequestView",
     "as_block_ids",
@@ -103,6 +104,17 @@ def _finite(instance: object, attribute: attrs.Attribute[Any], value: object) ->
         raise ValueError(f"{attribute.name} = {value!r}; it must be a finite number (seconds)")
 
 
+FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
+"""The values :attr:`RequestView.finish_reason` takes once a request has finished."""
+
+
+def _finish_reason(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and value not in FINISH_REASONS:
+        raise ValueError(
+            f"finish_reason = {value!r}; it must be None or one of {sorted(FINISH_REASONS)}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class RequestView:
     """What a connector may know about one engine request, frozen at the moment of the call.
@@ -131,6 +143,11 @@ class RequestView:
     arrival_time: float = attrs.field(default=0.0, validator=_finite)
     """When the request arrived, in seconds on the engine's clock (the same clock as ``now``
     in :class:`~kvframe.spi.connector.SchedulerStep`)."""
+    finish_reason: str | None = attrs.field(default=None, validator=_finish_reason)
+    """Why the request finished, in views given to ``request_finished``: ``"stop"`` (a stop
+    token or string), ``"length"`` (``max_tokens`` reached), ``"abort"`` (the client or the
+    engine gave up) or ``"error"``; ``None`` while it runs. A producer keeps KV for a remote
+    reader only for requests that finished normally (``stop`` or ``length``)."""
 
 
 def root_block_hash(salt: bytes = b"") -> bytes:
