@@ -1,0 +1,1068 @@
+"""The NIXL transport: one-sided READ/WRITE of KV blocks over NIXL (UCX), with notifications.
+
+Capability card
+===============
+
+================== ==========================================================================
+memory kinds       ``HOST`` (NIXL ``DRAM``) and ``DEVICE`` (NIXL ``VRAM``, CUDA builds of UCX),
+                   one code path chosen by :attr:`MemoryRegion.kind`. One layout holds one kind.
+read / write       both (``Op.READ`` pulls remote blocks, ``Op.WRITE`` pushes local blocks).
+notifications      yes; at most :data:`MAX_NOTIFICATION_BYTES` (64 KiB) per payload, standalone
+                   or attached to a transfer. An attached notification reaches the peer after
+                   every byte of its transfer landed.
+ordering           per pair of endpoints, notifications arrive in the order they were sent
+                   (one UCX endpoint). Across senders :meth:`drain_notifications` groups by
+                   sender. Delivery is best effort: a send that returned may still be lost or
+                   delayed when the peer or the link fails.
+cross-process      yes; same host (UCX ``cma``/shared memory) or across hosts (``tcp``, RDMA).
+configuration      ``TransportParams.options`` keys, all optional (unknown keys raise
+                   :class:`~kvframe.errors.ConfigError`):
+
+                   - ``backends`` (list of str, default ``["UCX"]``): NIXL backends to create.
+                   - ``progress_thread`` (bool, default ``False``): NIXL's own progress
+                     thread. Off because it spins a core at 100 % even when idle, halves
+                     throughput on small machines and raises notification latency from ~8 µs
+                     to ~4 ms; with it off the caller drives progress (below).
+                   - ``num_threads`` (int ≥ 0, default 0): backend worker threads (UCX
+                     ``num_threads``); 0 lets NIXL decide.
+                   - ``post_thread`` (bool, default ``False``): hand each transfer to one worker
+                     thread so :meth:`post` returns in microseconds even where NIXL's
+                     ``transfer()`` is synchronous (UCX ``cma``: ~16 ms for 256 MiB). See
+                     docs/nixl.md for the measurement behind the default.
+                   - ``ucx_env`` (mapping of ``UCX_*`` names to str, default empty): UCX
+                     configuration applied while the backends are created (UCX reads its
+                     configuration then), e.g. ``{"UCX_TLS": "tcp", "UCX_TCP_USER_TIMEOUT":
+                     "5s"}``. Without ``UCX_TCP_USER_TIMEOUT`` a cut TCP link stalls transfers
+                     without bound.
+progress           the caller calls :meth:`~NixlTransport.progress` or
+                   :meth:`~NixlTransport.drain_notifications` at least once per engine step and
+                   at least every millisecond while it waits for anything, *including while a
+                   peer connects to it*: with the progress thread off, a passive endpoint that
+                   is not polled never completes a peer's connection setup.
+failure            NIXL reports failures as exceptions, which are translated in one place
+                   (:func:`_translate`): a dead or disconnected peer becomes
+                   :class:`~kvframe.errors.PeerUnreachableError` (``poll`` answers ``FAILED``;
+                   ``remove_peer`` and a fresh ``add_peer`` recover), a backend error on one
+                   transfer :class:`~kvframe.errors.TransferFailedError`, an unsupported request
+                   :class:`~kvframe.errors.CapabilityError`. A peer killed mid-transfer is seen
+                   within milliseconds under ``cma``; the destination blocks are then partly
+                   written. A dead *passive* peer is noticed only when it is used.
+telemetry          :meth:`~NixlTransport.stats` keys: ``bytes`` (bytes of completed
+                   transfers), ``transfers_posted``, ``transfers_done``, ``transfers_failed``,
+                   ``descriptors`` (descriptors posted), ``post_time_us`` (caller time spent in
+                   :meth:`post`), ``nixl_post_us`` and ``nixl_xfer_us`` (NIXL's own telemetry
+                   for completed transfers), ``notifications_sent``,
+                   ``notifications_received``, ``peers``.
+================== ==========================================================================
+
+Threads: like every transport, one caller thread at a time. With ``post_thread`` on, a private
+worker thread owns the NIXL calls of posting; the caller's :meth:`poll`, :meth:`progress` and
+:meth:`drain_notifications` never wait for it (they answer from what is known), while
+:meth:`send_notification`, :meth:`release` of a running transfer and :meth:`close` do wait.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from kvframe.errors import (
+    CapabilityError,
+    ConfigError,
+    PeerUnreachableError,
+    TransferFailedError,
+    TransportClosedError,
+    TransportError,
+)
+from kvframe.spi.transport import (
+    BlockLayout,
+    LayoutHandle,
+    MemoryKind,
+    MemoryRegion,
+    Notification,
+    Op,
+    Transport,
+    TransportCapabilities,
+    TransportParams,
+    XferHandle,
+    XferState,
+    descriptor_ids,
+)
+
+__all__ = [
+    "CAPABILITIES",
+    "MAX_NOTIFICATION_BYTES",
+    "METADATA_VERSION",
+    "NixlOptions",
+    "NixlTransport",
+]
+
+MAX_NOTIFICATION_BYTES: Final = 64 * 1024
+"""Largest notification payload accepted. NIXL itself delivered 8 MiB notifications in our
+tests; kvframe's control messages are well under 1 KiB, and the cap keeps a notification a
+single small UCX active message that never competes with bulk data."""
+
+METADATA_VERSION: Final = 1
+"""Version of the envelope :meth:`NixlTransport.local_metadata` wraps NIXL's agent metadata in."""
+
+CAPABILITIES: Final = TransportCapabilities(
+    memory_kinds=frozenset({MemoryKind.HOST, MemoryKind.DEVICE}),
+    read=True,
+    write=True,
+    notifications=True,
+    max_notification_bytes=MAX_NOTIFICATION_BYTES,
+    cross_process=True,
+    ordered_notifications=True,
+)
+"""What :class:`NixlTransport` supports (registered with the plugin host)."""
+
+_NIXL_MEM: Final = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
+_NIXL_OP: Final = {Op.READ: "READ", Op.WRITE: "WRITE"}
+_OPTION_KEYS: Final = ("backends", "progress_thread", "num_threads", "post_thread", "ucx_env")
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+def _option_error(key: str, value: object, allowed: str) -> ConfigError:
+    return ConfigError(f"nixl transport option {key!r} = {value!r} is invalid: {allowed}")
+
+
+@attrs.frozen(kw_only=True)
+class NixlOptions:
+    """The NIXL transport's configuration (see the capability card for each key's meaning).
+
+    Build it from ``TransportParams.options`` with :meth:`from_mapping`, which validates.
+    """
+
+    backends: tuple[str, ...] = ("UCX",)
+    progress_thread: bool = False
+    num_threads: int = 0
+    post_thread: bool = False
+    ucx_env: Mapping[str, str] = attrs.field(factory=dict)
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> NixlOptions:
+        """Validate ``options`` and build the value.
+
+        Raises :class:`~kvframe.errors.ConfigError` naming the key, the value and what is
+        allowed, for an unknown key or a value of the wrong type or range.
+        """
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"nixl transport options must be a mapping, got {options!r}")
+        unknown = sorted(str(k) for k in options if k not in _OPTION_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"unknown nixl transport option(s) {unknown}; allowed: {list(_OPTION_KEYS)}"
+            )
+        kw: dict[str, Any] = {}
+        if "backends" in options:
+            v = options["backends"]
+            if (
+                isinstance(v, str | bytes)
+                or not isinstance(v, Sequence)
+                or not v
+                or not all(isinstance(b, str) and b for b in v)
+            ):
+                raise _option_error("backends", v, 'give a non-empty list of names, e.g. ["UCX"]')
+            kw["backends"] = tuple(v)
+        for key in ("progress_thread", "post_thread"):
+            if key in options:
+                v = options[key]
+                if not isinstance(v, bool):
+                    raise _option_error(key, v, "give true or false")
+                kw[key] = v
+        if "num_threads" in options:
+            v = options["num_threads"]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise _option_error("num_threads", v, "give an integer >= 0 (0: NIXL decides)")
+            kw["num_threads"] = v
+        if "ucx_env" in options:
+            v = options["ucx_env"]
+            if not isinstance(v, Mapping) or not all(
+                isinstance(k, str) and k.startswith("UCX_") and isinstance(s, str)
+                for k, s in v.items()
+            ):
+                raise _option_error(
+                    "ucx_env",
+                    v,
+                    'give a mapping of UCX_* names to strings, e.g. {"UCX_TLS": "tcp"}',
+                )
+            kw["ucx_env"] = dict(v)
+        return cls(**kw)
+
+
+# -- the one place where NIXL's exceptions become kvframe's --------------------------------
+
+
+def _nixl_error_name(exc: BaseException) -> str:
+    return type(exc).__name__
+
+
+def _translate_exc(
+    exc: Exception, *, doing: str, peer: str | None, default: type[TransportError]
+) -> TransportError:
+    """Map a native NIXL exception to a kvframe error (the caller raises it ``from exc``).
+
+    ``default`` is the class used when the exception says nothing more specific (a backend
+    error while posting is a failed transfer; while registering it is a transport error).
+    """
+    kind = _nixl_error_name(exc)
+    where = f" with peer {peer!r}" if peer is not None else ""
+    if kind == "nixlRemoteDisconnectError":
+        return PeerUnreachableError(
+            f"{doing}{where}: the peer disconnected or died ({kind}); remove it and handshake "
+            "again before reuse"
+        )
+    if kind == "nixlNotFoundError" and peer is not None and default is PeerUnreachableError:
+        return PeerUnreachableError(f"{doing}{where}: NIXL does not know the peer ({kind})")
+    if kind == "nixlNotSupportedError":
+        return CapabilityError(f"{doing}{where}: not supported by the NIXL backend ({kind})")
+    if kind == "nixlCancelledError":
+        return TransferFailedError(f"{doing}{where}: cancelled ({kind})")
+    return default(f"{doing}{where} failed: {kind}: {exc}")
+
+
+@contextlib.contextmanager
+def _translate(
+    doing: str, *, peer: str | None = None, default: type[TransportError] = TransportError
+) -> Iterator[None]:
+    """Run NIXL calls; re-raise their exceptions as kvframe errors (``from`` the native one).
+
+    kvframe's own errors and ``ValueError`` raised inside pass through unchanged.
+    """
+    try:
+        yield
+    except (TransportError, ValueError):
+        raise
+    except Exception as exc:
+        if not type(exc).__module__.startswith("nixl") and not isinstance(exc, RuntimeError):
+            raise
+        raise _translate_exc(exc, doing=doing, peer=peer, default=default) from exc
+
+
+# -- internal records ------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _Prepared:
+    """What ``LayoutHandle.native`` holds: the NIXL prepared list and who it belongs to."""
+
+    owner: NixlTransport
+    dlist: Any  # nixl_prepped_dlist_handle
+    mem: str
+    peer: str | None
+    epoch: int
+    released: bool = False
+
+
+@attrs.define(eq=False)
+class _Peer:
+    name: str
+    metadata: bytes
+    epoch: int
+    prepared: dict[BlockLayout, LayoutHandle] = attrs.field(factory=dict)
+    inflight: set[XferHandle] = attrs.field(factory=set)
+
+
+@attrs.define(eq=False)
+class _Xfer:
+    """What ``XferHandle.native`` holds."""
+
+    owner: NixlTransport
+    epoch: int
+    handle: Any = None  # nixl_xfer_handle once made
+    # Set by whoever posted (the caller or the worker); read by poll.
+    posted: bool = False
+    status: str = ""  # NIXL's answer to transfer(): "DONE", "PROC" or "ERR"
+    native_error: Exception | None = None
+    cancelled: bool = False
+    telemetry: tuple[float, float] | None = None  # NIXL's (post µs, transfer µs)
+    empty_notification: bool = False  # NIXL treats b"" as "no notification": send on DONE
+
+
+class _PostWorker:
+    """One thread that runs queued NIXL posting calls in order (``post_thread`` on)."""
+
+    def __init__(self, run: Any) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._run = run
+        self._count_lock = threading.Lock()
+        self._outstanding = 0  # jobs queued or running
+        self._thread = threading.Thread(target=self._loop, name="kvframe-nixl-post", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Any) -> None:
+        with self._count_lock:
+            self._outstanding += 1
+        self._queue.put(job)
+
+    def job_done(self) -> None:
+        with self._count_lock:
+            self._outstanding -= 1
+
+    @property
+    def busy(self) -> bool:
+        """Whether jobs are queued or running."""
+        with self._count_lock:
+            return self._outstanding > 0
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._run(job)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+# -- the transport ---------------------------------------------------------------------------
+
+
+def _quiet_nixl_logging() -> None:
+    # NIXL's Python logger writes INFO lines to *stdout* on every agent creation, which
+    # corrupts machine-readable output (``kvframe bench ... --json``). Respect an explicit
+    # NIXL_LOG_LEVEL; otherwise keep only warnings.
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+
+
+def _as_str(name: str | bytes) -> str:
+    return name.decode() if isinstance(name, bytes) else name
+
+
+class NixlTransport(Transport):
+    """A :class:`~kvframe.spi.transport.Transport` over one NIXL agent.
+
+    Build it with :meth:`create` (what the plugin registers). The module docstring is the
+    capability card: memory kinds, options, the progress rule, failure behaviour, stats keys.
+    """
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, name: str, options: NixlOptions | None = None) -> None:
+        """Create the NIXL agent and its backends.
+
+        Raises :class:`~kvframe.errors.ConfigError` for an empty name or a backend NIXL does
+        not have, and :class:`~kvframe.errors.TransportError` when NIXL cannot create the
+        agent. Nothing is left behind on failure.
+        """
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"transport name must be a non-empty string, got {name!r}")
+        self._name = name
+        self._opts = options if options is not None else NixlOptions()
+        _quiet_nixl_logging()
+        import nixl_cu12
+
+        sync = (
+            nixl_cu12.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if self._opts.post_thread else None
+        )
+        conf = nixl_cu12.nixl_agent_config(
+            enable_prog_thread=self._opts.progress_thread,
+            enable_listen_thread=False,
+            capture_telemetry=True,
+            num_threads=self._opts.num_threads,
+            backends=[],  # created below, so that a missing backend is an error, not a warning
+            sync_mode=sync,
+        )
+        with _translate("creating the NIXL agent"), _environment(self._opts.ucx_env):
+            agent = nixl_cu12.nixl_agent(name, conf)
+            available = list(agent.get_plugin_list())
+            missing = [b for b in self._opts.backends if b not in available]
+            if missing:
+                raise ConfigError(
+                    f"nixl transport option 'backends' names {missing}, which this NIXL "
+                    f"installation does not have; available: {available}"
+                )
+            for backend in self._opts.backends:
+                init: dict[str, str] = {}
+                if self._opts.num_threads and backend in ("UCX", "OBJ", "LIBFABRIC"):
+                    init["num_threads"] = str(self._opts.num_threads)
+                agent.create_backend(backend, init)
+        self._agent: Any = agent
+        self._closed = False
+        self._lock = threading.Lock()  # serialises NIXL calls between caller and worker
+        self._registered: list[tuple[MemoryRegion, Any]] = []
+        self._local: dict[BlockLayout, LayoutHandle] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._epoch = 0
+        self._inbox: collections.deque[Notification] = collections.deque()
+        self._orphans: list[XferHandle] = []  # handles that failed with a removed peer
+        self._stats: dict[str, float] = dict.fromkeys(
+            (
+                "bytes",
+                "transfers_posted",
+                "transfers_done",
+                "transfers_failed",
+                "descriptors",
+                "post_time_us",
+                "nixl_post_us",
+                "nixl_xfer_us",
+                "notifications_sent",
+                "notifications_received",
+            ),
+            0.0,
+        )
+        self._worker = _PostWorker(self._run_job) if self._opts.post_thread else None
+
+    @classmethod
+    def create(cls, params: TransportParams) -> NixlTransport:
+        """The factory registered with kvframe: validates ``params.options`` (see the
+        capability card) and creates the transport.
+
+        Raises :class:`~kvframe.errors.ConfigError` for unknown or invalid options.
+        """
+        return cls(params.name, NixlOptions.from_mapping(params.options))
+
+    @property
+    def name(self) -> str:
+        """This endpoint's name (the NIXL agent name peers see)."""
+        return self._name
+
+    @property
+    def options(self) -> NixlOptions:
+        """The validated options this transport was created with."""
+        return self._opts
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosedError(f"nixl transport {self._name!r} is closed")
+
+    # -- memory --------------------------------------------------------------------------
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        """Register regions with every backend that supports their kind (one NIXL call per
+        kind).
+
+        Raises :class:`~kvframe.errors.CapabilityError` when no backend supports a kind (for
+        example ``DEVICE`` memory with a UCX built without CUDA), ``ValueError`` for something
+        that is not a :class:`MemoryRegion`, and :class:`~kvframe.errors.TransportError` when
+        NIXL refuses. On any error nothing was registered.
+        """
+        self._check_open()
+        regions = list(regions)
+        for r in regions:
+            if not isinstance(r, MemoryRegion):
+                raise ValueError(f"register_memory takes MemoryRegion values, got {r!r}")
+        by_kind: dict[MemoryKind, list[MemoryRegion]] = {}
+        for r in regions:
+            by_kind.setdefault(r.kind, []).append(r)
+        for kind in by_kind:
+            seg = _NIXL_MEM[kind] + "_SEG"
+            if not any(seg in self._agent.get_backend_mem_types(b) for b in self._opts.backends):
+                raise CapabilityError(
+                    f"no NIXL backend of {list(self._opts.backends)} supports {kind.value} "
+                    f"memory ({_NIXL_MEM[kind]}) in this installation"
+                )
+        done: list[tuple[list[MemoryRegion], Any]] = []
+        try:
+            with self._lock, _translate("registering memory"):
+                for kind, group in by_kind.items():
+                    arr = np.array(
+                        [(r.addr, r.length, r.device_id) for r in group], dtype=np.uint64
+                    )
+                    done.append((group, self._agent.register_memory(arr, _NIXL_MEM[kind])))
+        except BaseException:
+            with contextlib.suppress(Exception), self._lock:
+                for _, reg in done:
+                    self._agent.deregister_memory(reg)
+            raise
+        for group, reg in done:
+            # One NIXL list per kind; deregistered once (on the first region of the group).
+            self._registered.extend((r, reg if i == 0 else None) for i, r in enumerate(group))
+
+    def _check_registered(self, layout: BlockLayout) -> None:
+        for i, (region, blen) in enumerate(zip(layout.regions, layout.block_lens, strict=True)):
+            end = region.addr + blen * layout.num_blocks
+            if not any(
+                r.kind == region.kind
+                and r.device_id == region.device_id
+                and r.addr <= region.addr
+                and end <= r.addr + r.length
+                for r, _ in self._registered
+            ):
+                raise ValueError(
+                    f"layout region {i} ({region.kind.value} 0x{region.addr:x}, "
+                    f"{blen * layout.num_blocks} bytes) is not inside registered memory; "
+                    "call register_memory with it first"
+                )
+
+    def local_metadata(self) -> bytes:
+        """This endpoint's address for :meth:`add_peer`: NIXL agent metadata (it lists the
+        registered memory, so export it after :meth:`register_memory`) in a small msgpack
+        envelope with the transport kind, version and name."""
+        self._check_open()
+        with self._lock, _translate("exporting agent metadata"):
+            md = self._agent.get_agent_metadata()
+        packed: bytes = msgpack.packb(
+            {"kvframe": "nixl", "v": METADATA_VERSION, "name": self._name, "agent": bytes(md)},
+            use_bin_type=True,
+        )
+        return packed
+
+    @staticmethod
+    def _unpack_metadata(metadata: bytes) -> tuple[str, bytes]:
+        try:
+            env = msgpack.unpackb(metadata, raw=False)
+        except Exception as exc:
+            raise PeerUnreachableError(
+                "peer metadata does not decode; pass the bytes of the peer's "
+                "NixlTransport.local_metadata() unchanged"
+            ) from exc
+        if not isinstance(env, dict) or env.get("kvframe") != "nixl":
+            raise PeerUnreachableError(
+                "peer metadata is not from a kvframe NIXL transport; both engines must use "
+                "the 'nixl' transport"
+            )
+        if env.get("v") != METADATA_VERSION:
+            raise PeerUnreachableError(
+                f"peer metadata has envelope version {env.get('v')!r}; this side reads "
+                f"{METADATA_VERSION}: upgrade the older side"
+            )
+        name, agent = env.get("name"), env.get("agent")
+        if not isinstance(name, str) or not name or not isinstance(agent, bytes):
+            raise PeerUnreachableError("peer metadata lacks a name or agent blob")
+        return name, agent
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its name.
+
+        The same metadata again is a no-op. New metadata under a known name (a restarted
+        peer) first removes the old entry (its in-flight transfers fail, its prepared remote
+        layouts become unusable). Raises :class:`~kvframe.errors.PeerUnreachableError` when
+        the metadata is not usable (not from this transport, a wrong version, one's own
+        metadata, NIXL refuses it); the transport stays usable and no peer was added.
+        """
+        self._check_open()
+        if not isinstance(metadata, bytes | bytearray | memoryview):
+            raise ValueError(f"add_peer takes the peer's metadata bytes, got {type(metadata)}")
+        metadata = bytes(metadata)
+        name, agent_md = self._unpack_metadata(metadata)
+        if name == self._name:
+            raise PeerUnreachableError(
+                f"peer metadata names this endpoint itself ({name!r}); give every endpoint a "
+                "unique name"
+            )
+        known = self._peers.get(name)
+        if known is not None:
+            if known.metadata == metadata:
+                return name
+            self.remove_peer(name)
+        with self._lock, _translate("adding a peer", peer=name, default=PeerUnreachableError):
+            loaded = _as_str(self._agent.add_remote_agent(agent_md))
+        if loaded != name:
+            with contextlib.suppress(Exception), self._lock:
+                self._agent.remove_remote_agent(loaded)
+            raise PeerUnreachableError(
+                f"peer metadata is inconsistent: envelope names {name!r}, agent blob {loaded!r}"
+            )
+        self._epoch += 1
+        self._peers[name] = _Peer(name=name, metadata=metadata, epoch=self._epoch)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer: its in-flight transfers stop and poll ``FAILED`` with
+        :class:`~kvframe.errors.PeerUnreachableError`, its prepared layouts are released and
+        NIXL disconnects. Unknown names are ignored. Never raises for NIXL teardown errors."""
+        self._check_open()
+        entry = self._peers.pop(peer, None)
+        if entry is None:
+            return
+        err = PeerUnreachableError(f"peer {peer!r} was removed")
+        for h in list(entry.inflight):
+            self._stop(h, err)
+        with self._lock:
+            for lh in entry.prepared.values():
+                self._release_prepared(lh)
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(peer)
+
+    def _release_prepared(self, lh: LayoutHandle) -> None:
+        prep: _Prepared = lh.native
+        if not prep.released:
+            prep.released = True
+            with contextlib.suppress(Exception):
+                prep.dlist.release()
+
+    def _descs(self, layout: BlockLayout) -> tuple[npt.NDArray[np.uint64], str]:
+        kinds = {r.kind for r in layout.regions}
+        if len(kinds) != 1:
+            raise CapabilityError(
+                "a NIXL descriptor list holds one memory kind; this layout mixes "
+                f"{sorted(k.value for k in kinds)}: split it into one layout per kind"
+            )
+        nb = layout.num_blocks
+        blocks = np.arange(nb, dtype=np.uint64)
+        # Region-major, matching descriptor_ids: row r * num_blocks + b is block b of region r.
+        parts = [
+            np.stack(
+                [
+                    np.uint64(r.addr) + blocks * np.uint64(blen),
+                    np.full(nb, blen, dtype=np.uint64),
+                    np.full(nb, r.device_id, dtype=np.uint64),
+                ],
+                axis=1,
+            )
+            for r, blen in zip(layout.regions, layout.block_lens, strict=True)
+        ]
+        return np.concatenate(parts), _NIXL_MEM[kinds.pop()]
+
+    def prepare_local(self, layout: BlockLayout) -> LayoutHandle:
+        """Prepare (once) NIXL's descriptor list for a layout of this side's registered memory.
+
+        Preparing an equal layout again returns the same handle. Raises ``ValueError`` when a
+        region is not inside registered memory, :class:`~kvframe.errors.CapabilityError` for
+        a layout mixing memory kinds, :class:`~kvframe.errors.TransportError` when NIXL
+        refuses. On error nothing was prepared.
+        """
+        self._check_open()
+        if not isinstance(layout, BlockLayout):
+            raise ValueError(f"prepare_local takes a BlockLayout, got {layout!r}")
+        cached = self._local.get(layout)
+        if cached is not None:
+            return cached
+        descs, mem = self._descs(layout)
+        self._check_registered(layout)
+        with self._lock, _translate("preparing a local descriptor list"):
+            dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem)
+        lh = LayoutHandle(
+            layout=layout, peer=None, native=_Prepared(self, dlist, mem, None, epoch=0)
+        )
+        self._local[layout] = lh
+        return lh
+
+    def prepare_remote(self, peer: str, layout: BlockLayout) -> LayoutHandle:
+        """Prepare (once per peer and layout) NIXL's descriptor list for a peer's layout.
+
+        Preparing an equal layout for the same peer again returns the same handle; the
+        handle becomes unusable when the peer is removed or replaced. Raises
+        :class:`~kvframe.errors.PeerUnreachableError` for an unknown peer or a layout the
+        peer's metadata does not cover (its memory is not registered there),
+        :class:`~kvframe.errors.CapabilityError` for a layout mixing memory kinds.
+        """
+        self._check_open()
+        if not isinstance(layout, BlockLayout):
+            raise ValueError(f"prepare_remote takes a BlockLayout, got {layout!r}")
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise PeerUnreachableError(
+                f"unknown peer {peer!r}; add it with add_peer(metadata) first"
+            )
+        cached = entry.prepared.get(layout)
+        if cached is not None:
+            return cached
+        descs, mem = self._descs(layout)
+        with (
+            self._lock,
+            _translate(
+                "preparing a remote descriptor list (is the layout inside the peer's "
+                "registered memory?)",
+                peer=peer,
+                default=PeerUnreachableError,
+            ),
+        ):
+            dlist = self._agent.prep_xfer_dlist(peer, descs, mem)
+        lh = LayoutHandle(
+            layout=layout, peer=peer, native=_Prepared(self, dlist, mem, peer, entry.epoch)
+        )
+        entry.prepared[layout] = lh
+        return lh
+
+    # -- transfers -----------------------------------------------------------------------
+
+    def _own_layout(self, lh: LayoutHandle, side: str) -> _Prepared:
+        prep = lh.native if isinstance(lh, LayoutHandle) else None
+        if not isinstance(prep, _Prepared) or prep.owner is not self:
+            raise ValueError(f"unknown {side} layout handle: it was not prepared by this transport")
+        return prep
+
+    def post(
+        self,
+        op: Op,
+        local: LayoutHandle,
+        local_blocks: Sequence[int] | npt.NDArray[Any],
+        remote: LayoutHandle,
+        remote_blocks: Sequence[int] | npt.NDArray[Any],
+        *,
+        regions: Sequence[int] | None = None,
+        notification: bytes | None = None,
+    ) -> XferHandle:
+        """Start one prepared NIXL transfer (``make_prepped_xfer`` + ``transfer``).
+
+        Descriptor ids are computed vectorised (region-major, :func:`descriptor_ids`), so the
+        cost per request does not grow with the layout. An empty block list moves nothing
+        and still sends the notification. See :meth:`Transport.post` for the contract; with
+        ``post_thread`` on, errors NIXL reports while posting arrive through :meth:`poll`.
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        if not isinstance(op, Op):
+            raise ValueError(f"op must be Op.READ or Op.WRITE, got {op!r}")
+        lp = self._own_layout(local, "local")
+        rp = self._own_layout(remote, "remote")
+        if lp.peer is not None:
+            raise ValueError("the local handle was prepared for a peer; use prepare_local")
+        if rp.peer is None or remote.peer is None:
+            raise ValueError("the remote handle is local; use prepare_remote(peer, layout)")
+        peer = rp.peer
+        entry = self._peers.get(peer)
+        if entry is None or entry.epoch != rp.epoch or rp.released:
+            raise PeerUnreachableError(
+                f"peer {peer!r} was removed or replaced since this remote layout was "
+                "prepared; add it and prepare its layout again"
+            )
+        lblk = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
+        rblk = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
+        if lblk.size != rblk.size:
+            raise ValueError(
+                f"local_blocks has {lblk.size} entries but remote_blocks has {rblk.size}; "
+                "they pair up one to one"
+            )
+        lids = descriptor_ids(local.layout, lblk, regions)
+        rids = descriptor_ids(remote.layout, rblk, regions)
+        sel = range(local.layout.num_regions) if regions is None else [int(r) for r in regions]
+        if local.layout.num_regions != remote.layout.num_regions and regions is None:
+            raise ValueError(
+                f"local layout has {local.layout.num_regions} regions, remote has "
+                f"{remote.layout.num_regions}; pass regions= to select matching ones"
+            )
+        nbytes = 0
+        for r in sel:
+            if r >= remote.layout.num_regions:
+                raise ValueError(f"region {r} is out of range for the remote layout")
+            if local.layout.block_lens[r] != remote.layout.block_lens[r]:
+                raise ValueError(
+                    f"region {r}: local blocks are {local.layout.block_lens[r]} bytes, remote "
+                    f"blocks {remote.layout.block_lens[r]}; they must match"
+                )
+            nbytes += local.layout.block_lens[r] * int(lblk.size)
+        notif = self._check_payload(notification)
+        handle = XferHandle(
+            op=op, peer=peer, nbytes=nbytes, num_descriptors=int(lids.size), native=None
+        )
+        rec = _Xfer(owner=self, epoch=entry.epoch, empty_notification=notification == b"")
+        handle.native = rec
+        job = (
+            handle,
+            _NIXL_OP[op],
+            lp.dlist,
+            lids.astype(np.int32),
+            rp.dlist,
+            rids.astype(np.int32),
+            notif,
+        )
+        if lids.size == 0:
+            # NIXL refuses an empty request; there is nothing to move, only to notify.
+            if notification is not None:
+                self.send_notification(peer, notif)
+            rec.posted, rec.status, rec.empty_notification = True, "DONE", False
+        elif self._worker is not None:
+            self._worker.submit(("xfer", job))
+        else:
+            with self._lock:
+                self._post_native(rec, job)
+            if rec.native_error is not None or rec.status == "ERR":
+                self._stats["transfers_failed"] += 1
+                if rec.native_error is None:
+                    raise TransferFailedError(
+                        f"posting a transfer with peer {peer!r}: NIXL answered ERR"
+                    )
+                raise _translate_exc(
+                    rec.native_error,
+                    doing="posting a transfer",
+                    peer=peer,
+                    default=TransferFailedError,
+                ) from rec.native_error
+        entry.inflight.add(handle)
+        self._stats["transfers_posted"] += 1
+        self._stats["descriptors"] += lids.size
+        self._stats["post_time_us"] += (time.perf_counter() - t0) * 1e6
+        return handle
+
+    def _post_native(self, rec: _Xfer, job: tuple[Any, ...]) -> None:
+        """make_prepped_xfer + transfer; the caller holds ``self._lock``. Never raises:
+        a native error is kept in ``rec.native_error`` (and the native handle released)."""
+        _, op, ldl, lids, rdl, rids, notif = job
+        try:
+            rec.handle = self._agent.make_prepped_xfer(op, ldl, lids, rdl, rids, notif)
+            rec.status = self._agent.transfer(rec.handle)
+            if rec.status == "DONE":
+                self._read_telemetry(rec)
+        except Exception as exc:
+            rec.native_error = exc
+            if rec.handle is not None:
+                with contextlib.suppress(Exception):
+                    rec.handle.release()
+        rec.posted = True
+
+    def _run_job(self, job: tuple[str, Any]) -> None:
+        """The worker thread's body for one job."""
+        kind, body = job
+        with self._lock:
+            try:
+                if kind == "xfer":
+                    handle: XferHandle = body[0]
+                    rec: _Xfer = handle.native
+                    if not rec.cancelled:
+                        self._post_native(rec, body)
+                elif kind == "notif":
+                    peer, payload = body
+                    with contextlib.suppress(Exception):
+                        self._agent.send_notif(peer, payload)
+                # Progress while the caller cannot (it never waits for this lock in poll).
+                self._collect_notifications()
+            finally:
+                if self._worker is not None:
+                    self._worker.job_done()
+
+    def _check_payload(self, payload: bytes | None) -> bytes:
+        if payload is None:
+            return b""
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            raise ValueError(f"a notification payload must be bytes, got {type(payload)}")
+        payload = bytes(payload)
+        if len(payload) > MAX_NOTIFICATION_BYTES:
+            raise CapabilityError(
+                f"notification of {len(payload)} bytes exceeds the NIXL transport's limit of "
+                f"{MAX_NOTIFICATION_BYTES}; send a key and fetch large data through a transfer"
+            )
+        return payload
+
+    def poll(self, handle: XferHandle) -> XferState:
+        """Check a transfer. Answers ``FAILED`` (with ``handle.error``) instead of raising for
+        a failed transfer; raises :class:`~kvframe.errors.TransportClosedError` for a
+        released handle or a closed transport, ``ValueError`` for a foreign handle."""
+        self._check_open()
+        rec = self._own_xfer(handle)
+        if handle.released:
+            raise TransportClosedError("the transfer handle was released")
+        if handle.state is not XferState.PENDING:
+            return handle.state
+        if not rec.posted:
+            return XferState.PENDING
+        if rec.native_error is not None:
+            self._fail(handle, rec.native_error, "posting a transfer")
+            return handle.state
+        if rec.status == "PROC":
+            if not self._lock.acquire(blocking=self._worker is None):
+                return XferState.PENDING  # the worker is inside NIXL; answer from what we know
+            try:
+                rec.status = self._agent.check_xfer_state(rec.handle)
+                if rec.status == "DONE":
+                    self._read_telemetry(rec)
+            except Exception as exc:
+                rec.native_error = exc
+            finally:
+                self._lock.release()
+            if rec.native_error is not None:
+                self._fail(handle, rec.native_error, "checking a transfer")
+                return handle.state
+        if rec.status == "DONE":
+            self._finish(handle)
+        elif rec.status != "PROC":
+            self._fail(handle, None, "checking a transfer")
+        return handle.state
+
+    def _read_telemetry(self, rec: _Xfer) -> None:
+        """Keep NIXL's timing of a completed transfer; the caller holds ``self._lock``."""
+        with contextlib.suppress(Exception):
+            tel = self._agent.get_xfer_telemetry(rec.handle)
+            rec.telemetry = (float(tel.postDuration), float(tel.xferDuration))
+
+    def _own_xfer(self, handle: XferHandle) -> _Xfer:
+        rec = handle.native if isinstance(handle, XferHandle) else None
+        if not isinstance(rec, _Xfer) or rec.owner is not self:
+            raise ValueError("unknown transfer handle: it was not posted by this transport")
+        return rec
+
+    def _finish(self, handle: XferHandle) -> None:
+        rec: _Xfer = handle.native
+        if rec.telemetry is not None:
+            self._stats["nixl_post_us"] += rec.telemetry[0]
+            self._stats["nixl_xfer_us"] += rec.telemetry[1]
+        if rec.empty_notification and handle.peer in self._peers:
+            with contextlib.suppress(TransportError):
+                self.send_notification(handle.peer, b"")
+        handle.state = XferState.DONE
+        self._stats["transfers_done"] += 1
+        self._stats["bytes"] += handle.nbytes
+        self._forget(handle)
+
+    def _fail(self, handle: XferHandle, exc: Exception | None, doing: str) -> None:
+        if exc is None:
+            err: TransportError = TransferFailedError(
+                f"{doing} with peer {handle.peer!r}: NIXL reported an error state"
+            )
+        else:
+            err = _translate_exc(exc, doing=doing, peer=handle.peer, default=TransferFailedError)
+            err.__cause__ = exc
+        handle.state = XferState.FAILED
+        handle.error = err
+        self._stats["transfers_failed"] += 1
+        self._forget(handle)
+
+    def _forget(self, handle: XferHandle) -> None:
+        entry = self._peers.get(handle.peer)
+        if entry is not None:
+            entry.inflight.discard(handle)
+
+    def _stop(self, handle: XferHandle, err: TransportError) -> None:
+        """Stop a pending transfer (peer removed, transport closing) and free its handle."""
+        rec: _Xfer = handle.native
+        rec.cancelled = True
+        with self._lock:  # waits for the worker if it is posting this very transfer
+            if rec.handle is not None:
+                with contextlib.suppress(Exception):
+                    rec.handle.release()
+                rec.handle = None
+        if handle.state is XferState.PENDING:
+            handle.state = XferState.FAILED
+            handle.error = err
+            self._stats["transfers_failed"] += 1
+        self._forget(handle)
+
+    def release(self, handle: XferHandle) -> None:
+        """Free the transfer's NIXL handle; a pending transfer is stopped first (NIXL aborts
+        it; its destination bytes are undefined). Releasing twice is a no-op; releasing after
+        :meth:`close` is a no-op too (close released everything)."""
+        rec = self._own_xfer(handle)
+        if handle.released:
+            return
+        handle.released = True
+        if self._closed:
+            return
+        if handle.state is XferState.PENDING:
+            self._stop(handle, TransferFailedError("the transfer was released while pending"))
+        elif rec.handle is not None:
+            with self._lock, contextlib.suppress(Exception):
+                rec.handle.release()
+            rec.handle = None
+
+    # -- notifications -------------------------------------------------------------------
+
+    def send_notification(self, peer: str, payload: bytes) -> None:
+        """Send a standalone notification (best effort, see the capability card).
+
+        Raises :class:`~kvframe.errors.CapabilityError` over :data:`MAX_NOTIFICATION_BYTES`,
+        :class:`~kvframe.errors.PeerUnreachableError` for an unknown peer or one NIXL knows
+        to be disconnected. With ``post_thread`` on and transfers queued, the notification is
+        queued behind them so it cannot overtake them.
+        """
+        self._check_open()
+        data = self._check_payload(payload)
+        if peer not in self._peers:
+            raise PeerUnreachableError(
+                f"unknown peer {peer!r}; add it with add_peer(metadata) first"
+            )
+        if self._worker is not None and self._worker.busy:
+            self._worker.submit(("notif", (peer, data)))
+        else:
+            with (
+                self._lock,
+                _translate("sending a notification", peer=peer, default=PeerUnreachableError),
+            ):
+                self._agent.send_notif(peer, data)
+        self._stats["notifications_sent"] += 1
+
+    def _collect_notifications(self) -> None:
+        """get_new_notifs into the inbox; the caller holds ``self._lock``."""
+        with contextlib.suppress(Exception):
+            for sender, msgs in self._agent.get_new_notifs().items():
+                who = _as_str(sender)
+                for m in msgs:
+                    self._inbox.append(Notification(sender=who, payload=bytes(m)))
+
+    def progress(self) -> None:
+        """Drive NIXL (``get_new_notifs``), keeping received notifications for
+        :meth:`drain_notifications`. Never waits for the post worker."""
+        self._check_open()
+        if self._lock.acquire(blocking=self._worker is None):
+            try:
+                self._collect_notifications()
+            finally:
+                self._lock.release()
+
+    def drain_notifications(self) -> list[Notification]:
+        """Every notification received since the last call (per sender in arrival order);
+        also makes progress."""
+        self.progress()
+        out: list[Notification] = []
+        while self._inbox:
+            out.append(self._inbox.popleft())
+        self._stats["notifications_received"] += len(out)
+        return out
+
+    # -- telemetry and lifetime ------------------------------------------------------------
+
+    def stats(self) -> Mapping[str, float]:
+        """Counters (keys listed in the capability card); a snapshot copy."""
+        out = dict(self._stats)
+        out["peers"] = float(len(self._peers))
+        return out
+
+    def close(self) -> None:
+        """Stop every pending transfer, release every handle and prepared list, forget every
+        peer, deregister memory, stop the post worker and drop the NIXL agent. Always
+        completes; a second call is a no-op."""
+        if self._closed:
+            return
+        self._closed = True
+        for entry in self._peers.values():
+            for h in entry.inflight:
+                h.native.cancelled = True  # the worker skips what it has not started
+        if self._worker is not None:
+            with contextlib.suppress(Exception):
+                self._worker.stop()
+            self._worker = None
+        closed = TransportClosedError(f"nixl transport {self._name!r} was closed")
+        with contextlib.suppress(Exception):
+            for entry in list(self._peers.values()):
+                for h in list(entry.inflight):
+                    self._stop(h, closed)
+                for lh in entry.prepared.values():
+                    self._release_prepared(lh)
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(entry.name)
+            self._peers.clear()
+            for lh in self._local.values():
+                self._release_prepared(lh)
+            self._local.clear()
+            for _, reg in self._registered:
+                if reg is not None:
+                    with contextlib.suppress(Exception):
+                        self._agent.deregister_memory(reg)
+            self._registered.clear()
+        self._agent = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._peers)} peers"
+        return f"<NixlTransport {self._name!r} {state}>"

@@ -1,0 +1,435 @@
+"""The NIXL transport against real NIXL, across two processes on loopback.
+
+Each module-scoped endpoint pair is used twice: posting inline and posting from the worker
+thread (``post_thread``). The child endpoint is ``nixl_peer.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import BLOCK_LENS, NUM_BLOCKS, Local, Peer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvframe_nixl import CAPABILITIES, MAX_NOTIFICATION_BYTES, NixlOptions, NixlTransport
+
+from kvframe.errors import (
+    CapabilityError,
+    ConfigError,
+    PeerUnreachableError,
+    TransportClosedError,
+    TransportError,
+)
+from kvframe.spi.transport import (
+    BlockLayout,
+    MemoryKind,
+    MemoryRegion,
+    Op,
+    TransportParams,
+    XferHandle,
+    XferState,
+)
+
+pytestmark = pytest.mark.nixl
+
+
+def wait(local: Local, h: XferHandle, timeout: float = 10.0) -> XferState:
+    """Poll until the transfer stops (driving progress), within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (state := local.t.poll(h)) is XferState.PENDING:
+        assert time.monotonic() < deadline, "transfer did not stop in time"
+        local.t.progress()
+    return state
+
+
+def drain_until(local: Local, n: int, timeout: float = 5.0) -> list[tuple[str, bytes]]:
+    got: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got.extend((x.sender, x.payload) for x in local.t.drain_notifications())
+    return got
+
+
+def transfer_requests() -> st.SearchStrategy[tuple[list[int], list[int], list[int] | None]]:
+    """(local blocks, remote blocks, regions or None): distinct destination blocks."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> tuple[list[int], list[int], list[int] | None]:
+        n = draw(st.integers(1, 12))
+        dst = draw(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=n, max_size=n, unique=True))
+        src = draw(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=n, max_size=n))
+        regions = draw(
+            st.none() | st.lists(st.integers(0, len(BLOCK_LENS) - 1), min_size=1, unique=True)
+        )
+        return dst, src, regions
+
+    return build()
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"bogus": 1}, "unknown nixl transport option"),
+        ({"backends": "UCX"}, "'backends'"),
+        ({"backends": []}, "'backends'"),
+        ({"progress_thread": "yes"}, "'progress_thread'"),
+        ({"num_threads": -1}, "'num_threads'"),
+        ({"num_threads": True}, "'num_threads'"),
+        ({"post_thread": 1}, "'post_thread'"),
+        ({"ucx_env": {"TLS": "tcp"}}, "'ucx_env'"),
+    ],
+)
+def test_bad_options_raise_config_error_naming_the_key(
+    options: dict[str, Any], fragment: str
+) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        NixlOptions.from_mapping(options)
+
+
+def test_options_defaults_and_values() -> None:
+    assert NixlOptions.from_mapping({}) == NixlOptions()
+    opts = NixlOptions.from_mapping(
+        {"backends": ["UCX"], "num_threads": 2, "ucx_env": {"UCX_TLS": "cma,self"}}
+    )
+    assert opts.backends == ("UCX",)
+    assert opts.num_threads == 2
+    assert not opts.progress_thread
+
+
+def test_missing_backend_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="NOPE"):
+        NixlTransport.create(TransportParams(name="x", options={"backends": ["NOPE"]}))
+
+
+def test_plugin_registers_nixl() -> None:
+    from kvframe_nixl import plugin
+
+    seen: list[tuple[str, Any, Any]] = []
+
+    def register(name: str, factory: Any, *, capabilities: Any) -> None:
+        seen.append((name, factory, capabilities))
+
+    plugin.kvframe_register_transports(register)
+    assert seen == [("nixl", NixlTransport.create, CAPABILITIES)]
+
+
+# -- data path -------------------------------------------------------------------------------
+
+
+@settings(max_examples=25)  # each example is a cross-process round trip
+@given(req=transfer_requests())
+def test_read_is_byte_exact(local: Local, peer: tuple[Peer, Any], req: Any) -> None:
+    p, remote = peer
+    dst, src, regions = req
+    for b in local.bufs:
+        b[:] = 0x5A
+    h = local.t.post(Op.READ, local.local, dst, remote, src, regions=regions)
+    assert wait(local, h) is XferState.DONE, h.error
+    local.t.release(h)
+    chosen = range(len(BLOCK_LENS)) if regions is None else regions
+    for r in range(len(BLOCK_LENS)):
+        want = np.full((NUM_BLOCKS, BLOCK_LENS[r]), 0x5A, dtype=np.uint8)
+        if r in chosen:
+            source = p_content(p, r)
+            want[dst] = source[src]
+        np.testing.assert_array_equal(local.view(r), want, err_msg=f"region {r}")
+
+
+_model: dict[str, list[np.ndarray[Any, Any]]] = {}
+
+
+def p_content(p: Peer, r: int) -> np.ndarray[Any, Any]:
+    """What the peer's region ``r`` holds now (a model updated by the WRITE test)."""
+    if p.name not in _model:
+        _model[p.name] = [p.expected(i) for i in range(len(BLOCK_LENS))]
+    return _model[p.name][r].reshape(NUM_BLOCKS, BLOCK_LENS[r])
+
+
+@settings(max_examples=15)  # each example reads the peer's memory back over the pipe
+@given(req=transfer_requests(), seed=st.integers(0, 2**32 - 1))
+def test_write_is_byte_exact(local: Local, peer: tuple[Peer, Any], req: Any, seed: int) -> None:
+    p, remote = peer
+    dst, src, regions = req
+    rng = np.random.default_rng(seed)
+    for b in local.bufs:
+        b[:] = rng.integers(0, 256, b.size, dtype=np.uint8)
+    # For a WRITE the remote blocks are the destination: keep them distinct.
+    h = local.t.post(Op.WRITE, local.local, src, remote, dst, regions=regions)
+    assert wait(local, h) is XferState.DONE, h.error
+    local.t.release(h)
+    chosen = range(len(BLOCK_LENS)) if regions is None else regions
+    for r in range(len(BLOCK_LENS)):
+        model = p_content(p, r)
+        if r in chosen:
+            model[dst] = local.view(r)[src]
+        got = np.frombuffer(p.call("get", drive=local.t, region=r), dtype=np.uint8)
+        np.testing.assert_array_equal(got.reshape(model.shape), model, err_msg=f"region {r}")
+
+
+def test_stats_count_transfers(local: Local, peer: tuple[Peer, Any]) -> None:
+    _, remote = peer
+    before = dict(local.t.stats())
+    h = local.t.post(Op.READ, local.local, [0, 1], remote, [2, 3])
+    assert wait(local, h) is XferState.DONE
+    local.t.release(h)
+    after = local.t.stats()
+    assert after["transfers_posted"] == before["transfers_posted"] + 1
+    assert after["transfers_done"] == before["transfers_done"] + 1
+    assert after["bytes"] == before["bytes"] + 2 * sum(BLOCK_LENS)
+    assert after["descriptors"] == before["descriptors"] + 2 * len(BLOCK_LENS)
+    assert after["post_time_us"] > before["post_time_us"]
+    assert after["nixl_xfer_us"] >= before["nixl_xfer_us"]
+    assert after["peers"] >= 1
+
+
+# -- notifications ---------------------------------------------------------------------------
+
+
+def test_notifications_both_ways(local: Local, peer: tuple[Peer, Any]) -> None:
+    p, _ = peer
+    local.t.send_notification(p.name, b"to-p-1")
+    local.t.send_notification(p.name, b"")
+    local.t.send_notification(p.name, b"x" * MAX_NOTIFICATION_BYTES)
+    deadline = time.monotonic() + 5
+    got: list[Any] = []
+    while len(got) < 3 and time.monotonic() < deadline:
+        got += p.call("drain", drive=local.t)
+    assert got == [
+        [local.t.name, b"to-p-1"],
+        [local.t.name, b""],
+        [local.t.name, b"x" * MAX_NOTIFICATION_BYTES],
+    ]
+    p.call("notify", drive=local.t, peer=local.t.name, payload=b"to-d")
+    assert drain_until(local, 1) == [(p.name, b"to-d")]
+
+
+def test_write_notification_arrives_after_the_data(local: Local, peer: tuple[Peer, Any]) -> None:
+    p, remote = peer
+    blocks = [5, 6, 7]
+    tag = f"written-{time.monotonic_ns()}".encode()
+    local.view(0)[blocks] = np.arange(len(blocks), dtype=np.uint8)[:, None] + 100
+    p.send("snapshot_on_notification", payload=tag, region=0, blocks=blocks, timeout=10.0)
+    h = local.t.post(Op.WRITE, local.local, blocks, remote, blocks, regions=[0], notification=tag)
+    assert wait(local, h) is XferState.DONE
+    local.t.release(h)
+    seen, snapshot = p.result(drive=local.t)
+    assert seen
+    # The peer copied the blocks the moment it saw the notification: the data was there.
+    assert snapshot == local.view(0)[blocks].tobytes()
+    p_content(p, 0)[blocks] = local.view(0)[blocks]
+
+
+def test_read_notification_lets_the_peer_reuse_blocks(local: Local, peer: tuple[Peer, Any]) -> None:
+    p, remote = peer
+    blocks = [10, 11]
+    tag = f"read-done-{time.monotonic_ns()}".encode()
+    want = p_content(p, 1)[blocks].copy()
+    p.send("overwrite_on_notification", payload=tag, region=1, blocks=blocks, timeout=10.0)
+    h = local.t.post(Op.READ, local.local, [0, 1], remote, blocks, regions=[1], notification=tag)
+    assert wait(local, h) is XferState.DONE
+    local.t.release(h)
+    assert p.result(drive=local.t) is True
+    p_content(p, 1)[blocks] = 0xEE
+    # Everything landed before the peer was told (and overwrote its blocks).
+    np.testing.assert_array_equal(local.view(1)[[0, 1]], want)
+
+
+def test_empty_request_still_notifies(local: Local, peer: tuple[Peer, Any]) -> None:
+    p, remote = peer
+    h = local.t.post(Op.READ, local.local, [], remote, [], notification=b"nothing-to-move")
+    assert h.nbytes == 0
+    assert wait(local, h) is XferState.DONE
+    local.t.release(h)
+    deadline = time.monotonic() + 5
+    got: list[Any] = []
+    while not got and time.monotonic() < deadline:
+        got = p.call("drain", drive=local.t)
+    assert got == [[local.t.name, b"nothing-to-move"]]
+
+
+# -- misuse ----------------------------------------------------------------------------------
+
+
+def test_invalid_requests_raise_before_anything_moves(local: Local, peer: tuple[Peer, Any]) -> None:
+    p, remote = peer
+    t = local.t
+    with pytest.raises(ValueError, match="block index out of range"):
+        t.post(Op.READ, local.local, [NUM_BLOCKS], remote, [0])
+    with pytest.raises(ValueError, match="block index out of range"):
+        t.post(Op.READ, local.local, [0], remote, [-1])
+    with pytest.raises(ValueError, match="region index out of range"):
+        t.post(Op.READ, local.local, [0], remote, [0], regions=[len(BLOCK_LENS)])
+    with pytest.raises(ValueError, match="pair up"):
+        t.post(Op.READ, local.local, [0, 1], remote, [0])
+    with pytest.raises(ValueError, match="remote handle is local"):
+        t.post(Op.READ, local.local, [0], local.local, [0])
+    with pytest.raises(ValueError, match="prepared for a peer"):
+        t.post(Op.READ, remote, [0], remote, [0])
+    with pytest.raises(CapabilityError, match="exceeds"):
+        t.post(
+            Op.READ, local.local, [0], remote, [0], notification=b"x" * (1 + MAX_NOTIFICATION_BYTES)
+        )
+    with pytest.raises(CapabilityError, match="exceeds"):
+        t.send_notification(p.name, b"x" * (1 + MAX_NOTIFICATION_BYTES))
+    with pytest.raises(PeerUnreachableError, match="unknown peer"):
+        t.send_notification("nobody", b"x")
+    with pytest.raises(PeerUnreachableError, match="unknown peer"):
+        t.prepare_remote("nobody", p.layout)
+    with pytest.raises(PeerUnreachableError, match=r"does not decode|not from"):
+        t.add_peer(b"\xc1garbage")
+    with pytest.raises(PeerUnreachableError, match="itself"):
+        t.add_peer(t.local_metadata())
+    assert t.add_peer(p.meta) == p.name  # same metadata again: a no-op
+    other = NixlTransport.create(TransportParams(name=f"other-{os.getpid()}"))
+    try:
+        with pytest.raises(ValueError, match="unknown local layout handle"):
+            other.post(Op.READ, local.local, [0], remote, [0])
+    finally:
+        other.close()
+    unregistered = np.zeros(4096, dtype=np.uint8)
+    bad = BlockLayout(
+        regions=[MemoryRegion(addr=unregistered.ctypes.data, length=4096)],
+        block_lens=[1024],
+        num_blocks=4,
+    )
+    with pytest.raises(ValueError, match="not inside registered memory"):
+        t.prepare_local(bad)
+    # Nothing above disturbed the transport.
+    h = t.post(Op.READ, local.local, [1], remote, [1])
+    assert wait(local, h) is XferState.DONE
+    t.release(h)
+    t.release(h)  # twice: a no-op
+    with pytest.raises(TransportClosedError):
+        t.poll(h)
+
+
+def test_device_memory_without_cuda_support_is_a_capability_error() -> None:
+    t = NixlTransport.create(TransportParams(name=f"dev-{os.getpid()}"))
+    try:
+        buf = np.zeros(4096, dtype=np.uint8)
+        region = MemoryRegion(addr=buf.ctypes.data, length=4096, kind=MemoryKind.DEVICE)
+        mixed = BlockLayout(
+            regions=[MemoryRegion(addr=buf.ctypes.data, length=2048), region],
+            block_lens=[1024, 1024],
+            num_blocks=2,
+        )
+        with pytest.raises(CapabilityError, match="one memory kind"):
+            t.prepare_local(mixed)
+        # UCX here advertises VRAM; registering host memory as VRAM must then fail in NIXL
+        # (no CUDA), and be reported as a kvframe error with nothing registered.
+        with pytest.raises(TransportError, match="registering memory"):
+            t.register_memory([region])
+    finally:
+        t.close()
+
+
+def test_close_twice_and_use_after_close() -> None:
+    t = NixlTransport.create(TransportParams(name=f"closing-{os.getpid()}"))
+    buf = np.zeros(8192, dtype=np.uint8)
+    t.register_memory([MemoryRegion(addr=buf.ctypes.data, length=8192)])
+    layout = BlockLayout(
+        regions=[MemoryRegion(addr=buf.ctypes.data, length=8192)], block_lens=[4096], num_blocks=2
+    )
+    lh = t.prepare_local(layout)
+    assert t.prepare_local(layout) is lh  # prepared once
+    t.close()
+    t.close()
+    for call in (
+        t.local_metadata,
+        t.drain_notifications,
+        t.progress,
+        lambda: t.prepare_local(layout),
+        lambda: t.add_peer(b""),
+        lambda: t.send_notification("x", b""),
+        lambda: t.post(Op.READ, lh, [0], lh, [0]),
+        lambda: t.remove_peer("x"),
+        lambda: t.register_memory([]),
+    ):
+        with pytest.raises(TransportClosedError):
+            call()
+
+
+# -- failures --------------------------------------------------------------------------------
+
+
+def _post_until_failure(
+    local: Local, remote: Any, timeout: float
+) -> tuple[float, Exception | None]:
+    """Post READs back to back until one fails; returns (seconds, the error)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            h = local.t.post(
+                Op.READ, local.local, list(range(NUM_BLOCKS)), remote, list(range(NUM_BLOCKS))
+            )
+        except PeerUnreachableError as exc:
+            return time.monotonic() - start, exc
+        state = wait(local, h)
+        local.t.release(h)
+        if state is XferState.FAILED:
+            return time.monotonic() - start, h.error
+    return time.monotonic() - start, None
+
+
+def test_peer_killed_mid_transfer_then_restarted(local: Local, peer: tuple[Peer, Any]) -> None:
+    victim_name = f"V-{local.t.name}"
+    victim = Peer(victim_name, seed=7)
+    try:
+        remote = local.connect(victim)
+        # Kill while READs run back to back, so the kill lands during or between transfers.
+        threading.Timer(0.05, victim.kill).start()
+        took, err = _post_until_failure(local, remote, timeout=5.0)
+        assert isinstance(err, PeerUnreachableError), err
+        assert took < 2.0
+        victim.kill()
+        # The transport stays usable with the other peer.
+        _p, premote = peer
+        h = local.t.post(Op.READ, local.local, [0], premote, [0])
+        assert wait(local, h) is XferState.DONE
+        local.t.release(h)
+        # The old remote layout is dead; a restarted peer under the same name is re-added.
+        restarted = Peer(victim_name, seed=8)
+        try:
+            remote2 = local.connect(restarted)
+            with pytest.raises(PeerUnreachableError, match="removed or replaced"):
+                local.t.post(Op.READ, local.local, [0], remote, [0])
+            h = local.t.post(Op.READ, local.local, [0, 1], remote2, [3, 4], regions=[2])
+            assert wait(local, h) is XferState.DONE
+            local.t.release(h)
+            np.testing.assert_array_equal(
+                local.view(2)[[0, 1]], restarted.expected(2).reshape(NUM_BLOCKS, -1)[[3, 4]]
+            )
+        finally:
+            restarted.stop()
+            local.t.remove_peer(victim_name)
+    finally:
+        victim.kill()
+
+
+def test_peer_killed_while_idle(local: Local, peer: tuple[Peer, Any]) -> None:
+    victim = Peer(f"I-{local.t.name}", seed=9)
+    try:
+        remote = local.connect(victim)
+    finally:
+        victim.kill()
+    took, err = _post_until_failure(local, remote, timeout=5.0)
+    assert isinstance(err, PeerUnreachableError), err
+    assert took < 2.0
+    with pytest.raises(PeerUnreachableError):
+        local.t.send_notification(victim.name, b"are you there")
+    local.t.remove_peer(victim.name)
+    local.t.remove_peer(victim.name)  # unknown now: ignored
+    with pytest.raises(PeerUnreachableError):
+        local.t.post(Op.READ, local.local, [0], remote, [0])
+    _p, premote = peer
+    h = local.t.post(Op.READ, local.local, [0], premote, [0])
+    assert wait(local, h) is XferState.DONE
+    local.t.release(h)
