@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import IO, Any
 
+from kvframe.errors import ConfigError
 from kvframe.runtime.plugins import Kind, PluginHost, PluginStatus
 from kvframe.spi.transport import TransportCapabilities
 
@@ -166,14 +167,18 @@ def run(
     """Run ``kvframe plugins``: load plugins (unless ``host`` is given and loaded) and print
     the report to ``out`` (default stdout).
 
-    :returns: 0, or 1 when a plugin failed to load or a name is ambiguous.
-    :raises ConfigError: an environment switch has a value the host does not understand.
+    :returns: 0; 1 when a plugin failed to load or a name is ambiguous; 2 when an environment
+        switch has a value the host does not understand (the message goes to stderr).
     """
+    stream = out if out is not None else sys.stdout
     if host is None:
-        host = PluginHost()
+        try:
+            host = PluginHost()
+        except ConfigError as exc:
+            print(f"kvframe plugins: {exc}", file=sys.stderr)
+            return 2
     host.load()
     data = report(host)
-    stream = out if out is not None else sys.stdout
     if args.json:
         stream.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
     else:
