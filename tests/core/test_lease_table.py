@@ -1,0 +1,252 @@
+"""LeaseTable behaviour: reaping order, renewals, stale heartbeats, time going backwards."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvframe.core.lease import LeasePolicy, LeaseState, LeaseTable, RenewIgnored
+from kvframe.errors import ConfigError, InvalidTransitionError, LeaseError
+
+POLICY = LeasePolicy.from_duration(30.0)  # interval 5, extension 20
+
+
+def new_table(**kwargs: int) -> LeaseTable[int]:
+    return LeaseTable(POLICY, **kwargs)
+
+
+def test_grant_renew_consume_round_trip() -> None:
+    t = new_table()
+    lease = t.grant("a", 10.0, 7)
+    assert (lease.state, lease.granted_at, lease.expiry, lease.payload) == (
+        LeaseState.LIVE,
+        10.0,
+        40.0,
+        7,
+    )
+    assert t.next_deadline() == 40.0
+    res = t.renew(["a"], 30.0)
+    assert res.renewed == {"a": 50.0}
+    assert not res.ignored
+    assert t.next_deadline() == 50.0
+    ended = t.consume("a", 31.0)
+    assert (ended.state, ended.ended_at, ended.payload, ended.renewals) == (
+        LeaseState.CONSUMED,
+        31.0,
+        7,
+        1,
+    )
+    assert len(t) == 0
+    assert t.next_deadline() is None
+    assert t.expire(1000.0) == []
+    c = t.counters
+    assert (c.granted, c.renewed, c.consumed, c.expired) == (1, 1, 1, 0)
+
+
+def test_renew_never_shortens() -> None:
+    t = new_table()
+    t.grant("a", 0.0, 0)  # expiry 30
+    assert t.renew(["a"], 1.0).renewed == {"a": 30.0}  # 1 + 20 < 30: keeps 30
+    assert t.lease("a").expiry == 30.0  # type: ignore[union-attr]
+
+
+def test_renew_ignores_and_counts_unknown_and_ended_ids_without_creating_them() -> None:
+    t = new_table()
+    t.grant("live", 0.0, 0)
+    t.grant("done", 0.0, 0)
+    t.grant("gone", 0.0, 0)
+    t.consume("done", 1.0)
+    t.abort("gone", 1.0)
+    res = t.renew(["live", "nobody", "done", "gone", "nobody"], 2.0)
+    assert res.renewed == {"live": 30.0}
+    assert res.ignored == {
+        "nobody": RenewIgnored.UNKNOWN,
+        "done": RenewIgnored.CONSUMED,
+        "gone": RenewIgnored.ABORTED,
+    }
+    assert t.counters.renew_ignored == 3
+    assert "nobody" not in t
+    assert t.lease("nobody") is None
+    assert len(t) == 1
+
+
+def test_expire_finds_every_due_lease_whatever_the_order() -> None:
+    """vLLM #58222: a reaper that scans from the head of a grant-ordered list stops at the
+    first live lease and strands the due ones behind it. The heap must not."""
+    t = new_table()
+    for i in range(10):
+        t.grant(f"r{i}", float(i), i)  # expiries 30..39
+    t.renew(["r0", "r1"], 25.0)  # the two oldest now run to 45
+    due = t.expire(40.0)
+    assert [x.request_id for x in due] == [f"r{i}" for i in range(2, 10)]
+    assert all(x.state is LeaseState.EXPIRED and x.ended_at == 40.0 for x in due)
+    assert t.next_deadline() == 45.0
+    assert {x.request_id for x in t.expire(45.0)} == {"r0", "r1"}
+    assert t.counters.expired == 10
+
+
+def test_expiry_is_inclusive() -> None:
+    t = new_table()
+    t.grant("a", 0.0, 0)
+    assert t.expire(29.999) == []
+    assert [x.request_id for x in t.expire(30.0)] == ["a"]
+
+
+def test_a_due_lease_is_not_revived_by_a_late_renewal() -> None:
+    t = new_table()
+    t.grant("a", 0.0, 0)
+    res = t.renew(["a"], 30.0)  # expiry 30 has been reached; not reaped yet
+    assert res.ignored == {"a": RenewIgnored.EXPIRED}
+    assert t.lease("a").expiry == 30.0  # type: ignore[union-attr]
+    assert [x.request_id for x in t.expire(30.0)] == ["a"]
+    assert t.renew(["a"], 31.0).ignored == {"a": RenewIgnored.EXPIRED}
+
+
+def test_a_due_but_unreaped_lease_can_still_be_consumed() -> None:
+    t = new_table()
+    t.grant("a", 0.0, 0)
+    assert t.consume("a", 35.0).state is LeaseState.CONSUMED
+    assert t.expire(40.0) == []
+
+
+def test_stale_heartbeat_does_not_prolong() -> None:
+    t = new_table()
+    t.grant("a", 0.0, 0)
+    t.renew(["a"], 5.0)  # 25
+    # A heartbeat sent at 6 that arrives at 24 (queued during a partition) extends to 26 only.
+    assert t.renew(["a"], 24.0, sent_at=6.0).renewed == {"a": 30.0}  # max(30 initial, 26)
+    t2 = new_table()
+    t2.grant("a", 0.0, 0)
+    t2.renew(["a"], 15.0)  # 35
+    res = t2.renew(["a"], 34.0, sent_at=10.0)  # 10 + 20 = 30 <= now: stale
+    assert res.ignored == {"a": RenewIgnored.STALE}
+    assert t2.lease("a").expiry == 35.0  # type: ignore[union-attr]
+    assert t2.lease("a").renewals == 1  # type: ignore[union-attr]
+    # A sent_at in the future (clock mix-up) counts as now, never later.
+    assert t2.renew(["a"], 34.0, sent_at=1e9).renewed == {"a": 54.0}
+
+
+def test_time_going_backwards_is_clamped() -> None:
+    t = new_table()
+    t.grant("a", 100.0, 0)  # 130
+    t.renew(["a"], 120.0)  # 140
+    assert t.renew(["a"], 50.0).renewed == {"a": 140.0}  # clamped to 120: 140, not 70
+    assert [x.request_id for x in t.expire(140.0)] == ["a"]
+    t.grant("b", 10.0, 0)  # clamped to 140: expiry 170, not 40
+    assert t.lease("b").granted_at == 140.0  # type: ignore[union-attr]
+    assert t.lease("b").expiry == 170.0  # type: ignore[union-attr]
+    assert t.expire(0.0) == []  # backwards: expires nothing, revives nothing
+    assert t.state("a") is LeaseState.EXPIRED
+    assert t.counters.clock_regressions == 3
+    assert t.now == 140.0
+
+
+def test_precise_errors_leave_the_table_unchanged() -> None:
+    t = new_table()
+    t.grant("a", 0.0, 1)
+    with pytest.raises(InvalidTransitionError, match=r"cannot grant for request id 'a'.*live"):
+        t.grant("a", 1.0, 2)
+    assert t.lease("a").payload == 1  # type: ignore[union-attr]
+    with pytest.raises(InvalidTransitionError, match=r"'b'.*absent"):
+        t.consume("b", 1.0)
+    with pytest.raises(InvalidTransitionError, match="absent"):
+        t.abort("b", 1.0)
+    t.consume("a", 2.0)
+    with pytest.raises(InvalidTransitionError, match=r"consumed.*ended at t=2\.0.*single-use"):
+        t.abort("a", 3.0)
+    with pytest.raises(InvalidTransitionError, match="single-use"):
+        t.grant("a", 3.0, 3)
+    for bad in (math.nan, math.inf, "1", None, True):
+        with pytest.raises(LeaseError, match="now must be a finite number"):
+            t.grant("c", bad, 0)  # type: ignore[arg-type]
+        with pytest.raises(LeaseError, match="now"):
+            t.expire(bad)  # type: ignore[arg-type]
+    with pytest.raises(LeaseError, match="sent_at"):
+        t.renew(["a"], 3.0, sent_at=math.nan)
+    with pytest.raises(LeaseError, match="wrap it in a list"):
+        t.renew("abc", 3.0)
+    with pytest.raises(LeaseError, match="non-empty str"):
+        t.grant("", 3.0, 0)
+    with pytest.raises(LeaseError, match="non-empty str"):
+        t.grant(7, 3.0, 0)  # type: ignore[arg-type]
+    assert t.now == 2.0
+    assert "c" not in t
+    assert t.counters.granted == 1
+
+
+def test_bad_construction() -> None:
+    with pytest.raises(ConfigError, match="LeasePolicy"):
+        LeaseTable(30.0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="remember_ended"):
+        LeaseTable(POLICY, remember_ended=-1)
+    with pytest.raises(ConfigError, match="remember_ended"):
+        LeaseTable(POLICY, remember_ended=True)
+
+
+def test_ended_leases_are_forgotten_oldest_first() -> None:
+    t = new_table(remember_ended=2)
+    for rid in "abc":
+        t.grant(rid, 0.0, 0)
+        t.consume(rid, 1.0)
+    assert t.lease("a") is None
+    assert t.state("a") is LeaseState.ABSENT
+    assert t.lease("b").state is LeaseState.CONSUMED  # type: ignore[union-attr]
+    assert t.renew(["a", "c"], 2.0).ignored == {
+        "a": RenewIgnored.UNKNOWN,
+        "c": RenewIgnored.CONSUMED,
+    }
+    t.grant("a", 2.0, 9)  # forgotten ids are absent again
+    assert t.lease("a").payload == 9  # type: ignore[union-attr]
+
+
+def test_nothing_remembered() -> None:
+    t = new_table(remember_ended=0)
+    t.grant("a", 0.0, 0)
+    assert t.consume("a", 1.0).state is LeaseState.CONSUMED
+    assert t.lease("a") is None
+
+
+def test_heap_stays_bounded_under_many_renewals() -> None:
+    t = new_table()
+    for i in range(100):
+        t.grant(f"r{i}", 0.0, i)
+    ids = [f"r{i}" for i in range(100)]
+    for step in range(1, 200):
+        t.renew(ids, float(step))
+    # Lazy deletion leaves stale entries; compaction keeps them proportional to the live set.
+    assert len(t._heap) <= 2 * len(t) + 64 + 100
+    assert t.next_deadline() == 199.0 + 20.0
+    assert len(t.expire(219.0)) == 100
+
+
+def test_leases_lists_live_snapshots_in_grant_order() -> None:
+    t = new_table()
+    t.grant("b", 0.0, 2)
+    t.grant("a", 1.0, 1)
+    t.grant("c", 2.0, 3)
+    t.abort("b", 3.0)
+    assert [(x.request_id, x.payload) for x in t.leases()] == [("a", 1), ("c", 3)]
+    assert t.live_count == 2
+
+
+@given(
+    st.lists(st.floats(min_value=0.0, max_value=19.99), min_size=1, max_size=40),
+    st.floats(min_value=0.0, max_value=100.0),
+)
+def test_renewed_within_the_extension_never_expires(gaps: list[float], start: float) -> None:
+    """Renewed at gaps shorter than the extension, a lease never expires (with reaping at
+    every step); after the last renewal at t it expires no later than
+    max(t + extension, granted_at + duration)."""
+    t = new_table()
+    t.grant("a", start, 0)
+    now = start
+    for gap in gaps:
+        now += gap
+        assert t.expire(now) == [], f"expired at {now} despite renewal gaps {gaps}"
+        t.renew(["a"], now)
+    bound = max(now + POLICY.extension, start + POLICY.duration)
+    assert t.lease("a").expiry == bound  # type: ignore[union-attr]
+    assert [x.request_id for x in t.expire(bound)] == ["a"]
