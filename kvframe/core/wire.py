@@ -37,6 +37,17 @@ the send time of the answered heartbeat is a local reading no later than P's ``h
     18     ...  count x (len u8, request id UTF-8, reason u8: 1 unknown, 2 consumed,
                 3 aborted, 4 expired)
 
+**Lease done** (D -> P, type 4): "I no longer need the lease on X, and why"; the holder
+ends it at once (consumed after a read, aborted after a release)::
+
+    4      4    seq        u32  the sender's sequence number (same space as heartbeats)
+    8      8    sent_at    f64  the sender's clock
+    16     2    count      u16
+    18     ...  count x (len u8, request id UTF-8, reason u8: 1 read, 2 released)
+
+The P/D connector sends it as the notification of the READ itself (delivered after the data
+landed) and as a release when a request was aborted or its KV was found in the local cache.
+
 **Limits.** A request id is 1 to :data:`MAX_ID_BYTES` (255) bytes of UTF-8; a message holds
 1 to :data:`MAX_IDS_PER_MESSAGE` (1024) entries and at most :data:`MAX_MESSAGE_BYTES` (16 KiB)
 in all. :func:`encode` refuses anything larger with :class:`~kvframe.errors.CodecError`;
@@ -67,8 +78,10 @@ __all__ = [
     "MAX_ID_BYTES",
     "MAX_MESSAGE_BYTES",
     "VERSION",
+    "DoneReason",
     "Heartbeat",
     "LeaseAck",
+    "LeaseDone",
     "LeaseLost",
     "LostReason",
     "Message",
@@ -104,6 +117,7 @@ class MessageType(enum.IntEnum):
     HEARTBEAT = 1
     LEASE_ACK = 2
     LEASE_LOST = 3
+    LEASE_DONE = 4
 
 
 class LostReason(enum.IntEnum):
@@ -213,10 +227,45 @@ class LeaseLost:
     )
 
 
-Message: TypeAlias = Heartbeat | LeaseAck | LeaseLost
+class DoneReason(enum.IntEnum):
+    """Why a reader ends a lease (the reason byte of a :class:`LeaseDone` entry)."""
+
+    READ = 1
+    """The read completed: the holder consumes the lease."""
+    RELEASED = 2
+    """No read will come (aborted, or found in the reader's own cache): the holder aborts it."""
+
+
+def _done_pairs(value: Iterable[tuple[str, DoneReason]]) -> tuple[tuple[str, DoneReason], ...]:
+    return tuple((rid, x) for rid, x in value)
+
+
+def _check_done_entries(
+    instance: LeaseDone, attribute: attrs.Attribute[object], value: object
+) -> None:
+    entries: tuple[tuple[str, DoneReason], ...] = value  # type: ignore[assignment]
+    _check_ids([e[0] for e in entries], "lease-done notice")
+    for rid, reason in entries:
+        if not isinstance(reason, DoneReason):
+            raise ValueError(f"reason for {rid!r} must be a DoneReason, got {reason!r}")
+
+
+@attrs.frozen(kw_only=True)
+class LeaseDone:
+    """D -> P: end the leases on each id, for the paired reason. Raises ``ValueError`` for bad
+    fields."""
+
+    seq: int = attrs.field(validator=_check_seq)
+    sent_at: float = attrs.field(validator=_check_time)
+    done: tuple[tuple[str, DoneReason], ...] = attrs.field(
+        converter=_done_pairs, validator=_check_done_entries
+    )
+
+
+Message: TypeAlias = Heartbeat | LeaseAck | LeaseLost | LeaseDone
 """Any message of this format."""
 
-_TRAILER = {Heartbeat: 0, LeaseAck: 8, LeaseLost: 1}
+_TRAILER = {Heartbeat: 0, LeaseAck: 8, LeaseLost: 1, LeaseDone: 1}
 
 
 def _entries(msg: Message) -> Sequence[tuple[str, object]]:
@@ -224,6 +273,8 @@ def _entries(msg: Message) -> Sequence[tuple[str, object]]:
         return [(rid, None) for rid in msg.request_ids]
     if isinstance(msg, LeaseAck):
         return msg.expiries
+    if isinstance(msg, LeaseDone):
+        return msg.done
     return msg.lost
 
 
@@ -259,6 +310,8 @@ def encode(msg: Message) -> bytes:
         mtype, seq, t = MessageType.LEASE_ACK, msg.echo_seq, msg.holder_now
     elif isinstance(msg, LeaseLost):
         mtype, seq, t = MessageType.LEASE_LOST, msg.echo_seq, msg.holder_now
+    elif isinstance(msg, LeaseDone):
+        mtype, seq, t = MessageType.LEASE_DONE, msg.seq, msg.sent_at
     else:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
     entries = _entries(msg)
@@ -279,7 +332,7 @@ def encode(msg: Message) -> bytes:
         parts.append(raw)
         if mtype is MessageType.LEASE_ACK:
             parts.append(_F64.pack(extra))
-        elif mtype is MessageType.LEASE_LOST:
+        elif mtype in (MessageType.LEASE_LOST, MessageType.LEASE_DONE):
             parts.append(bytes((int(extra),)))  # type: ignore[call-overload]
     out = b"".join(parts)
     if len(out) > MAX_MESSAGE_BYTES:
@@ -327,6 +380,8 @@ def split(msg: Message, max_bytes: int = MAX_MESSAGE_BYTES) -> list[Message]:
         return [attrs.evolve(msg, request_ids=msg.request_ids[a:b]) for a, b in cuts]
     if isinstance(msg, LeaseAck):
         return [attrs.evolve(msg, expiries=msg.expiries[a:b]) for a, b in cuts]
+    if isinstance(msg, LeaseDone):
+        return [attrs.evolve(msg, done=msg.done[a:b]) for a, b in cuts]
     return [attrs.evolve(msg, lost=msg.lost[a:b]) for a, b in cuts]
 
 
@@ -364,11 +419,12 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         raise CodecError(f"time field is not finite: {t!r}")
     if not 1 <= count <= MAX_IDS_PER_MESSAGE:
         raise CodecError(f"entry count {count} is outside 1..{MAX_IDS_PER_MESSAGE}")
-    trailer = {MessageType.HEARTBEAT: 0, MessageType.LEASE_ACK: 8, MessageType.LEASE_LOST: 1}[mtype]
+    trailer = 0 if mtype is MessageType.HEARTBEAT else 8 if mtype is MessageType.LEASE_ACK else 1
     pos = HEADER_BYTES
     ids: list[str] = []
     expiries: list[tuple[str, float]] = []
     lost: list[tuple[str, LostReason]] = []
+    done: list[tuple[str, DoneReason]] = []
     for i in range(count):
         if pos >= len(buf):
             raise CodecError(f"truncated: entry {i} of {count} is missing")
@@ -393,6 +449,11 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
                 lost.append((rid, LostReason(buf[end])))
             except ValueError:
                 raise CodecError(f"entry {i} ({rid!r}): unknown reason byte {buf[end]}") from None
+        elif mtype is MessageType.LEASE_DONE:
+            try:
+                done.append((rid, DoneReason(buf[end])))
+            except ValueError:
+                raise CodecError(f"entry {i} ({rid!r}): unknown reason byte {buf[end]}") from None
         pos = end + trailer
     if pos != len(buf):
         raise CodecError(f"{len(buf) - pos} trailing bytes after {count} entries")
@@ -403,6 +464,8 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
             return Heartbeat(seq=seq, sent_at=t, request_ids=tuple(ids))
         if mtype is MessageType.LEASE_ACK:
             return LeaseAck(echo_seq=seq, holder_now=t, expiries=expiries)
+        if mtype is MessageType.LEASE_DONE:
+            return LeaseDone(seq=seq, sent_at=t, done=done)
         return LeaseLost(echo_seq=seq, holder_now=t, lost=lost)
     except (ValueError, TypeError) as exc:  # defence in depth: the checks above should cover it
         raise CodecError(f"malformed message: {exc}") from None
