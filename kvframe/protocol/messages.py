@@ -65,7 +65,7 @@ def freeze_plain(value: Any, path: str = "value") -> Any:
             out[k] = freeze_plain(v, f"{path}[{k!r}]")
         return types.MappingProxyType(out)
     raise TypeError(
-        f"{path} is a {type(value).__name__}; only None, bool, int, float, str, bytes, "
+        f"{path} has type {type(value).__name__}; only None, bool, int, float, str, bytes, "
         "lists and str-keyed mappings of those can cross processes"
     )
 
@@ -81,11 +81,19 @@ def thaw_plain(value: Any) -> Any:
     return value
 
 
-def _plain_map(value: Mapping[str, Any]) -> Mapping[str, Any]:
+def _plain_map(value: Mapping[str, Any], path: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise TypeError(f"expected a mapping of plain values, got {type(value).__name__}")
-    frozen: Mapping[str, Any] = freeze_plain(value)
+        raise TypeError(f"{path} must be a mapping of plain values, got {type(value).__name__}")
+    frozen: Mapping[str, Any] = freeze_plain(value, path)
     return frozen
+
+
+def _extra(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return _plain_map(value, "extra")
+
+
+def _event_data(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return _plain_map(value, "data")
 
 
 def _str_set(value: Iterable[str]) -> frozenset[str]:
@@ -177,7 +185,7 @@ class KVEvent:
     """
 
     kind: str = attrs.field(validator=_non_empty_str)
-    data: Mapping[str, Any] = attrs.field(factory=dict, converter=_plain_map, hash=False)
+    data: Mapping[str, Any] = attrs.field(factory=dict, converter=_event_data, hash=False)
 
 
 def _number_map(
@@ -295,7 +303,7 @@ class ConnectorMetadata:
     )
     """Heartbeats to send this step: remote engine id → remote request ids whose leases this
     engine still needs."""
-    extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_plain_map, hash=False)
+    extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_extra, hash=False)
     """Connector-specific plain values."""
 
     @property

@@ -1,0 +1,161 @@
+"""OutputAggregator: finished only when every rank reported; merge rules; order independence."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvframe.protocol.aggregate import OutputAggregator
+from kvframe.protocol.messages import ConnectorOutput, KVEvent, Stats
+
+# A schedule: for each step, the (rank, sending ids, recving ids) reports that arrive in it.
+Report = tuple[int, frozenset[str], frozenset[str]]
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> tuple[int, list[list[Report]]]:
+    ranks = draw(st.integers(1, 4))
+    reqs = draw(st.lists(st.sampled_from("abcdefgh"), unique=True, max_size=8))
+    # Every rank reports each request at least once in each direction, possibly twice
+    # (a duplicate), in an arbitrary step.
+    reports: list[tuple[int, int, str, str]] = []
+    for rid in reqs:
+        for rank in range(ranks):
+            for direction in ("send", "recv"):
+                for _ in range(draw(st.integers(1, 2))):
+                    reports.append((draw(st.integers(0, 5)), rank, direction, rid))
+    steps: list[list[Report]] = [[] for _ in range(6)]
+    for step, rank, direction, rid in reports:
+        s = frozenset({rid}) if direction == "send" else frozenset()
+        r = frozenset({rid}) if direction == "recv" else frozenset()
+        steps[step].append((rank, s, r))
+    for step in steps:
+        order = draw(st.permutations(range(len(step))))
+        step[:] = [step[i] for i in order]
+    return ranks, steps
+
+
+def _run(ranks: int, steps: list[list[Report]]) -> list[ConnectorOutput]:
+    agg = OutputAggregator(ranks)
+    out = []
+    for step in steps:
+        for rank, s, r in step:
+            agg.add(rank, ConnectorOutput(finished_sending=s, finished_recving=r))
+        out.append(agg.take())
+    return out
+
+
+@given(schedules())
+def test_each_request_is_reported_once_and_only_after_every_rank(
+    sched: tuple[int, list[list[Report]]],
+) -> None:
+    ranks, steps = sched
+    results = _run(ranks, steps)
+    for attr, idx in (("finished_sending", 1), ("finished_recving", 2)):
+        seen: dict[str, set[int]] = {}
+        emitted: Counter[str] = Counter()
+        for step, result in zip(steps, results, strict=True):
+            for report in step:
+                for rid in report[idx]:
+                    seen.setdefault(rid, set()).add(report[0])
+            for rid in getattr(result, attr):
+                assert seen[rid] == set(range(ranks)), f"{rid} reported before every rank"
+                emitted[rid] += 1
+        # No double reporting, and nothing is lost.
+        assert all(n == 1 for n in emitted.values())
+        assert set(emitted) == set(seen)
+
+
+@given(schedules(), st.randoms(use_true_random=False))
+def test_order_of_reports_within_a_step_does_not_matter(
+    sched: tuple[int, list[list[Report]]], rnd: object
+) -> None:
+    ranks, steps = sched
+    shuffled = [list(step) for step in steps]
+    for step in shuffled:
+        rnd.shuffle(step)  # type: ignore[attr-defined]
+    assert _run(ranks, steps) == _run(ranks, shuffled)
+
+
+def test_sending_and_receiving_are_tracked_separately() -> None:
+    agg = OutputAggregator(2)
+    agg.add(0, ConnectorOutput(finished_sending={"r"}))
+    agg.add(1, ConnectorOutput(finished_recving={"r"}))
+    out = agg.take()
+    assert out.finished_sending == frozenset()
+    assert out.finished_recving == frozenset()
+    assert agg.pending() == {"sending": {"r": frozenset({0})}, "receiving": {"r": frozenset({1})}}
+    agg.add(1, ConnectorOutput(finished_sending={"r"}))
+    assert agg.take().finished_sending == {"r"}
+
+
+def test_invalid_blocks_union_and_failures_are_reported_once_with_lowest_rank_reason() -> None:
+    agg = OutputAggregator(3)
+    agg.add(2, ConnectorOutput(invalid_block_ids={1, 2}, failures={"r": "rank 2 broke"}))
+    agg.add(1, ConnectorOutput(invalid_block_ids={2, 3}, failures={"r": "rank 1 broke"}))
+    out = agg.take()
+    assert out.invalid_block_ids == {1, 2, 3}
+    assert dict(out.failures) == {"r": "rank 1 broke"}
+    agg.add(0, ConnectorOutput(failures={"r": "rank 0 late"}))
+    out = agg.take()
+    assert dict(out.failures) == {}
+    assert out.invalid_block_ids == frozenset()
+
+
+def test_stats_counters_add_and_gauges_take_latest_per_rank_then_max() -> None:
+    agg = OutputAggregator(2)
+    agg.add(0, ConnectorOutput(stats=Stats(counters={"bytes": 10}, gauges={"inflight": 9})))
+    agg.add(0, ConnectorOutput(stats=Stats(counters={"bytes": 5}, gauges={"inflight": 1})))
+    agg.add(1, ConnectorOutput(stats=Stats(counters={"bytes": 1.5}, gauges={"inflight": 4})))
+    stats = agg.take().stats
+    assert dict(stats.counters) == {"bytes": 16.5}
+    assert dict(stats.gauges) == {"inflight": 4}
+    assert agg.take().stats.is_empty
+
+
+def test_events_concatenate_in_rank_order() -> None:
+    agg = OutputAggregator(2)
+    e = [KVEvent(kind=f"k{i}") for i in range(4)]
+    agg.add(1, ConnectorOutput(events=[e[0]]))
+    agg.add(0, ConnectorOutput(events=[e[1], e[2]]))
+    agg.add(1, ConnectorOutput(events=[e[3]]))
+    assert agg.take().events == (e[1], e[2], e[0], e[3])
+    assert agg.take().events == ()
+
+
+def test_late_duplicates_beyond_memory_are_forgotten_oldest_first() -> None:
+    agg = OutputAggregator(1, remember=2)
+    for rid in "abc":
+        agg.add(0, ConnectorOutput(finished_sending={rid}))
+    assert agg.take().finished_sending == {"a", "b", "c"}
+    agg.add(0, ConnectorOutput(finished_sending={"a", "b", "c"}))
+    # "a" fell out of the bounded memory; "b" and "c" are still recognised as duplicates.
+    assert agg.take().finished_sending == {"a"}
+
+
+def test_aggregate_takes_one_output_per_rank() -> None:
+    agg = OutputAggregator(2)
+    out = agg.aggregate(
+        [ConnectorOutput(finished_recving={"x"}), ConnectorOutput(finished_recving={"x"})]
+    )
+    assert out.finished_recving == {"x"}
+    with pytest.raises(ValueError, match="expects one per rank"):
+        agg.aggregate([ConnectorOutput()])
+
+
+@pytest.mark.parametrize("rank", [-1, 2, True, "0"])
+def test_bad_rank_is_refused(rank: object) -> None:
+    with pytest.raises(ValueError, match=r"expects ranks 0\.\.1"):
+        OutputAggregator(2).add(rank, ConnectorOutput())  # type: ignore[arg-type]
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="number of worker ranks"):
+        OutputAggregator(0)
+    with pytest.raises(ValueError, match="remember"):
+        OutputAggregator(1, remember=0)
+    with pytest.raises(TypeError, match="expected a ConnectorOutput"):
+        OutputAggregator(1).add(0, {})  # type: ignore[arg-type]
