@@ -1,0 +1,397 @@
+"""The engine: a scheduler and a model runner in one process, and the public API.
+
+::
+
+    engine = Engine(EngineConfig(), kv_transfer_config=None)
+    outputs = engine.generate([[1, 2, 3], [4, 5]], max_tokens=8)
+    engine.check_no_leaks()
+    engine.shutdown()
+
+With a :class:`~kvframe.config.KVTransferConfig` the engine builds the named connector through
+kvframe's plugin host and calls its two halves at the points described in
+``docs/reference-engine.md``. The scheduler and the runner exchange only plain values; with
+``EngineConfig(encode_metadata=True)`` (the default) the connector's metadata and output also
+travel as codec bytes between them, as they would between processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvframe.config import KVTransferConfig
+from kvframe.errors import ConfigError
+from kvframe.protocol.codec import DEFAULT_CODEC, Codec
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
+from kvframe.runtime.plugins import PluginHost
+from kvframe.spi.connector import (
+    EngineInfo,
+    KVConnector,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
+
+from kvframe_refengine.block_pool import BlockPool
+from kvframe_refengine.model import ModelConfig, TinyLM
+from kvframe_refengine.request import Request, RequestOutput
+from kvframe_refengine.runner import ModelRunner
+from kvframe_refengine.scheduler import Scheduler
+
+__all__ = ["Engine", "EngineConfig", "LeakError"]
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"EngineConfig.{attribute.name} = {value!r}; it must be a positive int")
+
+
+def _non_negative_seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"EngineConfig.{attribute.name} = {value!r}; it must be seconds >= 0")
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """The engine's settings. Raises ``ValueError`` naming the field for a bad value."""
+
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    num_blocks: int = attrs.field(default=256, validator=_positive)
+    """KV blocks per layer (the pool's size)."""
+    block_size: int = attrs.field(default=16, validator=_positive)
+    """Tokens per block."""
+    max_num_seqs: int = attrs.field(default=16, validator=_positive)
+    """Most requests running or loading at once."""
+    max_num_batched_tokens: int = attrs.field(default=512, validator=_positive)
+    """Most tokens in one forward pass; longer prompts are prefilled in chunks."""
+    max_model_len: int = attrs.field(default=2048, validator=_positive)
+    """Longest prompt plus ``max_tokens`` a request may ask for."""
+    enable_prefix_caching: bool = True
+    encode_metadata: bool = True
+    """Send the connector's metadata and output between scheduler and runner as codec bytes
+    (proves that nothing else is shared). Off: the values are passed as they are."""
+    device: str = "cpu"
+    """Torch device for the model and the KV cache (``"cpu"``, ``"cuda"``, ``"cuda:1"``)."""
+    idle_sleep_s: float = attrs.field(default=0.001, validator=_non_negative_seconds)
+    """How long :meth:`Engine.generate` and :meth:`Engine.run_until_idle` sleep after a step
+    that ran no tokens (waiting on the connector)."""
+
+
+class LeakError(AssertionError):
+    """:meth:`Engine.check_no_leaks` found something still held. The message lists it all."""
+
+
+class Engine:
+    """A tiny real LLM engine that embeds kvframe.
+
+    Args:
+        config: the engine's settings.
+        kv_transfer_config: which connector to use and how, or ``None`` for no connector.
+        plugin_host: where to look the connector up; default a fresh, loaded
+            :class:`~kvframe.runtime.plugins.PluginHost` (entry points and built-ins).
+        codec: encodes the connector's metadata and output when ``config.encode_metadata``;
+            default :data:`~kvframe.protocol.codec.DEFAULT_CODEC`. A connector with its own
+            metadata class needs a codec that knows it (``Codec.with_types``).
+        clock: the engine's monotonic clock in seconds (``SchedulerStep.now``, arrival times).
+
+    Raises :class:`~kvframe.errors.PluginNotFoundError` for an unknown connector name,
+    :class:`~kvframe.errors.ConfigError` for a connector that needs a KV layout this engine
+    does not have, and whatever the connector's factories raise. Nothing is left running then.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_transfer_config: KVTransferConfig | None = None,
+        *,
+        plugin_host: PluginHost | None = None,
+        codec: Codec | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv_transfer_config = kv_transfer_config
+        self._codec = codec if codec is not None else DEFAULT_CODEC
+        self._clock = clock
+        self._closed = False
+        self.model = TinyLM(config.model, device=config.device)
+        sched_conn, worker_conn = self._build_connector(kv_transfer_config, plugin_host)
+        self.connector_scheduler = sched_conn
+        self.connector_worker = worker_conn
+        self.pool = BlockPool(config.num_blocks)
+        try:
+            self.runner = ModelRunner(
+                self.model,
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                connector=worker_conn,
+                decode_metadata=self._decode_metadata,
+                encode_output=self._round_trip_output,
+            )
+            if worker_conn is not None and sched_conn is not None:
+                blob = worker_conn.get_handshake_metadata()
+                sched_conn.set_xfer_handshake_metadata({} if blob is None else {0: blob})
+        except BaseException:
+            self._shutdown_connector()
+            raise
+        self.scheduler = Scheduler(
+            pool=self.pool,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            connector=sched_conn,
+            kv_config=kv_transfer_config,
+            encode=self._encode_metadata,
+            clock=clock,
+        )
+        self.num_steps = 0
+        self.num_idle_steps = 0
+        self._last_step_ran_tokens = False
+        self._generated = 0
+
+    # -- construction helpers ----------------------------------------------------------------
+    def engine_info(self) -> EngineInfo:
+        """What connectors learn about this engine; ``model`` is a digest of the model
+        configuration, so engines with different weights never exchange KV."""
+        digest = hashlib.sha256(repr(self.config.model).encode()).hexdigest()[:16]
+        return EngineInfo(block_size=self.config.block_size, model=f"refengine-tinylm-{digest}")
+
+    def _build_connector(
+        self, kv: KVTransferConfig | None, host: PluginHost | None
+    ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
+        if kv is None:
+            return None, None
+        if host is None:
+            host = PluginHost()
+        host.load()
+        cls: type[KVConnector] = host.connector(kv.kv_connector)
+        layout = cls.get_required_kvcache_layout(kv)
+        if layout not in (None, "NHD"):
+            raise ConfigError(
+                f"kv_connector {kv.kv_connector!r} needs KV cache layout {layout!r}; the "
+                "reference engine stores [block, K/V, token, head, dim] (NHD) only"
+            )
+        info = self.engine_info()
+        sched = cls.build_scheduler(kv, info)
+        try:
+            worker = cls.build_worker(kv, info, 0)
+        except BaseException:
+            sched.shutdown()
+            raise
+        return sched, worker
+
+    def _encode_metadata(self, meta: ConnectorMetadata) -> ConnectorMetadata | bytes:
+        if not self.config.encode_metadata:
+            return meta
+        try:
+            return self._codec.encode(meta)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot encode the connector's metadata ({type(meta).__qualname__}): {exc}; "
+                "pass Engine(codec=...) with a codec that knows the connector's message types "
+                "(Codec.with_types), or EngineConfig(encode_metadata=False)"
+            ) from exc
+
+    def _decode_metadata(self, sent: Any) -> ConnectorMetadata:
+        if isinstance(sent, bytes):
+            return self._codec.decode_as(sent, ConnectorMetadata)
+        if not isinstance(sent, ConnectorMetadata):
+            raise TypeError(f"expected connector metadata, got {type(sent).__name__}")
+        return sent
+
+    def _round_trip_output(self, output: ConnectorOutput) -> ConnectorOutput:
+        if not self.config.encode_metadata:
+            return output
+        return self._codec.decode_as(self._codec.encode(output), ConnectorOutput)
+
+    # -- the API -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Queue a request; its tokens come out of later :meth:`step` calls.
+
+        Raises ``ValueError`` for an empty or reused id (a finished request whose blocks the
+        connector still holds keeps its id), an empty prompt, a token outside the vocabulary,
+        ``max_tokens < 1``, a request longer than ``max_model_len`` or one that needs more
+        blocks than the whole cache; ``TypeError`` for parameters that are not a mapping. The
+        engine is unchanged then. Raises ``RuntimeError`` after :meth:`shutdown`.
+        """
+        self._check_open()
+        sched = self.scheduler
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id = {request_id!r}; it must be a non-empty str")
+        if request_id in sched.requests or request_id in sched.held:
+            raise ValueError(
+                f"request id {request_id!r} is still in use (live, or its blocks are held for "
+                "the connector); pick another id"
+            )
+        prompt = list(prompt_token_ids)
+        vocab = self.config.model.vocab_size
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
+        bad += [t for t in prompt if isinstance(t, int) and not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: token {bad[0]!r} is not an int in [0, {vocab})"
+            )
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens = {max_tokens!r}; must be >= 1")
+        if len(prompt) + max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: {len(prompt)} prompt tokens + max_tokens {max_tokens} "
+                f"exceed max_model_len {self.config.max_model_len}"
+            )
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, Mapping):
+            raise TypeError(
+                f"request {request_id!r}: kv_transfer_params must be a mapping or None, got "
+                f"{type(kv_transfer_params).__name__}"
+            )
+        req = Request(
+            request_id,
+            prompt,
+            max_tokens,
+            self.config.block_size,
+            kv_transfer_params,
+            self._clock(),
+        )
+        if req.num_lifetime_blocks > self.config.num_blocks:
+            raise ValueError(
+                f"request {request_id!r} needs {req.num_lifetime_blocks} blocks but the cache "
+                f"has {self.config.num_blocks}; shorten it or raise EngineConfig.num_blocks"
+            )
+        sched.add(req)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step (possibly with no tokens: the connector still gets its
+        metadata and reports). Returns the outputs of this step: new tokens and finishes
+        (finishes carry ``kv_transfer_params``). Raises ``RuntimeError`` after
+        :meth:`shutdown`; an exception from the model or the connector leaves the engine
+        unusable (shut it down)."""
+        self._check_open()
+        batch = self.scheduler.schedule()
+        result = self.runner.execute(batch)
+        self.num_steps += 1
+        if not batch.seqs:
+            self.num_idle_steps += 1
+        self._last_step_ran_tokens = bool(batch.seqs)
+        return self.scheduler.update(batch, result)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request. Its final output (``finish_reason`` ``ABORT``) comes from the
+        next :meth:`step`. Returns False (and does nothing) when the id is not live: unknown or
+        already finished, which a server racing a client's cancel must tolerate."""
+        self._check_open()
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished_work(self) -> bool:
+        """Whether stepping is still needed: live requests, blocks held for the connector, or
+        the connector's ``has_pending_work()``."""
+        if self.scheduler.has_requests():
+            return True
+        return self.connector_scheduler is not None and self.connector_scheduler.has_pending_work()
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, *, timeout_s: float = 60.0
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; returns each one's final output, in order.
+
+        Returns as soon as these requests have finished; blocks a connector still holds for
+        them (a producer's delayed free) are released by later steps (:meth:`run_until_idle`).
+        Raises ``ValueError`` as :meth:`add_request` does and ``TimeoutError`` when they are
+        not done in ``timeout_s`` seconds (they are aborted first).
+        """
+        ids = [f"gen-{self._generated + i}" for i in range(len(prompts))]
+        self._generated += len(prompts)
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.add_request(rid, prompt, max_tokens)
+        final: dict[str, RequestOutput] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(final) < len(ids):
+            if time.monotonic() > deadline:
+                for rid in ids:
+                    self.abort(rid)
+                raise TimeoutError(f"generate: {len(ids) - len(final)} requests still running")
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+            self._idle_pause()
+        return [final[rid] for rid in ids]
+
+    def run_until_idle(self, timeout_s: float = 10.0) -> list[RequestOutput]:
+        """Step until :meth:`has_unfinished_work` is false; returns every output produced.
+
+        Raises ``TimeoutError`` after ``timeout_s`` seconds (the engine is left as it is)."""
+        outputs: list[RequestOutput] = []
+        deadline = time.monotonic() + timeout_s
+        while self.has_unfinished_work():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine still busy after {timeout_s} s: {self.describe()}")
+            outputs += self.step()
+            self._idle_pause()
+        return outputs
+
+    def _idle_pause(self) -> None:
+        if not self._last_step_ran_tokens and self.config.idle_sleep_s:
+            time.sleep(self.config.idle_sleep_s)
+
+    def describe(self) -> dict[str, Any]:
+        """Queue sizes, pool counts and counters (for logs and failing tests)."""
+        return {
+            **self.scheduler.debug_state(),
+            **self.scheduler.counters,
+            "steps": self.num_steps,
+            "idle_steps": self.num_idle_steps,
+            "evictions": self.pool.num_evictions,
+            "connector_pending": self.connector_scheduler is not None
+            and self.connector_scheduler.has_pending_work(),
+        }
+
+    def check_no_leaks(self) -> None:
+        """The leak oracle: raise :class:`LeakError` unless the engine is idle and clean.
+
+        Clean means: no live request, no finished request holding blocks, every block free
+        (cached free blocks are fine: the prefix cache may keep them), the block pool's own
+        invariants hold, and the connector reports no pending work. Changes nothing.
+        """
+        problems = self.scheduler.describe_leaks()
+        try:
+            self.pool.check_invariants()
+        except AssertionError as exc:
+            problems.append(f"block pool corrupt: {exc}")
+        if self.connector_scheduler is not None and self.connector_scheduler.has_pending_work():
+            problems.append("the connector reports pending work (has_pending_work() is True)")
+        if problems:
+            raise LeakError("engine is not idle and clean: " + "; ".join(problems))
+
+    def shutdown(self) -> None:
+        """Stop the connector's halves and drop the KV cache. Safe to call twice; every other
+        method raises ``RuntimeError`` afterwards. Live requests are simply dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown_connector()
+
+    def _shutdown_connector(self) -> None:
+        # Worker first: it owns the transfers that write into the KV cache.
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine was shut down; build a new Engine")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
