@@ -19,7 +19,12 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 #: Benchmarks: name -> (module, one-line help).
-BENCHMARKS: dict[str, tuple[str, str]] = {}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "transfer": (
+        "kvframe.bench.transfer",
+        "cross-process READ: kvframe NIXL transport vs raw NIXL vs memcpy, and post cost",
+    ),
+}
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -433,3 +433,29 @@ def test_peer_killed_while_idle(local: Local, peer: tuple[Peer, Any]) -> None:
     h = local.t.post(Op.READ, local.local, [0], premote, [0])
     assert wait(local, h) is XferState.DONE
     local.t.release(h)
+
+
+# -- descriptor ids ----------------------------------------------------------------------------
+
+
+@given(
+    nb=st.integers(1, 20),
+    lens=st.lists(st.integers(1, 64), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_pair_ids_match_descriptor_ids(nb: int, lens: list[int], data: st.DataObject) -> None:
+    from kvframe_nixl.transport import _pair_ids
+
+    from kvframe.spi.transport import descriptor_ids
+
+    regions = [MemoryRegion(addr=1 << 20, length=b * nb) for b in lens]
+    layout = BlockLayout(regions=regions, block_lens=lens, num_blocks=nb)
+    n = data.draw(st.integers(0, 8))
+    lblk = data.draw(st.lists(st.integers(0, nb - 1), min_size=n, max_size=n))
+    rblk = data.draw(st.lists(st.integers(0, nb - 1), min_size=n, max_size=n))
+    sel = data.draw(st.none() | st.lists(st.integers(0, len(lens) - 1), min_size=1, unique=True))
+    lids, rids, nbytes = _pair_ids(layout, layout, lblk, rblk, sel)
+    np.testing.assert_array_equal(lids, descriptor_ids(layout, lblk, sel))
+    np.testing.assert_array_equal(rids, descriptor_ids(layout, rblk, sel))
+    chosen = range(len(lens)) if sel is None else sel
+    assert nbytes == n * sum(lens[r] for r in chosen)

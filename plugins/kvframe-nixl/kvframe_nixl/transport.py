@@ -98,7 +98,6 @@ from kvframe.spi.transport import (
     TransportParams,
     XferHandle,
     XferState,
-    descriptor_ids,
 )
 
 __all__ = [
@@ -338,6 +337,8 @@ def _quiet_nixl_logging() -> None:
     # NIXL's Python logger writes INFO lines to *stdout* on every agent creation, which
     # corrupts machine-readable output (``kvframe bench ... --json``). Respect an explicit
     # NIXL_LOG_LEVEL; otherwise keep only warnings.
+    import nixl_cu12  # noqa: F401  (NIXL configures its logger on import; adjust after)
+
     if not os.environ.get("NIXL_LOG_LEVEL"):
         logging.getLogger("nixl").setLevel(logging.WARNING)
 
@@ -358,6 +359,66 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 
 def _as_str(name: str | bytes) -> str:
     return name.decode() if isinstance(name, bytes) else name
+
+
+def _check_blocks(blk: npt.NDArray[np.int64], num_blocks: int, side: str) -> None:
+    if blk.size and (int(blk.min()) < 0 or int(blk.max()) >= num_blocks):
+        raise ValueError(
+            f"{side} block index out of range: layout has {num_blocks} blocks, "
+            f"got min {int(blk.min())}, max {int(blk.max())}"
+        )
+
+
+def _pair_ids(
+    local: BlockLayout,
+    remote: BlockLayout,
+    local_blocks: Sequence[int] | npt.NDArray[Any],
+    remote_blocks: Sequence[int] | npt.NDArray[Any],
+    regions: Sequence[int] | None,
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], int]:
+    """Descriptor ids of both sides (exactly :func:`descriptor_ids`, region-major) and the
+    bytes moved, validated together so a request costs a handful of numpy calls.
+
+    Raises ``ValueError`` for lists of different lengths, out-of-range blocks or regions,
+    layouts whose region counts differ (without ``regions``) or block lengths that differ in a
+    selected region.
+    """
+    lblk = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
+    rblk = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
+    if lblk.size != rblk.size:
+        raise ValueError(
+            f"local_blocks has {lblk.size} entries but remote_blocks has {rblk.size}; "
+            "they pair up one to one"
+        )
+    _check_blocks(lblk, local.num_blocks, "local")
+    _check_blocks(rblk, remote.num_blocks, "remote")
+    if regions is None:
+        if local.num_regions != remote.num_regions:
+            raise ValueError(
+                f"local layout has {local.num_regions} regions, remote has "
+                f"{remote.num_regions}; pass regions= to select matching ones"
+            )
+        sel = list(range(local.num_regions))
+    else:
+        sel = [int(r) for r in np.asarray(regions, dtype=np.int64).reshape(-1)]
+        limit = min(local.num_regions, remote.num_regions)
+        bad = [r for r in sel if not 0 <= r < limit]
+        if bad:
+            raise ValueError(
+                f"region index out of range: layouts have {local.num_regions} (local) and "
+                f"{remote.num_regions} (remote) regions, got {bad}"
+            )
+    for r in sel:
+        if local.block_lens[r] != remote.block_lens[r]:
+            raise ValueError(
+                f"region {r}: local blocks are {local.block_lens[r]} bytes, remote blocks "
+                f"{remote.block_lens[r]}; they must match"
+            )
+    reg = np.asarray(sel, dtype=np.int64)[:, None]
+    lids = (reg * local.num_blocks + lblk[None, :]).reshape(-1).astype(np.int32)
+    rids = (reg * remote.num_blocks + rblk[None, :]).reshape(-1).astype(np.int32)
+    nbytes = int(lblk.size) * sum(local.block_lens[r] for r in sel)
+    return lids, rids, nbytes
 
 
 class NixlTransport(Transport):
@@ -740,31 +801,9 @@ class NixlTransport(Transport):
                 f"peer {peer!r} was removed or replaced since this remote layout was "
                 "prepared; add it and prepare its layout again"
             )
-        lblk = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
-        rblk = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
-        if lblk.size != rblk.size:
-            raise ValueError(
-                f"local_blocks has {lblk.size} entries but remote_blocks has {rblk.size}; "
-                "they pair up one to one"
-            )
-        lids = descriptor_ids(local.layout, lblk, regions)
-        rids = descriptor_ids(remote.layout, rblk, regions)
-        sel = range(local.layout.num_regions) if regions is None else [int(r) for r in regions]
-        if local.layout.num_regions != remote.layout.num_regions and regions is None:
-            raise ValueError(
-                f"local layout has {local.layout.num_regions} regions, remote has "
-                f"{remote.layout.num_regions}; pass regions= to select matching ones"
-            )
-        nbytes = 0
-        for r in sel:
-            if r >= remote.layout.num_regions:
-                raise ValueError(f"region {r} is out of range for the remote layout")
-            if local.layout.block_lens[r] != remote.layout.block_lens[r]:
-                raise ValueError(
-                    f"region {r}: local blocks are {local.layout.block_lens[r]} bytes, remote "
-                    f"blocks {remote.layout.block_lens[r]}; they must match"
-                )
-            nbytes += local.layout.block_lens[r] * int(lblk.size)
+        lids, rids, nbytes = _pair_ids(
+            local.layout, remote.layout, local_blocks, remote_blocks, regions
+        )
         notif = self._check_payload(notification)
         handle = XferHandle(
             op=op, peer=peer, nbytes=nbytes, num_descriptors=int(lids.size), native=None
@@ -775,9 +814,9 @@ class NixlTransport(Transport):
             handle,
             _NIXL_OP[op],
             lp.dlist,
-            lids.astype(np.int32),
+            lids,
             rp.dlist,
-            rids.astype(np.int32),
+            rids,
             notif,
         )
         if lids.size == 0:

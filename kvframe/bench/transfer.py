@@ -1,0 +1,697 @@
+"""``kvframe bench transfer``: the transport-level transfer benchmark.
+
+Measured side by side in one run, on the same memory and the same random block sets:
+
+- **kvframe** — a cross-process READ (D pulls from P) through the kvframe NIXL transport, found
+  through the plugin host like any transport (``post`` + ``poll`` until done + ``release``);
+- **raw NIXL** — the same READ with NIXL called directly: descriptor lists prepared once with
+  ``prep_xfer_dlist``, then ``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` per
+  request, so the ratio kvframe/raw is kvframe's own overhead;
+- **memcpy** — ``np.copyto`` of the same blocks inside one process, the ceiling of any copy.
+
+for block sizes 16 KiB … 2 MiB and 1 … 256 blocks per request. A second table gives the
+per-request cost of posting (µs) against the number of descriptors, and a third the overlap
+of a large synchronous post with the caller's own work (inline versus ``post_thread``).
+
+P runs in a child process (this module with ``serve``), which hosts both a kvframe transport
+and a raw NIXL agent over one registered pool and drives their progress every 0.5 ms. Commands
+and replies are msgpack maps over pipes.
+
+**Adding a column** (the lead's "through the P/D connector" column): implement a
+:class:`Method` (``name``, ``setup``, ``run_once``, ``close``) and append its factory to
+:data:`METHOD_FACTORIES`; the tables, ratios and JSON pick it up, and the JSON shape stays the
+same (``results`` is keyed by method name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from kvframe.spi.transport import (
+    BlockLayout,
+    LayoutHandle,
+    MemoryRegion,
+    Op,
+    Transport,
+    TransportParams,
+    XferState,
+)
+
+__all__ = [
+    "FULL",
+    "METHOD_FACTORIES",
+    "QUICK",
+    "BenchConfig",
+    "Method",
+    "add_arguments",
+    "run",
+    "serve",
+]
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+class BenchConfig:
+    """The sweep: block sizes, blocks per request, repetitions, the descriptor counts of the
+    post-cost table and the size of each side's memory pool."""
+
+    def __init__(
+        self,
+        *,
+        block_sizes: Sequence[int],
+        blocks: Sequence[int],
+        repeats: int,
+        descriptor_counts: Sequence[int],
+        overlap_bytes: int,
+        pool_bytes: int,
+    ) -> None:
+        self.block_sizes = tuple(block_sizes)
+        self.blocks = tuple(blocks)
+        self.repeats = repeats
+        self.descriptor_counts = tuple(descriptor_counts)
+        self.overlap_bytes = overlap_bytes
+        # The pool must hold the largest request; smaller blocks are drawn from all of it, so
+        # a request rarely reuses what the previous one left in the CPU caches.
+        self.pool_bytes = max(
+            pool_bytes,
+            max(self.block_sizes) * max(self.blocks),
+            16 * KiB * max(self.descriptor_counts),
+            overlap_bytes,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The configuration as a JSON-able map."""
+        return {
+            "block_sizes": list(self.block_sizes),
+            "blocks": list(self.blocks),
+            "repeats": self.repeats,
+            "descriptor_counts": list(self.descriptor_counts),
+            "overlap_bytes": self.overlap_bytes,
+            "pool_bytes": self.pool_bytes,
+        }
+
+
+FULL = BenchConfig(
+    block_sizes=(16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB),
+    blocks=(1, 4, 16, 64, 256),
+    repeats=5,
+    descriptor_counts=(1, 8, 64, 128, 256, 512),
+    overlap_bytes=64 * MiB,
+    pool_bytes=256 * MiB,
+)
+"""The default sweep (about a minute on two cores)."""
+
+QUICK = BenchConfig(
+    block_sizes=(16 * KiB, 256 * KiB),
+    blocks=(1, 8),
+    repeats=2,
+    descriptor_counts=(1, 16),
+    overlap_bytes=4 * MiB,
+    pool_bytes=8 * MiB,
+)
+"""``--quick``: a few seconds; for tests of the output's shape, not for figures."""
+
+
+# -- the child process (P) -------------------------------------------------------------------
+
+
+def _as_str(name: str | bytes) -> str:
+    # NIXL returns agent names as bytes from some calls and str from others.
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def _quiet_nixl() -> None:
+    # NIXL's logger prints INFO lines to stdout, which would corrupt --json output.
+    import nixl_cu12  # noqa: F401  (NIXL configures its logger on import)
+
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+def _send(fd: int, value: Any) -> None:
+    data: bytes = msgpack.packb(value, use_bin_type=True)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def serve(reply_fd: int, pool_bytes: int) -> None:
+    """The child's main loop: host P's kvframe transport and raw NIXL agent over one pool.
+
+    Commands come as msgpack maps on stdin (``add_peer``, ``add_raw``, ``exit``); one reply per
+    command goes to ``reply_fd``. Progress is driven every 0.5 ms in between.
+    """
+    os.dup2(2, 1)  # NIXL's logger may print to stdout; keep the parent's pipes clean
+    _quiet_nixl()
+    import nixl_cu12
+
+    from kvframe.runtime.plugins import PluginHost
+
+    pool = np.random.default_rng(0).integers(0, 256, pool_bytes, dtype=np.uint8)
+    host = PluginHost()
+    host.load()
+    t = host.create_transport("nixl", TransportParams(name=f"bench-P-{os.getpid()}"))
+    t.register_memory([MemoryRegion(addr=pool.ctypes.data, length=pool.nbytes)])
+    raw: Any = nixl_cu12.nixl_agent(
+        f"bench-P-raw-{os.getpid()}", nixl_cu12.nixl_agent_config(enable_prog_thread=False)
+    )
+    raw.register_memory(np.array([[pool.ctypes.data, pool.nbytes, 0]], dtype=np.uint64), "DRAM")
+    _send(
+        reply_fd,
+        {
+            "meta": t.local_metadata(),
+            "raw_meta": bytes(raw.get_agent_metadata()),
+            "raw_name": raw.name,
+            "addr": pool.ctypes.data,
+        },
+    )
+    unpacker = msgpack.Unpacker(raw=False)
+    try:
+        while True:
+            ready, _, _ = select.select([0], [], [], 0.0005)
+            t.progress()
+            raw.get_new_notifs()
+            if not ready:
+                continue
+            data = os.read(0, 1 << 16)
+            if not data:
+                return
+            unpacker.feed(data)
+            for cmd in unpacker:
+                if cmd["op"] == "add_peer":
+                    _send(reply_fd, t.add_peer(cmd["meta"]))
+                elif cmd["op"] == "add_raw":
+                    _send(reply_fd, _as_str(raw.add_remote_agent(cmd["meta"])))
+                elif cmd["op"] == "exit":
+                    _send(reply_fd, None)
+                    return
+    finally:
+        t.close()
+
+
+class _Child:
+    """The P process, seen from D."""
+
+    def __init__(self, pool_bytes: int) -> None:
+        r, w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvframe.bench.transfer", "serve", str(w), str(pool_bytes)],
+            stdin=subprocess.PIPE,
+            pass_fds=[w],
+        )
+        os.close(w)
+        self._fd = r
+        self._unpacker = msgpack.Unpacker(raw=False)
+        self.hello: dict[str, Any] = self.result(None, timeout=60.0)
+
+    def call(self, drive: Callable[[], object] | None, op: str, **kw: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(msgpack.packb({"op": op, **kw}, use_bin_type=True))
+        self.proc.stdin.flush()
+        return self.result(drive)
+
+    def result(self, drive: Callable[[], object] | None, timeout: float = 30.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            for value in self._unpacker:
+                return value
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"benchmark child exited with status {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"benchmark child did not answer within {timeout} s")
+            ready, _, _ = select.select([self._fd], [], [], 0.0005)
+            if drive is not None:
+                drive()
+            if ready:
+                self._unpacker.feed(os.read(self._fd, 1 << 16))
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.call(None, "exit")
+                self.proc.wait(10)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            os.close(self._fd)
+
+
+# -- methods (the table's columns) ------------------------------------------------------------
+
+
+class _Env:
+    """What every method may use: D's pool, P's pool address, the child, a local source pool
+    for memcpy and the plugin host."""
+
+    def __init__(self, child: _Child, pool: npt.NDArray[np.uint8], config: BenchConfig) -> None:
+        self.child = child
+        self.pool = pool
+        self.remote_addr: int = child.hello["addr"]
+        self.config = config
+        self.source = np.random.default_rng(1).integers(0, 256, pool.nbytes, dtype=np.uint8)
+
+
+class Method(Protocol):
+    """One column of the throughput table.
+
+    ``setup(block_size, num_blocks)`` is called once per block size (prepare what a real user
+    prepares once); ``run_once(dst, src)`` moves blocks ``src`` of P's pool into blocks ``dst``
+    of D's pool and returns when every byte landed; ``close()`` releases everything.
+    """
+
+    name: str
+
+    def setup(self, block_size: int, num_blocks: int) -> None: ...
+
+    def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _KvframeMethod:
+    name = "kvframe"
+
+    def __init__(self, env: _Env, *, post_thread: bool = False) -> None:
+        from kvframe.runtime.plugins import PluginHost
+
+        host = PluginHost()
+        host.load()
+        suffix = "-thread" if post_thread else ""
+        self.t: Transport = host.create_transport(
+            "nixl",
+            TransportParams(
+                name=f"bench-D{suffix}-{os.getpid()}", options={"post_thread": post_thread}
+            ),
+        )
+        self.env = env
+        self.t.register_memory([MemoryRegion(addr=env.pool.ctypes.data, length=env.pool.nbytes)])
+        self.peer = self.t.add_peer(env.child.hello["meta"])
+        env.child.call(self.t.progress, "add_peer", meta=self.t.local_metadata())
+        self.local: LayoutHandle | None = None
+        self.remote: LayoutHandle | None = None
+
+    def setup(self, block_size: int, num_blocks: int) -> None:
+        self.local = self.t.prepare_local(
+            _layout(self.env.pool.ctypes.data, block_size, num_blocks)
+        )
+        self.remote = self.t.prepare_remote(
+            self.peer, _layout(self.env.remote_addr, block_size, num_blocks)
+        )
+
+    def post(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> Any:
+        assert self.local is not None
+        assert self.remote is not None
+        return self.t.post(Op.READ, self.local, dst, self.remote, src)
+
+    def wait(self, h: Any) -> None:
+        while (state := self.t.poll(h)) is XferState.PENDING:
+            pass
+        self.t.release(h)
+        if state is not XferState.DONE:
+            raise RuntimeError(f"kvframe READ failed: {h.error}")
+
+    def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
+        self.wait(self.post(dst, src))
+
+    def close(self) -> None:
+        self.t.close()
+
+
+def _layout(addr: int, block_size: int, num_blocks: int) -> BlockLayout:
+    return BlockLayout(
+        regions=[MemoryRegion(addr=addr, length=block_size * num_blocks)],
+        block_lens=[block_size],
+        num_blocks=num_blocks,
+    )
+
+
+def _descs(addr: int, block_size: int, num_blocks: int) -> npt.NDArray[np.uint64]:
+    starts = np.uint64(addr) + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_size)
+    return np.stack(
+        [starts, np.full(num_blocks, block_size, np.uint64), np.zeros(num_blocks, np.uint64)],
+        axis=1,
+    )
+
+
+class _RawNixlMethod:
+    name = "raw_nixl"
+
+    def __init__(self, env: _Env) -> None:
+        import nixl_cu12
+
+        self.env = env
+        self.agent: Any = nixl_cu12.nixl_agent(
+            f"bench-D-raw-{os.getpid()}", nixl_cu12.nixl_agent_config(enable_prog_thread=False)
+        )
+        pool = env.pool
+        self.reg = self.agent.register_memory(
+            np.array([[pool.ctypes.data, pool.nbytes, 0]], dtype=np.uint64), "DRAM"
+        )
+        self.peer = _as_str(self.agent.add_remote_agent(env.child.hello["raw_meta"]))
+        env.child.call(
+            self.agent.get_new_notifs, "add_raw", meta=bytes(self.agent.get_agent_metadata())
+        )
+        self.lists: list[Any] = []
+
+    def setup(self, block_size: int, num_blocks: int) -> None:
+        for h in self.lists:
+            h.release()
+        self.local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _descs(self.env.pool.ctypes.data, block_size, num_blocks), "DRAM"
+        )
+        self.remote = self.agent.prep_xfer_dlist(
+            self.peer, _descs(self.env.remote_addr, block_size, num_blocks), "DRAM"
+        )
+        self.lists = [self.local, self.remote]
+
+    def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
+        h = self.agent.make_prepped_xfer(
+            "READ", self.local, dst.astype(np.int32), self.remote, src.astype(np.int32)
+        )
+        state = self.agent.transfer(h)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(h)
+        h.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ ended in state {state}")
+
+    def close(self) -> None:
+        for h in self.lists:
+            h.release()
+        self.agent.deregister_memory(self.reg)
+        self.agent.remove_remote_agent(self.peer)
+
+
+class _MemcpyMethod:
+    name = "memcpy"
+
+    def __init__(self, env: _Env) -> None:
+        self.env = env
+
+    def setup(self, block_size: int, num_blocks: int) -> None:
+        n = block_size * num_blocks
+        self.dst = self.env.pool[:n].reshape(num_blocks, block_size)
+        self.src = self.env.source[:n].reshape(num_blocks, block_size)
+
+    def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
+        for d, s in zip(dst.tolist(), src.tolist(), strict=True):
+            np.copyto(self.dst[d], self.src[s])
+
+    def close(self) -> None:
+        pass
+
+
+#: The throughput table's columns, in order. The first is the subject of the ratios.
+#: The lead's "through the P/D connector" column is appended here (see the module docstring).
+METHOD_FACTORIES: list[Callable[[_Env], Method]] = [
+    _KvframeMethod,
+    _RawNixlMethod,
+    _MemcpyMethod,
+]
+
+
+# -- measurements ----------------------------------------------------------------------------
+
+
+def _throughput(
+    methods: Sequence[Method], config: BenchConfig, rng: np.random.Generator
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for bs in config.block_sizes:
+        pool_blocks = config.pool_bytes // bs
+        for m in methods:
+            m.setup(bs, pool_blocks)
+        for n in config.blocks:
+            times: dict[str, list[float]] = {m.name: [] for m in methods}
+            for _ in range(config.repeats + 1):  # the first round warms up and is dropped
+                dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
+                src = rng.permutation(pool_blocks)[:n].astype(np.int64)
+                for m in methods:
+                    t0 = time.perf_counter()
+                    m.run_once(dst, src)
+                    times[m.name].append(time.perf_counter() - t0)
+            nbytes = bs * n
+            results = {}
+            for name, ts in times.items():
+                med = statistics.median(ts[1:])
+                results[name] = {"median_s": med, "gbps": nbytes / med / 1e9}
+            first = methods[0].name
+            ratios = {
+                f"{first}/{m.name}": results[first]["gbps"] / results[m.name]["gbps"]
+                for m in methods[1:]
+            }
+            rows.append(
+                {
+                    "block_bytes": bs,
+                    "blocks": n,
+                    "bytes": nbytes,
+                    "results": results,
+                    "ratios": ratios,
+                }
+            )
+    return rows
+
+
+def _post_cost(
+    inline: _KvframeMethod,
+    threaded: _KvframeMethod,
+    raw: _RawNixlMethod,
+    config: BenchConfig,
+    rng: np.random.Generator,
+) -> list[dict[str, Any]]:
+    bs = 16 * KiB
+    pool_blocks = config.pool_bytes // bs
+    for m in (inline, threaded, raw):
+        m.setup(bs, pool_blocks)
+    rows = []
+    for n in config.descriptor_counts:
+        samples: dict[str, list[float]] = {
+            "kvframe_post_us": [],
+            "kvframe_post_thread_us": [],
+            "raw_make_us": [],
+            "raw_make_transfer_us": [],
+        }
+        for _ in range(max(3, config.repeats) + 1):
+            dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
+            src = rng.permutation(pool_blocks)[:n].astype(np.int64)
+            for key, m in (("kvframe_post_us", inline), ("kvframe_post_thread_us", threaded)):
+                t0 = time.perf_counter()
+                h = m.post(dst, src)
+                samples[key].append((time.perf_counter() - t0) * 1e6)
+                m.wait(h)
+            d32, s32 = dst.astype(np.int32), src.astype(np.int32)
+            t0 = time.perf_counter()
+            xh = raw.agent.make_prepped_xfer("READ", raw.local, d32, raw.remote, s32)
+            t1 = time.perf_counter()
+            state = raw.agent.transfer(xh)
+            t2 = time.perf_counter()
+            while state == "PROC":
+                state = raw.agent.check_xfer_state(xh)
+            xh.release()
+            samples["raw_make_us"].append((t1 - t0) * 1e6)
+            samples["raw_make_transfer_us"].append((t2 - t0) * 1e6)
+        row: dict[str, Any] = {"descriptors": n}
+        row.update({k: statistics.median(v[1:]) for k, v in samples.items()})
+        rows.append(row)
+    return rows
+
+
+def _busy_work(seconds: float) -> None:
+    # Stands in for the engine's forward pass: numpy work that releases the GIL.
+    a = np.ones((256, 256), dtype=np.float32)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = np.tanh(a @ a.T * 1e-3)
+
+
+def _overlap(
+    inline: _KvframeMethod, threaded: _KvframeMethod, config: BenchConfig, rng: np.random.Generator
+) -> dict[str, Any]:
+    bs = 2 * MiB if config.overlap_bytes >= 2 * MiB else 16 * KiB
+    n = max(1, config.overlap_bytes // bs)
+    pool_blocks = config.pool_bytes // bs
+    for m in (inline, threaded):
+        m.setup(bs, pool_blocks)
+    dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
+    src = rng.permutation(pool_blocks)[:n].astype(np.int64)
+    transfer_s = statistics.median(
+        _timed(lambda: inline.run_once(dst, src)) for _ in range(config.repeats + 1)
+    )
+    work_s = transfer_s  # as much of the caller's own work as the transfer takes
+    out: dict[str, Any] = {"bytes": bs * n, "transfer_s": transfer_s, "work_s": work_s}
+    for key, m in (("inline", inline), ("post_thread", threaded)):
+
+        def step(m: _KvframeMethod = m) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            h = m.post(dst, src)
+            posted = time.perf_counter() - t0
+            _busy_work(work_s)
+            m.wait(h)
+            return posted, time.perf_counter() - t0
+
+        runs = [step() for _ in range(config.repeats + 1)][1:]
+        out[key] = {
+            "post_s": statistics.median(r[0] for r in runs),
+            "step_s": statistics.median(r[1] for r in runs),
+        }
+    return out
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(config: BenchConfig, *, seed: int = 0) -> dict[str, Any]:
+    """Run the whole benchmark and return the JSON-able report (see :func:`run` for its
+    shape). Raises ``RuntimeError`` when the child process or a transfer fails."""
+    _quiet_nixl()
+    pool = np.zeros(config.pool_bytes, dtype=np.uint8)
+    pool[:] = 1  # touch every page before timing anything
+    child = _Child(config.pool_bytes)
+    methods: list[Method] = []
+    extra: list[_KvframeMethod] = []
+    try:
+        env = _Env(child, pool, config)
+        for factory in METHOD_FACTORIES:
+            methods.append(factory(env))
+        rng = np.random.default_rng(seed)
+        throughput = _throughput(methods, config, rng)
+        inline = next(m for m in methods if isinstance(m, _KvframeMethod))
+        raw = next(m for m in methods if isinstance(m, _RawNixlMethod))
+        threaded = _KvframeMethod(env, post_thread=True)
+        extra.append(threaded)
+        post_cost = _post_cost(inline, threaded, raw, config, rng)
+        overlap = _overlap(inline, threaded, config, rng)
+    finally:
+        for m in [*methods, *extra]:
+            m.close()
+        child.close()
+    return {
+        "benchmark": "transfer",
+        "version": 1,
+        "config": config.as_dict(),
+        "methods": [m.name for m in methods],
+        "throughput": throughput,
+        "post_cost": post_cost,
+        "overlap": overlap,
+    }
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--json`` and ``--quick`` to the ``kvframe bench transfer`` parser."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few seconds; checks the output, not for figures"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="block-set seed (default 0)")
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB and n % MiB == 0 else f"{n // KiB} KiB"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as tables for people."""
+    methods: list[str] = report["methods"]
+    lines = [
+        "READ P->D across processes, GB/s (median); ratios: kvframe / other",
+        "",
+        "| block | blocks | "
+        + " | ".join(methods)
+        + " | "
+        + " | ".join(report["throughput"][0]["ratios"])
+        + " |",
+        "|---|---|" + "---|" * (len(methods) + len(report["throughput"][0]["ratios"])),
+    ]
+    for row in report["throughput"]:
+        cells = [f"{row['results'][m]['gbps']:.2f}" for m in methods]
+        cells += [f"{v:.2f}" for v in row["ratios"].values()]
+        lines.append(
+            f"| {_fmt_size(row['block_bytes'])} | {row['blocks']} | " + " | ".join(cells) + " |"
+        )
+    lines += [
+        "",
+        "Per-request post cost (µs, 16 KiB blocks) against descriptors",
+        "",
+        "| descriptors | kvframe post | kvframe post (post_thread) | raw make_prepped_xfer "
+        "| raw make + transfer |",
+        "|---|---|---|---|---|",
+    ]
+    for row in report["post_cost"]:
+        lines.append(
+            f"| {row['descriptors']} | {row['kvframe_post_us']:.1f} | "
+            f"{row['kvframe_post_thread_us']:.1f} | {row['raw_make_us']:.1f} | "
+            f"{row['raw_make_transfer_us']:.1f} |"
+        )
+    ov = report["overlap"]
+    lines += [
+        "",
+        f"Overlap: one {_fmt_size(ov['bytes'])} READ ({ov['transfer_s'] * 1e3:.1f} ms) with "
+        f"{ov['work_s'] * 1e3:.1f} ms of the caller's own work",
+        "",
+        "| mode | post returns after (ms) | post + work + wait (ms) |",
+        "|---|---|---|",
+    ]
+    for key in ("inline", "post_thread"):
+        lines.append(f"| {key} | {ov[key]['post_s'] * 1e3:.2f} | {ov[key]['step_s'] * 1e3:.1f} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print tables, or with ``--json`` one object::
+
+        {"benchmark": "transfer", "version": 1, "config": {...}, "methods": [names],
+         "throughput": [{"block_bytes", "blocks", "bytes",
+                         "results": {method: {"median_s", "gbps"}},
+                         "ratios": {"kvframe/<method>": float}}],
+         "post_cost": [{"descriptors", "kvframe_post_us", "kvframe_post_thread_us",
+                        "raw_make_us", "raw_make_transfer_us"}],
+         "overlap": {"bytes", "transfer_s", "work_s",
+                     "inline": {"post_s", "step_s"}, "post_thread": {"post_s", "step_s"}}}
+
+    Returns 0, or 1 (with a message on stderr) when the NIXL plugin is missing.
+    """
+    missing = [m for m in ("nixl_cu12", "kvframe_nixl") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"kvframe bench transfer needs the NIXL plugin ({', '.join(missing)} not "
+            "installed): install nixl-cu12 and plugins/kvframe-nixl (./dev does both)",
+            file=sys.stderr,
+        )
+        return 1
+    report = measure(QUICK if args.quick else FULL, seed=args.seed)
+    report["quick"] = bool(args.quick)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "serve":
+        serve(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        print("usage: kvframe bench transfer [--json] [--quick]", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,68 @@
+"""``kvframe bench transfer --quick --json``: the output's shape, not its timings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.nixl
+
+
+def test_quick_json_shape() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvframe.cli", "bench", "transfer", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)  # stdout is exactly one JSON object
+    assert report["benchmark"] == "transfer"
+    assert report["version"] == 1
+    assert report["quick"] is True
+    assert report["methods"][:3] == ["kvframe", "raw_nixl", "memcpy"]
+    cfg = report["config"]
+    rows = report["throughput"]
+    assert len(rows) == len(cfg["block_sizes"]) * len(cfg["blocks"])
+    for row in rows:
+        assert row["bytes"] == row["block_bytes"] * row["blocks"]
+        assert set(row["results"]) == set(report["methods"])
+        for cell in row["results"].values():
+            assert cell["median_s"] > 0
+            assert cell["gbps"] > 0
+        assert set(row["ratios"]) == {f"kvframe/{m}" for m in report["methods"][1:]}
+    assert [r["descriptors"] for r in report["post_cost"]] == cfg["descriptor_counts"]
+    for row in report["post_cost"]:
+        assert set(row) == {
+            "descriptors",
+            "kvframe_post_us",
+            "kvframe_post_thread_us",
+            "raw_make_us",
+            "raw_make_transfer_us",
+        }
+        assert all(v > 0 for v in row.values())
+    overlap = report["overlap"]
+    assert overlap["bytes"] > 0
+    for mode in ("inline", "post_thread"):
+        assert overlap[mode]["step_s"] >= overlap[mode]["post_s"] > 0
+
+
+def test_plugin_host_finds_nixl() -> None:
+    from kvframe_nixl import CAPABILITIES, NixlTransport
+
+    from kvframe.runtime.plugins import PluginHost
+    from kvframe.spi.transport import TransportParams
+
+    host = PluginHost(env={})
+    host.load()
+    assert "nixl" in host.transport_names()
+    assert host.transport_info("nixl").capabilities == CAPABILITIES
+    t = host.create_transport("nixl", TransportParams(name="host-made", options={}))
+    try:
+        assert isinstance(t, NixlTransport)
+    finally:
+        t.close()
