@@ -37,6 +37,7 @@ class TrackerModel(RuleBasedStateMachine):
         self.clock = 0.0
         self.last_batch: dict[str, float] = {}
         self.last_seq = -1
+        self.since: dict[str, float] = {}  # when each engine last went from idle to tracked
 
     @rule(dt=st.floats(min_value=0.0, max_value=8.0))
     def advance(self, dt: float) -> None:
@@ -55,6 +56,8 @@ class TrackerModel(RuleBasedStateMachine):
             return
         self.clock = max(self.clock, self.now - back)
         self.tracker.track(rid, engine, remote, self.now - back)
+        if engine not in {e for e, _ in self.model.values()}:
+            self.since[engine] = self.clock
         self.model[rid] = (engine, remote)
 
     @rule(rid=st.sampled_from(LOCAL), reason=st.sampled_from(list(StopReason)))
@@ -104,9 +107,10 @@ class TrackerModel(RuleBasedStateMachine):
             return
         assert deadline is not None
         for engine in self.tracker.engines:
+            # Due at once when it became busy, or one interval after its last batch.
             last = self.last_batch.get(engine)
-            if last is not None:
-                assert deadline <= last + INTERVAL
+            since = self.since[engine]
+            assert deadline <= (since if last is None else max(since, last + INTERVAL))
 
     @precondition(lambda self: not self.model)
     @rule()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 
@@ -153,7 +154,7 @@ def test_precise_decode_errors() -> None:
 
 
 def test_encode_refuses_oversized_input_and_points_to_split() -> None:
-    with pytest.raises(CodecError, match="256 UTF-8 bytes.*at most 255"):
+    with pytest.raises(CodecError, match=r"256 UTF-8 bytes.*at most 255"):
         wire.encode(wire.Heartbeat(seq=1, sent_at=0.0, request_ids=["x" * 256]))
     many = [f"r{i}" for i in range(wire.MAX_IDS_PER_MESSAGE + 1)]
     with pytest.raises(CodecError, match=r"1025 entries.*split\(\)"):
@@ -181,7 +182,7 @@ def test_split_preserves_entries_and_fits(ids: list[str], max_bytes: int) -> Non
     if len(parts) == 1:
         assert parts[0] is msg
     else:  # greedy: each part but the last was full (the next id would not have fitted)
-        for part, nxt in zip(parts, parts[1:], strict=False):
+        for part, nxt in itertools.pairwise(parts):
             grown = wire.Heartbeat(
                 seq=3,
                 sent_at=9.0,
