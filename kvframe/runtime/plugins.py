@@ -6,9 +6,10 @@ registrations. The hooks are specified in :mod:`kvframe.spi.hookspecs`.
 
 Discovery, in order, when :meth:`PluginHost.load` runs:
 
-1. **Built-ins** (:data:`BUILTIN_PLUGINS`, the in-process transport) are imported and registered
-   by the host through the same hooks a third-party plugin implements. They load even when
-   entry-point autoloading is off, so a kvframe without any installed plugin still works.
+1. **Built-ins** (:data:`BUILTIN_PLUGINS`: the in-process transport, the P/D connector) are
+   imported and registered by the host through the same hooks a third-party plugin implements.
+   They load even when entry-point autoloading is off, so a kvframe without any installed
+   plugin still works.
 2. **Entry points** of the ``kvframe`` group, one plugin per entry point, unless autoloading is
    off (``KVFRAME_DISABLE_PLUGIN_AUTOLOAD=1``). An entry point naming a built-in module is
    ignored (the built-in is already registered; this keeps an older install's metadata from
@@ -96,9 +97,14 @@ ENV_DISABLE_PLUGIN_AUTOLOAD = "KVFRAME_DISABLE_PLUGIN_AUTOLOAD"
 #: Comma-separated plugin or distribution names not to load.
 ENV_BLOCK_PLUGINS = "KVFRAME_BLOCK_PLUGINS"
 #: Built-in plugins as (plugin name, module), registered by the host before entry points.
-BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (("inprocess", "kvframe.transports.inprocess"),)
+BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("inprocess", "kvframe.transports.inprocess"),
+    ("pd", "kvframe.connectors.pd"),
+)
 #: What a registered name must look like (it appears in configuration files and commands).
-NAME_RULE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+#: Case is kept and matters (``PDConnector`` follows vLLM's connector names); a lookup that
+#: differs only in case is answered with a suggestion.
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -291,6 +297,9 @@ class _Plugin:
 
     def describe(self) -> str:
         return _describe(self.name, self.source, self.distribution, self.version, self.target)
+
+    def pluggy_name(self) -> str:
+        return f"{self.distribution}:{self.name}" if self.distribution else self.name
 
     def block_hint(self) -> str:
         if self.source is PluginSource.CODE:
@@ -571,9 +580,11 @@ class PluginHost:
         pm = self._pm
         try:
             try:
-                pm.register(obj, name=f"{rec.source.value}:{rec.distribution}:{rec.name}")
+                pm.register(obj, name=rec.pluggy_name())
             except (pluggy.PluginValidationError, ValueError) as exc:
-                raise _Reject(f"pluggy refused it: {_first_line(exc)}", exc) from exc
+                # pluggy's useful detail is on the later lines of its message.
+                detail = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+                raise _Reject(f"pluggy refused it: {detail}", exc) from exc
             try:
                 self._check_hooks(obj)
                 staged = self._run_hooks(rec, obj)
@@ -714,7 +725,8 @@ class PluginHost:
         parts = [f"no {kind.value} named {name!r} is registered."]
         if installed:
             parts.append(f"Installed {kind.plural}: {', '.join(installed)}.")
-            close = difflib.get_close_matches(name, installed, n=1)
+            same_case = [n for n in installed if n.lower() == name.lower()]
+            close = same_case or difflib.get_close_matches(name, installed, n=1)
             if close:
                 parts.append(f"Did you mean {close[0]!r}?")
         else:
@@ -918,8 +930,8 @@ class _Registrar:
     def _check_name(self, name: Any) -> None:
         if not isinstance(name, str) or NAME_RULE.fullmatch(name) is None:
             self._bad(
-                f"{self._kind.value} name {name!r} is not allowed: use 1-64 lowercase letters, "
-                "digits, '.', '_' or '-', starting with a letter or digit"
+                f"{self._kind.value} name {name!r} is not allowed: use 1-64 letters, digits, "
+                "'.', '_' or '-', starting with a letter or digit"
             )
 
     def _check_connector(self, name: str, obj: Any) -> None:

@@ -93,9 +93,9 @@ class TransportRegistrar(Protocol):
         """Register a transport.
 
         Arguments:
-            name: what users write in their configuration (``"transport": "nixl"``). Lowercase
-                letters, digits, ``.``, ``_`` and ``-``, starting with a letter or digit, at most
-                64 characters.
+            name: what users write in their configuration (``"transport": "nixl"``). Letters,
+                digits, ``.``, ``_`` and ``-``, starting with a letter or digit, at most 64
+                characters; case matters.
             factory: called as ``factory(TransportParams(...))`` each time a connector needs a
                 transport; returns a new :class:`~kvframe.spi.transport.Transport`. It is not
                 called at registration, so registering costs nothing when the transport is

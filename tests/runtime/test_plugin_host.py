@@ -57,15 +57,14 @@ def test_entry_point_plugin_is_registered_with_its_distribution() -> None:
     assert host.errors() == ()
 
 
-def test_real_builtin_inprocess_transport_loads_through_the_hook() -> None:
+def test_real_builtins_load_through_the_hooks() -> None:
     host = PluginHost(env={}, entry_points=list)
-    host.load()
-    (plugin,) = host.plugins()
-    assert (plugin.name, plugin.source, plugin.distribution) == (
-        "inprocess",
-        PluginSource.BUILTIN,
-        "kvframe",
-    )
+    host.load(strict=True)
+    assert [(p.name, p.source, p.distribution) for p in host.plugins()] == [
+        ("inprocess", PluginSource.BUILTIN, "kvframe"),
+        ("pd", PluginSource.BUILTIN, "kvframe"),
+    ]
+    assert host.connector_info("PDConnector").plugin == "pd"
     info = host.transport_info("inprocess")
     assert info.capabilities.cross_process is False
     transport = host.create_transport("inprocess", TransportParams(name="builtin-test"))
@@ -382,6 +381,17 @@ def test_unknown_name_lists_installed_and_suggests_the_closest() -> None:
     assert isinstance(exc_info.value, LookupError)
 
 
+def test_unknown_name_differing_in_case_suggests_the_registered_spelling() -> None:
+    host = host_with()
+    host.register(
+        make_plugin(
+            "c", kvframe_register_connectors=lambda register: register("PDConnector", FakeConnector)
+        )
+    )
+    with pytest.raises(PluginNotFoundError, match="Did you mean 'PDConnector'"):
+        host.connector("pdconnector")
+
+
 def test_unknown_name_with_nothing_installed() -> None:
     host = host_with()
     host.load()
@@ -478,10 +488,15 @@ BAD_CALLS: dict[str, tuple[str, Any, str]] = {
         lambda register: register("t", "not-a-factory", capabilities=CAPS),
         "not callable",
     ),
-    "capital letters": (
+    "space in the name": (
         "kvframe_register_transports",
-        lambda register: register("Fast", FakeTransport.factory, capabilities=CAPS),
-        "transport name 'Fast' is not allowed",
+        lambda register: register("fast wire", FakeTransport.factory, capabilities=CAPS),
+        "transport name 'fast wire' is not allowed",
+    ),
+    "name too long": (
+        "kvframe_register_connectors",
+        lambda register: register("c" * 65, FakeConnector),
+        "use 1-64 letters",
     ),
     "empty name": (
         "kvframe_register_offload_tiers",
@@ -582,6 +597,7 @@ def test_hookimpl_with_arguments_the_spec_lacks_is_refused() -> None:
     host.load()
     (err,) = host.errors()
     assert "pluggy refused it" in str(err)
+    assert "Argument(s) {'config'} are declared in the hookimpl" in str(err)
 
 
 def test_registering_a_taken_plugin_name_is_refused() -> None:

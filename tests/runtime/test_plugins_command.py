@@ -64,6 +64,7 @@ def test_text_report_lists_plugins_kinds_and_capabilities(
         "memory host; read; notifications up to 512 B; cross-process",
         "in-process only",  # the built-in transport
         "pd-fast  (from everything)",
+        "PDConnector  (from pd)",
         f"{FakeConnector.__module__}.FakeConnector",
         "disk  (from everything)",
         "lru  (from everything)",
@@ -91,7 +92,7 @@ def test_json_report(installed: list[Any], capsys: pytest.CaptureFixture[str]) -
         "ordered_notifications": True,
     }
     assert fast["distribution"] == "kvframe-everything"
-    assert [c["name"] for c in data["connectors"]] == ["pd-fast"]
+    assert [c["name"] for c in data["connectors"]] == ["PDConnector", "pd-fast"]
     assert [c["name"] for c in data["eviction_policies"]] == ["lru"]
     assert data["errors"] == []
 
@@ -127,7 +128,7 @@ def test_env_switches_show_in_the_report(
     assert main(["plugins", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["autoload"] is False
-    assert [p["name"] for p in data["plugins"]] == ["inprocess"]
+    assert [p["name"] for p in data["plugins"]] == ["inprocess", "pd"]
 
 
 def test_bad_env_value_exits_2_with_a_message(
