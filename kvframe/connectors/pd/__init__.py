@@ -1,0 +1,64 @@
+"""The P/D connector: prefill hands its KV to decode across processes and hosts, under leases.
+
+Registered as ``"PDConnector"`` (built-in). See ``docs/pd.md`` for the protocol, the
+``kv_transfer_params`` fields, the safety argument and the configuration keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvframe.config import KVTransferConfig
+from kvframe.connectors.pd.options import PDOptions
+from kvframe.connectors.pd.params import RemotePrefillParams
+from kvframe.connectors.pd.scheduler import PDConnectorScheduler
+from kvframe.connectors.pd.worker import PDConnectorWorker
+from kvframe.spi.connector import EngineInfo, KVConnector
+from kvframe.spi.hookspecs import hookimpl
+
+__all__ = [
+    "PDConnector",
+    "PDConnectorScheduler",
+    "PDConnectorWorker",
+    "PDOptions",
+    "RemotePrefillParams",
+    "kvframe_register_connectors",
+]
+
+
+class PDConnector(KVConnector):
+    """Prefill/decode disaggregation over any transport plugin with READ and notifications."""
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Mapping[str, Any]) -> bool:
+        """No: loads are asynchronous and whole-request, no per-layer hook runs."""
+        return False
+
+    @classmethod
+    def build_scheduler(cls, config: KVTransferConfig, engine: EngineInfo) -> PDConnectorScheduler:
+        return PDConnectorScheduler(
+            config, engine, PDOptions.from_extra(config.kv_connector_extra_config)
+        )
+
+    @classmethod
+    def build_worker(
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, *, host: Any = None
+    ) -> PDConnectorWorker:
+        from kvframe.runtime.plugins import PluginHost
+
+        if host is None:
+            host = PluginHost()
+            host.load()
+        options = PDOptions.from_extra(config.kv_connector_extra_config)
+        if config.engine_id is None:
+            from kvframe.errors import ConfigError
+
+            raise ConfigError("engine_id is required by PDConnector")
+        return PDConnectorWorker(config, engine, rank, options, host=host)
+
+
+@hookimpl
+def kvframe_register_connectors(register: Any) -> None:
+    """Register the built-in P/D connector."""
+    register("PDConnector", PDConnector)

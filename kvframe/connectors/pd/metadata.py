@@ -1,0 +1,111 @@
+"""What the P/D connector's scheduler tells its workers each step (on top of the generic parts
+of :class:`~kvframe.protocol.messages.ConnectorMetadata`).
+
+Registered with the codec under the tag ``pd.metadata``; see :data:`PD_CODEC`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kvframe.protocol.codec import DEFAULT_CODEC
+from kvframe.protocol.messages import ConnectorMetadata
+from kvframe.spi.request import BlockIds, _block_ids
+
+__all__ = ["PD_CODEC", "PDLoad", "PDMetadata", "RemoteEngineAddr", "RemoteRelease"]
+
+
+def _checked(value: Any, cls: type) -> tuple[Any, ...]:
+    out = tuple(value)
+    for i, v in enumerate(out):
+        if not isinstance(v, cls):
+            raise TypeError(f"item {i} is {v!r}; expected a {cls.__name__}")
+    return out
+
+
+def _blocks(value: Any) -> BlockIds:
+    return _block_ids(value)
+
+
+def _loads(value: Any) -> tuple[PDLoad, ...]:
+    return _checked(value, PDLoad)
+
+
+def _releases(value: Any) -> tuple[RemoteRelease, ...]:
+    return _checked(value, RemoteRelease)
+
+
+def _addrs(value: Any) -> tuple[RemoteEngineAddr, ...]:
+    return _checked(value, RemoteEngineAddr)
+
+
+def _ports(value: Any) -> tuple[int, ...]:
+    return tuple(int(p) for p in value)
+
+
+@attrs.frozen(kw_only=True)
+class RemoteEngineAddr:
+    """Where a remote (prefill) engine's side channel listens."""
+
+    engine_id: str
+    host: str
+    port: int
+    """Base port: rank ``r`` listens on ``port + r`` (unless ``ports`` is given)."""
+    tp_size: int
+    ports: tuple[int, ...] = attrs.field(default=(), converter=_ports)
+    """Per-rank ports, when the remote workers bound ephemeral ports."""
+
+    def port_for(self, rank: int) -> int:
+        """The side-channel port of remote worker ``rank``."""
+        return self.ports[rank % len(self.ports)] if self.ports else self.port + rank
+
+
+@attrs.frozen(kw_only=True)
+class PDLoad:
+    """Pull one request's KV from a remote engine (D side)."""
+
+    request_id: str
+    remote: RemoteEngineAddr
+    remote_request_id: str
+    local_block_ids: BlockIds = attrs.field(converter=_blocks)
+    """Destination blocks per KV group."""
+    remote_block_ids: BlockIds = attrs.field(converter=_blocks)
+    """Source blocks per KV group, aligned with ``local_block_ids`` (same lengths)."""
+    lease_expires_at: float
+    """The initial lease expiry on the remote engine's clock, from ``kv_transfer_params``."""
+
+
+@attrs.frozen(kw_only=True)
+class RemoteRelease:
+    """Tell a remote engine it may free a request's blocks now (no read will come, or the local
+    prefix cache already had them)."""
+
+    remote: RemoteEngineAddr
+    remote_request_id: str
+
+
+@attrs.frozen(kw_only=True)
+class PDMetadata(ConnectorMetadata):
+    """One step's instructions from the P/D scheduler to every worker.
+
+    Generic fields used: ``saves`` (P: requests finished with ``do_remote_decode`` — grant each
+    a lease over its blocks), ``abort_request_ids`` (D: stop these loads),
+    ``heartbeats`` (D: remote engine id → remote request ids to heartbeat now).
+    """
+
+    now: float = 0.0
+    """The scheduler's clock when the metadata was built (for rebasing deadlines)."""
+    pd_loads: tuple[PDLoad, ...] = attrs.field(default=(), converter=_loads)
+    releases: tuple[RemoteRelease, ...] = attrs.field(default=(), converter=_releases)
+    engines: tuple[RemoteEngineAddr, ...] = attrs.field(default=(), converter=_addrs)
+    """Remote engines that requests named this step: handshake with them now (proactively)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return super().is_empty and not (self.pd_loads or self.releases or self.engines)
+
+
+#: The codec that knows the P/D metadata (and every generic message).
+PD_CODEC = DEFAULT_CODEC.with_types({"pd.metadata": PDMetadata})

@@ -1,0 +1,87 @@
+"""``kv_connector_extra_config`` of the P/D connector, validated."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvframe.core.lease import LeasePolicy
+from kvframe.errors import ConfigError
+
+__all__ = ["PDOptions"]
+
+_PATH = "kv_connector_extra_config"
+
+
+@attrs.frozen(kw_only=True)
+class PDOptions:
+    """The P/D connector's options (see the table in ``docs/pd.md``)."""
+
+    transport: str = "nixl"
+    transport_options: Mapping[str, Any] = attrs.field(factory=dict)
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    handshake_timeout: float = 5.0
+    read_margin: float | None = None
+    peer_idle_ttl: float = 600.0
+
+    def margin(self, policy: LeasePolicy) -> float:
+        """Seconds of confirmed lease D requires before it posts a read."""
+        return self.read_margin if self.read_margin is not None else policy.extension / 4
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> PDOptions:
+        """Parse ``kv_connector_extra_config``. Raises :class:`ConfigError` naming the key path,
+        the value and what is allowed (and the closest known key for a typo)."""
+        known = {f.name for f in attrs.fields(cls)}
+        for key in extra:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(
+                    f"{_PATH}.{key}: unknown option for PDConnector{hint} "
+                    f"(known: {', '.join(sorted(known))})"
+                )
+
+        def text(key: str, default: str) -> str:
+            value = extra.get(key, default)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{_PATH}.{key} = {value!r}; expected a non-empty string")
+            return value
+
+        def seconds(key: str, default: float | None) -> float | None:
+            value = extra.get(key, default)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{_PATH}.{key} = {value!r}; expected a number of seconds")
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{_PATH}.{key} = {value!r}; expected a finite number > 0")
+            return float(value)
+
+        port = extra.get("side_channel_port", 0)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(
+                f"{_PATH}.side_channel_port = {port!r}; expected an integer 0..65535 "
+                "(0 picks a free port per worker)"
+            )
+        topts = extra.get("transport_options", {})
+        if not isinstance(topts, Mapping):
+            raise ConfigError(f"{_PATH}.transport_options = {topts!r}; expected a mapping")
+        timeout = seconds("handshake_timeout", 5.0)
+        ttl = seconds("peer_idle_ttl", 600.0)
+        assert timeout is not None
+        assert ttl is not None
+        return cls(
+            transport=text("transport", "nixl"),
+            transport_options=dict(topts),
+            side_channel_host=text("side_channel_host", "127.0.0.1"),
+            side_channel_port=port,
+            handshake_timeout=timeout,
+            read_margin=seconds("read_margin", None),
+            peer_idle_ttl=ttl,
+        )

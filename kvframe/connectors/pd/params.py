@@ -1,0 +1,149 @@
+"""``kv_transfer_params``: what the router carries from P to D, parsed and validated.
+
+The router sends ``{"do_remote_decode": true}`` with the prefill request; P answers with
+:meth:`RemotePrefillParams.to_dict`, which the router passes unchanged to D. See the table in
+``docs/pd.md`` for every field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvframe.errors import ConfigError
+
+__all__ = ["RemotePrefillParams", "wants_remote_decode", "wants_remote_prefill"]
+
+
+def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """True when the router asked this (prefill) engine to keep the KV for a remote decoder."""
+    return bool(params) and params is not None and params.get("do_remote_decode") is True
+
+
+def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
+    """True when the request's KV is to be pulled from a remote prefill engine."""
+    return bool(params) and params is not None and params.get("do_remote_prefill") is True
+
+
+@attrs.frozen(kw_only=True)
+class RemotePrefillParams:
+    """The facts D needs to pull a request's KV from P."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    remote_num_tokens: int
+    tp_size: int
+    transport: str
+    lease_duration: float
+    lease_expires_at: float
+    """Initial lease expiry on P's clock."""
+    remote_ports: tuple[int, ...] = ()
+    """Per-rank side-channel ports when P's workers bound ephemeral ports; empty when rank
+    ``r`` listens on ``remote_port + r``."""
+
+    def port_for(self, rank: int) -> int:
+        """The side-channel port of P's worker ``rank``."""
+        if self.remote_ports:
+            return self.remote_ports[rank % len(self.remote_ports)]
+        return self.remote_port + rank
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-compatible ``kv_transfer_params`` P returns."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.remote_engine_id,
+            "remote_request_id": self.remote_request_id,
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "remote_block_ids": [list(g) for g in self.remote_block_ids],
+            "remote_num_tokens": self.remote_num_tokens,
+            "tp_size": self.tp_size,
+            "transport": self.transport,
+            "lease_duration": self.lease_duration,
+            "lease_expires_at": self.lease_expires_at,
+            **({"remote_ports": list(self.remote_ports)} if self.remote_ports else {}),
+        }
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any]) -> RemotePrefillParams:
+        """Parse what the router passed to D.
+
+        Raises :class:`~kvframe.errors.ConfigError` naming the first bad field, its value and
+        what is expected; the caller then prefills the request locally.
+        """
+
+        def get(key: str, typ: type | tuple[type, ...], what: str) -> Any:
+            if key not in params:
+                raise ConfigError(
+                    f"kv_transfer_params.{key} is missing; a remote-prefill request needs "
+                    "every field P returned (pass P's kv_transfer_params through unchanged)"
+                )
+            value = params[key]
+            if isinstance(value, bool) or not isinstance(value, typ):
+                raise ConfigError(f"kv_transfer_params.{key} = {value!r}; expected {what}")
+            return value
+
+        def non_empty(key: str) -> str:
+            value: str = get(key, str, "a non-empty string")
+            if not value:
+                raise ConfigError(f"kv_transfer_params.{key} is empty; expected a non-empty string")
+            return value
+
+        def count(key: str, lo: int) -> int:
+            value: int = get(key, int, f"an integer >= {lo}")
+            if value < lo:
+                raise ConfigError(f"kv_transfer_params.{key} = {value!r}; expected >= {lo}")
+            return value
+
+        def seconds(key: str) -> float:
+            value = float(get(key, (int, float), "a finite number of seconds"))
+            if not math.isfinite(value):
+                raise ConfigError(f"kv_transfer_params.{key} = {value!r}; expected a finite number")
+            return value
+
+        groups_raw = get("remote_block_ids", (list, tuple), "a list of lists of block ids")
+        groups: list[tuple[int, ...]] = []
+        for g, group in enumerate(groups_raw):
+            if not isinstance(group, (list, tuple)) or not all(
+                type(b) is int and b >= 0 for b in group
+            ):
+                raise ConfigError(
+                    f"kv_transfer_params.remote_block_ids[{g}] = {group!r}; expected a list of "
+                    "non-negative integer block ids"
+                )
+            groups.append(tuple(group))
+        if not groups:
+            raise ConfigError("kv_transfer_params.remote_block_ids is empty; expected >= 1 group")
+        port = count("remote_port", 1)
+        if port > 65535:
+            raise ConfigError(f"kv_transfer_params.remote_port = {port}; expected 1..65535")
+        duration = seconds("lease_duration")
+        if duration <= 0:
+            raise ConfigError(f"kv_transfer_params.lease_duration = {duration}; expected > 0")
+        ports_raw = params.get("remote_ports", [])
+        if not isinstance(ports_raw, (list, tuple)) or not all(
+            type(p) is int and 1 <= p <= 65535 for p in ports_raw
+        ):
+            raise ConfigError(
+                f"kv_transfer_params.remote_ports = {ports_raw!r}; expected a list of ports"
+            )
+        return cls(
+            remote_ports=tuple(ports_raw),
+            remote_engine_id=non_empty("remote_engine_id"),
+            remote_request_id=non_empty("remote_request_id"),
+            remote_host=non_empty("remote_host"),
+            remote_port=port,
+            remote_block_ids=tuple(groups),
+            remote_num_tokens=count("remote_num_tokens", 0),
+            tp_size=count("tp_size", 1),
+            transport=non_empty("transport"),
+            lease_duration=duration,
+            lease_expires_at=seconds("lease_expires_at"),
+        )

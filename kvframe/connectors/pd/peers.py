@@ -1,0 +1,249 @@
+"""Remote engines as D's worker sees them: handshakes in the background, results applied on the
+engine thread, idle engines evicted.
+
+The handshake (a blocking pyzmq exchange of a few milliseconds) runs on one background thread
+so the forward loop never waits for it. Its result is applied to the transport
+(``add_peer``, ``prepare_remote``) on the engine thread, inside :meth:`RemoteEngines.poll`,
+because a transport is used from one thread only.
+
+Remote engines unused for ``idle_ttl`` seconds are forgotten (their transport peer removed)
+without waiting for a new handshake to the same engine, so a fleet whose prefill engines come
+and go does not accumulate dead peers (vLLM #58063).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvframe.connectors.pd.handshake import (
+    HandshakeRequest,
+    HandshakeResponse,
+    HandshakeResult,
+    compat_hash,
+    handshake,
+)
+from kvframe.core.clock import ClockOffsetEstimator
+from kvframe.errors import HandshakeError, KVFrameError, TransportError
+from kvframe.spi.transport import LayoutHandle, Transport
+
+__all__ = ["PeerState", "RemoteEngine", "RemoteEngines"]
+
+
+class PeerState(enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@attrs.define(eq=False)
+class RemoteEngine:
+    """One remote engine rank, as this worker knows it."""
+
+    engine_id: str
+    rank: int
+    host: str
+    port: int
+    state: PeerState = PeerState.CONNECTING
+    peer: str | None = None
+    """The transport peer name, once READY."""
+    remote: LayoutHandle | None = None
+    response: HandshakeResponse | None = None
+    clock: ClockOffsetEstimator = attrs.Factory(ClockOffsetEstimator)
+    error: str | None = None
+    last_used: float = 0.0
+    failed_at: float = 0.0
+
+
+_Key = tuple[str, int]
+
+
+class RemoteEngines:
+    """D's table of remote engine ranks.
+
+    Call :meth:`ensure` as soon as a request names a remote engine (the handshake starts at
+    once, proactively, so heartbeats can flow while the request still waits), :meth:`poll` once
+    per engine step (applies finished handshakes, evicts idle engines), :meth:`get` to find a
+    READY one. :meth:`close` stops the background thread; safe twice.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        engine_id: str,
+        rank: int,
+        transport_name: str,
+        chash: bytes,
+        timeout: float,
+        idle_ttl: float,
+        retry_after: float = 1.0,
+        clock: Callable[[], float],
+    ) -> None:
+        self._transport = transport
+        self._request = HandshakeRequest(
+            engine_id=engine_id,
+            rank=rank,
+            transport=transport_name,
+            transport_metadata=transport.local_metadata(),
+        )
+        self._chash = chash
+        self._timeout = timeout
+        self._idle_ttl = idle_ttl
+        self._retry_after = retry_after
+        self._clock = clock
+        self._engines: dict[_Key, RemoteEngine] = {}
+        self._jobs: queue.Queue[RemoteEngine | None] = queue.Queue()
+        self._done: queue.Queue[tuple[RemoteEngine, HandshakeResult | KVFrameError]] = queue.Queue()
+        self.evicted = 0
+        self.handshakes = 0
+        self.handshake_failures = 0
+        self._thread = threading.Thread(target=self._work, name="kvframe-handshake", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    @staticmethod
+    def compat(**facts: Any) -> bytes:
+        return compat_hash(**facts)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                result: HandshakeResult | KVFrameError = handshake(
+                    job.host,
+                    job.port,
+                    self._request,
+                    chash=self._chash,
+                    timeout=self._timeout,
+                    clock=self._clock,
+                )
+            except KVFrameError as exc:
+                result = exc
+            except Exception as exc:  # never let the thread die silently
+                result = HandshakeError(f"{type(exc).__name__}: {exc}")
+            self._done.put((job, result))
+
+    def ensure(self, engine_id: str, rank: int, host: str, port: int, now: float) -> RemoteEngine:
+        """The entry for ``(engine_id, rank)``, starting a handshake when there is none (or when
+        the last one failed more than ``retry_after`` seconds ago, or the address changed)."""
+        key = (engine_id, rank)
+        entry = self._engines.get(key)
+        stale = entry is not None and (entry.host, entry.port) != (host, port)
+        retry = (
+            entry is not None
+            and entry.state is PeerState.FAILED
+            and now - entry.failed_at >= self._retry_after
+        )
+        if entry is None or stale or retry:
+            if entry is not None and entry.peer is not None:
+                self._forget(entry)
+            entry = RemoteEngine(engine_id, rank, host, port, last_used=now)
+            self._engines[key] = entry
+            self._jobs.put(entry)
+        entry.last_used = now
+        return entry
+
+    def get(self, engine_id: str, rank: int) -> RemoteEngine | None:
+        return self._engines.get((engine_id, rank))
+
+    def by_peer(self, peer: str) -> RemoteEngine | None:
+        for e in self._engines.values():
+            if e.peer == peer:
+                return e
+        return None
+
+    def touch(self, entry: RemoteEngine, now: float) -> None:
+        entry.last_used = now
+
+    def poll(self, now: float, busy: Callable[[str], bool]) -> list[RemoteEngine]:
+        """Apply finished handshakes; evict engines idle past the TTL for which ``busy(engine_id)``
+        is false. Returns the entries whose state changed this call."""
+        changed: list[RemoteEngine] = []
+        while True:
+            try:
+                entry, result = self._done.get_nowait()
+            except queue.Empty:
+                break
+            if self._engines.get((entry.engine_id, entry.rank)) is not entry:
+                continue  # superseded by a newer handshake
+            if isinstance(result, KVFrameError):
+                self._fail(entry, now, f"handshake with {entry.host}:{entry.port}: {result}")
+            else:
+                self._apply(entry, result, now)
+            changed.append(entry)
+        for key, entry in list(self._engines.items()):
+            if (
+                entry.state is not PeerState.CONNECTING
+                and now - entry.last_used > self._idle_ttl
+                and not busy(entry.engine_id)
+            ):
+                self._forget(entry)
+                del self._engines[key]
+                self.evicted += 1
+        return changed
+
+    def _apply(self, entry: RemoteEngine, result: HandshakeResult, now: float) -> None:
+        resp = result.response
+        if resp.engine_id != entry.engine_id:
+            self._fail(
+                entry,
+                now,
+                f"{entry.host}:{entry.port} is engine {resp.engine_id!r}, not {entry.engine_id!r}",
+            )
+            return
+        try:
+            entry.peer = self._transport.add_peer(resp.transport_metadata)
+            entry.remote = self._transport.prepare_remote(entry.peer, resp.layout)
+        except (TransportError, ValueError) as exc:
+            self._fail(entry, now, f"adding peer {entry.engine_id!r}: {exc}")
+            return
+        for s in result.samples:
+            entry.clock.add(s.t_send, s.remote_now, s.t_recv)
+        entry.response = resp
+        entry.state = PeerState.READY
+        entry.error = None
+        self.handshakes += 1
+
+    def _fail(self, entry: RemoteEngine, now: float, reason: str) -> None:
+        entry.state = PeerState.FAILED
+        entry.error = reason
+        entry.failed_at = now
+        self.handshake_failures += 1
+        if entry.peer is not None:
+            self._forget(entry)
+
+    def mark_failed(self, entry: RemoteEngine, now: float, reason: str) -> None:
+        """The peer broke (a transfer said so): forget it; the next request handshakes again."""
+        if entry.state is PeerState.READY:
+            self._fail(entry, now, reason)
+
+    def _forget(self, entry: RemoteEngine) -> None:
+        if entry.peer is not None:
+            with contextlib.suppress(TransportError):
+                self._transport.remove_peer(entry.peer)
+        entry.peer = None
+        entry.remote = None
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def entries(self) -> list[RemoteEngine]:
+        return list(self._engines.values())
+
+    def close(self) -> None:
+        """Stop the handshake thread. Safe twice. Does not touch the transport (its owner
+        closes it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join(timeout=self._timeout + 1.0)

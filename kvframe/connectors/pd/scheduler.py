@@ -1,0 +1,355 @@
+"""The P/D connector's scheduler side: decides what moves; never touches KV memory.
+
+On a producer (P) it turns requests that finished with ``do_remote_decode`` into lease grants
+for the workers and ``kv_transfer_params`` for the router, and keeps their blocks until the
+workers report the lease ended (``finished_sending``).
+
+On a consumer (D) it tracks remote-prefill requests from the moment they arrive (heartbeats
+start at once, and so does the handshake with their prefill engine), answers how many tokens
+will be loaded, and turns allocations into load instructions.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import msgpack
+
+from kvframe.config import KVTransferConfig
+from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, RemoteEngineAddr, RemoteRelease
+from kvframe.connectors.pd.options import PDOptions
+from kvframe.connectors.pd.params import (
+    RemotePrefillParams,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+from kvframe.core.heartbeat import HeartbeatTracker, StopReason
+from kvframe.core.lease import LeasePolicy
+from kvframe.errors import ConfigError
+from kvframe.protocol.messages import ConnectorOutput, KVEvent, SaveSpec, Stats
+from kvframe.spi.connector import EngineInfo, KVConnectorScheduler, SchedulerStep
+from kvframe.spi.request import BlockIds, RequestView
+
+__all__ = ["PDConnectorScheduler"]
+
+_NORMAL_FINISH = frozenset({"stop", "length"})
+
+
+@attrs.define(eq=False)
+class _Incoming:
+    """A remote-prefill request on D."""
+
+    params: RemotePrefillParams
+    addr: RemoteEngineAddr
+    state: str = "waiting"  # waiting → loading → done
+
+
+class PDConnectorScheduler(KVConnectorScheduler):
+    """Scheduler half of :class:`~kvframe.connectors.pd.PDConnector`."""
+
+    def __init__(self, config: KVTransferConfig, engine: EngineInfo, options: PDOptions) -> None:
+        if config.engine_id is None:
+            raise ConfigError(
+                "engine_id is required by PDConnector: P names itself to D with it, and D "
+                "tells prefill engines apart by it"
+            )
+        self._config = config
+        self._engine = engine
+        self._options = options
+        self._engine_id: str = config.engine_id
+        self._policy = LeasePolicy.from_duration(config.kv_lease_duration)
+        self._tracker = HeartbeatTracker.from_policy(self._policy)
+        self._now = 0.0
+        self._ports: dict[int, int] = {}
+        # P side
+        self._grants: list[SaveSpec] = []
+        self._held: dict[str, str] = {}  # local request id -> lease id
+        # D side
+        self._incoming: dict[str, _Incoming] = {}
+        self._loads: list[PDLoad] = []
+        self._releases: list[RemoteRelease] = []
+        self._aborts: set[str] = set()
+        self._new_engines: dict[str, RemoteEngineAddr] = {}
+        self._events: list[KVEvent] = []
+        self._counters: dict[str, int] = {}
+
+    # -- helpers -------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    def _parse(self, request: RequestView) -> _Incoming | None:
+        inc = self._incoming.get(request.request_id)
+        if inc is not None:
+            return inc
+        if not (self._config.is_consumer and wants_remote_prefill(request.kv_transfer_params)):
+            return None
+        assert request.kv_transfer_params is not None
+        try:
+            params = RemotePrefillParams.from_dict(request.kv_transfer_params)
+            if params.transport != self._options.transport:
+                raise ConfigError(
+                    f"kv_transfer_params.transport = {params.transport!r} but this engine "
+                    f"uses {self._options.transport!r}; both engines must use one transport"
+                )
+            if params.tp_size != self._engine.world_size:
+                raise ConfigError(
+                    f"kv_transfer_params.tp_size = {params.tp_size} but this engine has "
+                    f"{self._engine.world_size} workers; heterogeneous tensor parallelism is "
+                    "not supported"
+                )
+            if len(params.remote_block_ids) != self._engine.num_kv_groups:
+                raise ConfigError(
+                    f"kv_transfer_params.remote_block_ids has {len(params.remote_block_ids)} "
+                    f"KV groups; this engine has {self._engine.num_kv_groups}"
+                )
+            need = math.ceil(self._loadable(request, params) / self._engine.block_size)
+            for g, group in enumerate(params.remote_block_ids):
+                if len(group) < need:
+                    raise ConfigError(
+                        f"kv_transfer_params.remote_block_ids[{g}] has {len(group)} blocks; "
+                        f"{need} are needed for {params.remote_num_tokens} tokens"
+                    )
+        except ConfigError as exc:
+            # The request is still served, by local prefill: correct, only slower.
+            self._count("bad_params")
+            self._events.append(
+                KVEvent(
+                    kind="pd.bad_params",
+                    data={"request_id": request.request_id, "error": str(exc)},
+                )
+            )
+            return None
+        addr = RemoteEngineAddr(
+            engine_id=params.remote_engine_id,
+            host=params.remote_host,
+            port=params.remote_port,
+            ports=params.remote_ports,
+            tp_size=params.tp_size,
+        )
+        inc = _Incoming(params=params, addr=addr)
+        self._incoming[request.request_id] = inc
+        return inc
+
+    def _loadable(self, request: RequestView, params: RemotePrefillParams) -> int:
+        # The engine must compute at least the last prompt token itself (it needs its logits).
+        return max(0, min(params.remote_num_tokens, request.num_prompt_tokens - 1))
+
+    def _release(self, inc: _Incoming) -> None:
+        self._releases.append(
+            RemoteRelease(remote=inc.addr, remote_request_id=inc.params.remote_request_id)
+        )
+
+    # -- SPI -----------------------------------------------------------------------------
+    def on_new_request(self, request: RequestView) -> None:
+        """D: start heartbeating for a remote-prefill request now (it may wait in the queue
+        longer than a lease), and start the handshake with its prefill engine."""
+        inc = self._parse(request)
+        if inc is None:
+            return
+        now = max(self._now, request.arrival_time)
+        self._tracker.track(
+            request.request_id, inc.addr.engine_id, inc.params.remote_request_id, now
+        )
+        self._new_engines[inc.addr.engine_id] = inc.addr
+        self._count("remote_requests")
+
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        inc = self._parse(request)
+        if inc is None or inc.state != "waiting":
+            return 0, False
+        external = self._loadable(request, inc.params) - num_computed_tokens
+        if external <= 0:
+            # Everything is in the local prefix cache: tell P to free at once.
+            self._finish_incoming(request.request_id, StopReason.TRANSFER_DONE, release=True)
+            self._count("full_local_hits")
+            return 0, False
+        if not self._tracker.tracked(request.request_id):
+            self._tracker.track(
+                request.request_id,
+                inc.addr.engine_id,
+                inc.params.remote_request_id,
+                max(self._now, request.arrival_time),
+            )
+            self._new_engines[inc.addr.engine_id] = inc.addr
+        return external, True
+
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: BlockIds, num_external_tokens: int
+    ) -> None:
+        inc = self._incoming.get(request.request_id)
+        if inc is None or inc.state != "waiting":
+            return
+        if num_external_tokens <= 0:
+            self._finish_incoming(request.request_id, StopReason.TRANSFER_DONE, release=True)
+            return
+        bs = self._engine.block_size
+        first = request.num_computed_tokens // bs
+        last = math.ceil((request.num_computed_tokens + num_external_tokens) / bs)
+        local = tuple(tuple(group[first:last]) for group in blocks)
+        remote = tuple(tuple(group[first:last]) for group in inc.params.remote_block_ids)
+        if any(len(lg) != len(rg) for lg, rg in zip(local, remote, strict=True)):
+            raise ValueError(
+                f"request {request.request_id!r}: the engine allocated "
+                f"{[len(g) for g in blocks]} blocks for {num_external_tokens} external tokens "
+                f"after {request.num_computed_tokens} computed; blocks {first}..{last} are needed"
+            )
+        inc.state = "loading"
+        self._loads.append(
+            PDLoad(
+                request_id=request.request_id,
+                remote=inc.addr,
+                remote_request_id=inc.params.remote_request_id,
+                local_block_ids=local,
+                remote_block_ids=remote,
+                lease_expires_at=inc.params.lease_expires_at,
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerStep) -> PDMetadata:
+        now = scheduler_output.now
+        self._now = max(self._now, now)
+        heartbeats: dict[str, list[str]] = {}
+        for batch in self._tracker.due(now):
+            heartbeats.setdefault(batch.engine_id, []).extend(batch.request_ids)
+        extra: dict[str, Any] = {}
+        meta = PDMetadata(
+            step=scheduler_output.step,
+            now=now,
+            saves=tuple(self._grants),
+            abort_request_ids=frozenset(self._aborts),
+            heartbeats=heartbeats,
+            pd_loads=tuple(self._loads),
+            releases=tuple(self._releases),
+            engines=tuple(self._new_engines.values()),
+            extra=extra,
+        )
+        self._grants.clear()
+        self._aborts.clear()
+        self._loads.clear()
+        self._releases.clear()
+        self._new_engines.clear()
+        if heartbeats:
+            self._count("heartbeat_batches", len(heartbeats))
+        return meta
+
+    def update_connector_output(self, output: ConnectorOutput) -> None:
+        for rid in output.finished_recving:
+            if rid in self._incoming:
+                self._finish_incoming(rid, StopReason.TRANSFER_DONE, release=False)
+        for rid in output.finished_sending:
+            self._held.pop(rid, None)
+            # D: a load aborted mid-flight was parked until its transfer stopped.
+            self._incoming.pop(rid, None)
+        if output.failures:
+            self._count("load_failures", len(output.failures))
+
+    def _finish_incoming(self, request_id: str, reason: StopReason, *, release: bool) -> None:
+        inc = self._incoming.pop(request_id, None)
+        self._tracker.stop(request_id, self._now, reason)
+        if inc is not None and release:
+            self._release(inc)
+
+    def request_finished(
+        self, request: RequestView, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        inc = self._incoming.get(rid)
+        if inc is not None:
+            aborted = request.finish_reason not in _NORMAL_FINISH
+            reason = StopReason.ABORTED if aborted else StopReason.FINISHED
+            if inc.state == "loading":
+                # A transfer may still write into these blocks: keep them until the worker
+                # has stopped it and reports the request in finished_sending.
+                self._tracker.stop(rid, self._now, reason)
+                self._aborts.add(rid)
+                self._release(inc)
+                inc.state = "aborting"
+                return True, None
+            if inc.state == "aborting":
+                return True, None
+            self._finish_incoming(rid, reason, release=True)
+            return False, None
+        if not (self._config.is_producer and wants_remote_decode(request.kv_transfer_params)):
+            return False, None
+        if request.finish_reason not in _NORMAL_FINISH or not any(block_ids):
+            self._count("remote_decode_not_kept")
+            return False, None
+        lease_id = f"{rid}~{secrets.token_hex(8)}"
+        self._grants.append(SaveSpec(request_id=lease_id, block_ids=block_ids))
+        self._held[rid] = lease_id
+        self._count("leases_offered")
+        return True, self._params_for(request, lease_id, block_ids)
+
+    def _params_for(
+        self, request: RequestView, lease_id: str, block_ids: BlockIds
+    ) -> dict[str, Any]:
+        ports = tuple(self._ports[r] for r in sorted(self._ports))
+        base = self._options.side_channel_port
+        if base == 0 and not ports:
+            raise ConfigError(
+                "kv_connector_extra_config.side_channel_port is 0 (a free port per worker) but "
+                "the engine never called set_xfer_handshake_metadata(); give a fixed port or "
+                "forward the workers' handshake metadata"
+            )
+        params = RemotePrefillParams(
+            remote_engine_id=self._engine_id,
+            remote_request_id=lease_id,
+            remote_host=self._options.side_channel_host,
+            remote_port=ports[0] if ports else base,
+            remote_ports=ports if ports and base == 0 else (),
+            remote_block_ids=block_ids,
+            remote_num_tokens=request.num_prompt_tokens,
+            tp_size=self._engine.world_size,
+            transport=self._options.transport,
+            lease_duration=self._policy.duration,
+            # The worker grants later than now, so its expiry is never earlier than this.
+            lease_expires_at=self._now + self._policy.duration,
+        )
+        return params.to_dict()
+
+    def set_xfer_handshake_metadata(self, metadata: Mapping[int, bytes]) -> None:
+        for rank, blob in metadata.items():
+            try:
+                obj = msgpack.unpackb(blob, raw=False)
+                self._ports[int(rank)] = int(obj["port"])
+            except Exception as exc:
+                raise ConfigError(
+                    f"worker {rank} sent malformed handshake metadata: {exc}"
+                ) from exc
+
+    def has_pending_work(self) -> bool:
+        return bool(
+            self._held
+            or self._incoming
+            or self._grants
+            or self._loads
+            or self._releases
+            or self._aborts
+            or len(self._tracker)
+        )
+
+    def get_stats(self) -> Stats:
+        counters = dict(self._counters)
+        self._counters.clear()
+        return Stats(
+            counters=counters,
+            gauges={
+                "scheduler_leases_held": len(self._held),
+                "scheduler_remote_requests": len(self._incoming),
+            },
+        )
+
+    def take_events(self) -> tuple[KVEvent, ...]:
+        out = tuple(self._events)
+        self._events.clear()
+        return out
+
+    def shutdown(self) -> None:
+        self._incoming.clear()
+        self._held.clear()
