@@ -867,6 +867,23 @@ class _Reject(Exception):
         self.cause = cause
 
 
+def _signature(second: str, *, with_capabilities: bool = False) -> inspect.Signature:
+    P = inspect.Parameter
+    params = [P("name", P.POSITIONAL_OR_KEYWORD), P(second, P.POSITIONAL_OR_KEYWORD)]
+    if with_capabilities:
+        params.append(P("capabilities", P.KEYWORD_ONLY))
+    return inspect.Signature(params)
+
+
+# Mirrors the registrar Protocols in kvframe.spi.hookspecs (tests check they agree).
+_REGISTER_SIGNATURES = {
+    Kind.TRANSPORT: _signature("factory", with_capabilities=True),
+    Kind.CONNECTOR: _signature("connector"),
+    Kind.OFFLOAD_TIER: _signature("factory"),
+    Kind.EVICTION_POLICY: _signature("factory"),
+}
+
+
 class _Registrar:
     """The ``register`` callback handed to one plugin's hook for one kind.
 
@@ -882,11 +899,8 @@ class _Registrar:
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         kind = self._kind
-        if kind is Kind.TRANSPORT:
-            name, obj, caps = self._bind_transport(*args, **kwargs)
-        else:
-            name, obj = self._bind_two(*args, **kwargs)
-            caps = None
+        name, obj, *rest = self._bind(args, kwargs)
+        caps = rest[0] if rest else None
         self._check_name(name)
         if kind is Kind.TRANSPORT:
             if not callable(obj):
@@ -906,26 +920,14 @@ class _Registrar:
             _Entry(kind=kind, name=name, obj=obj, capabilities=caps, plugin=self._plugin)
         )
 
-    def _bind_transport(
-        self, name: Any = None, factory: Any = None, *extra: Any, **kwargs: Any
-    ) -> tuple[Any, Any, Any]:
-        if extra or set(kwargs) - {"capabilities"} or "capabilities" not in kwargs:
-            self._bad(
-                "call register(name, factory, *, capabilities=TransportCapabilities(...)); "
-                f"got positional {(name, factory, *extra)!r} and keywords {sorted(kwargs)!r}"
-            )
-        return name, factory, kwargs["capabilities"]
-
-    def _bind_two(
-        self, name: Any = None, obj: Any = None, *extra: Any, **kwargs: Any
-    ) -> tuple[Any, Any]:
-        what = "connector_class" if self._kind is Kind.CONNECTOR else "factory"
-        if extra or kwargs or obj is None:
-            self._bad(
-                f"call register(name, {what}) with two positional arguments; got positional "
-                f"{(name, obj, *extra)!r} and keywords {sorted(kwargs)!r}"
-            )
-        return name, obj
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Bind a call to the signature the registrar Protocol declares for this kind."""
+        sig = _REGISTER_SIGNATURES[self._kind]
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            self._bad(f"call register{sig} ({exc})")
+        return [bound.arguments[p] for p in sig.parameters]
 
     def _check_name(self, name: Any) -> None:
         if not isinstance(name, str) or NAME_RULE.fullmatch(name) is None:

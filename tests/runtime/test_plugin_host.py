@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import sys
 import types
@@ -476,7 +477,13 @@ BAD_CALLS: dict[str, tuple[str, Any, str]] = {
     "missing capabilities": (
         "kvframe_register_transports",
         lambda register: register("t", FakeTransport.factory),
-        "capabilities=TransportCapabilities",
+        r"call register\(name, factory, \*, capabilities\) \(missing a required argument: "
+        "'capabilities'",
+    ),
+    "capabilities given positionally": (
+        "kvframe_register_transports",
+        lambda register: register("t", FakeTransport.factory, CAPS),
+        "too many positional arguments",
     ),
     "capabilities of the wrong type": (
         "kvframe_register_transports",
@@ -511,12 +518,12 @@ BAD_CALLS: dict[str, tuple[str, Any, str]] = {
     "too many arguments": (
         "kvframe_register_offload_tiers",
         lambda register: register("disk", dict, "extra"),
-        r"call register\(name, factory\)",
+        r"call register\(name, factory\) \(too many positional arguments\)",
     ),
-    "keyword arguments": (
+    "unknown keyword": (
         "kvframe_register_eviction_policies",
-        lambda register: register("lru", factory=dict),
-        r"call register\(name, factory\)",
+        lambda register: register("lru", dict, fn=dict),
+        "got an unexpected keyword argument 'fn'",
     ),
     "connector instance instead of class": (
         "kvframe_register_connectors",
@@ -560,6 +567,42 @@ def test_wrong_register_arguments_are_reported_against_the_plugin(case: str) -> 
     # An explicit registration of the same plugin raises the same kind of error.
     with pytest.raises(PluginError, match=expected):
         host_with().register(make_plugin("wrong", **{hook: body}))
+
+
+def test_register_accepts_keywords_as_the_registrar_protocols_declare() -> None:
+    plugin = make_plugin(
+        "kw",
+        kvframe_register_transports=lambda register: register(
+            name="t", factory=FakeTransport.factory, capabilities=CAPS
+        ),
+        kvframe_register_connectors=lambda register: register(name="c", connector=FakeConnector),
+        kvframe_register_offload_tiers=lambda register: register("disk", factory=dict),
+        kvframe_register_eviction_policies=lambda register: register(name="lru", factory=dict),
+    )
+    info = host_with().register(plugin)
+    assert (info.transports, info.connectors, info.offload_tiers, info.eviction_policies) == (
+        ("t",),
+        ("c",),
+        ("disk",),
+        ("lru",),
+    )
+
+
+def test_register_signatures_match_the_registrar_protocols() -> None:
+    from kvframe.runtime import plugins
+    from kvframe.spi import hookspecs
+
+    protocols = {
+        Kind.TRANSPORT: hookspecs.TransportRegistrar,
+        Kind.CONNECTOR: hookspecs.ConnectorRegistrar,
+        Kind.OFFLOAD_TIER: hookspecs.OffloadTierRegistrar,
+        Kind.EVICTION_POLICY: hookspecs.EvictionPolicyRegistrar,
+    }
+    for kind, proto in protocols.items():
+        declared = inspect.signature(proto.__call__).parameters
+        expected = [(p.name, p.kind) for p in declared.values() if p.name != "self"]
+        actual = plugins._REGISTER_SIGNATURES[kind].parameters.values()
+        assert [(p.name, p.kind) for p in actual] == expected, kind
 
 
 def test_hook_that_swallows_a_register_error_still_fails() -> None:
