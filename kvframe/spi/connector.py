@@ -60,12 +60,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "BlockIds",
     "EngineInfo",
     "KVConnector",
     "KVConnectorScheduler",
     "KVConnectorWorker",
-    "RequestView",
     "SchedulerStep",
 ]
 
