@@ -163,25 +163,37 @@ class DistributionLike(Protocol):
     """The part of :class:`importlib.metadata.Distribution` the host reads."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The distribution's name as installed (``kvframe-nixl``)."""
+        ...
 
     @property
-    def version(self) -> str: ...
+    def version(self) -> str:
+        """The installed version."""
+        ...
 
 
 class EntryPointLike(Protocol):
     """The part of :class:`importlib.metadata.EntryPoint` the host reads (tests pass fakes)."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The entry point's name; it becomes the plugin's name."""
+        ...
 
     @property
-    def value(self) -> str: ...
+    def value(self) -> str:
+        """What it points at: ``module`` or ``module:attribute``."""
+        ...
 
     @property
-    def dist(self) -> DistributionLike | None: ...
+    def dist(self) -> DistributionLike | None:
+        """The distribution that declared it; ``None`` when unknown."""
+        ...
 
-    def load(self) -> Any: ...
+    def load(self) -> Any:
+        """Import and return the plugin object; may raise anything the import raises."""
+        ...
 
 
 @attrs.frozen(kw_only=True)
