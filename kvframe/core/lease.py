@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Generic, TypeVar
 
@@ -313,17 +313,69 @@ _REASON_FOR = {
     LeaseState.EXPIRED: RenewIgnored.EXPIRED,
 }
 
+_Entry = tuple[float, int, str]  # (expiry, token, request id); tokens are unique
+
+
+class _ExpiryIndex:
+    """A priority queue of ``(expiry, token, id)`` entries, with lazy deletion by the caller.
+
+    Grants and ``now``-based renewals produce expiries in non-decreasing order (``now`` is
+    clamped; duration and extension are constant), so most entries go to a FIFO whose head is
+    its minimum: O(1) to push and pop, no comparisons. Entries that would break the FIFO's
+    order (a renewal as of an earlier ``sent_at``) go to a heap. The minimum is the smaller of
+    the two heads, so every entry is found in expiry order whatever order it came in.
+    """
+
+    __slots__ = ("fifo", "heap")
+
+    def __init__(self) -> None:
+        self.fifo: deque[_Entry] = deque()
+        self.heap: list[_Entry] = []
+
+    def __len__(self) -> int:
+        return len(self.fifo) + len(self.heap)
+
+    def push(self, entry: _Entry) -> None:
+        fifo = self.fifo
+        if not fifo or entry[0] >= fifo[-1][0]:
+            fifo.append(entry)
+        else:
+            heapq.heappush(self.heap, entry)
+
+    def peek(self) -> _Entry | None:
+        """The smallest entry (stale or not), or None."""
+        fifo, heap = self.fifo, self.heap
+        if fifo:
+            if heap and heap[0] < fifo[0]:
+                return heap[0]
+            return fifo[0]
+        return heap[0] if heap else None
+
+    def pop(self) -> _Entry:
+        """Remove and return the smallest entry; the index must not be empty."""
+        fifo, heap = self.fifo, self.heap
+        if fifo and not (heap and heap[0] < fifo[0]):
+            return fifo.popleft()
+        return heapq.heappop(heap)
+
+    def rebuild(self, entries: list[_Entry]) -> None:
+        entries.sort()
+        self.fifo = deque(entries)
+        self.heap = []
+
 
 class LeaseTable(Generic[PayloadT]):
     """Every lease one holder (a prefill instance) has granted.
 
-    Live leases sit in a dict and in a min-heap of ``(expiry, token, id)`` entries with lazy
-    deletion: a renewal pushes a new entry and makes the old one stale (its token no longer
-    matches), an ending leaves its entry behind. So :meth:`expire` with nothing due and
-    :meth:`next_deadline` are O(1) amortised, renewing ``k`` ids is O(k log n), and every due
-    lease is found however it was granted or renewed (a scan from the head of a
-    grant-ordered list would strand renewed leases behind unrenewed ones). The heap is
-    rebuilt when stale entries outnumber live ones.
+    Live leases sit in a dict and in a priority queue of ``(expiry, token, id)`` entries with
+    lazy deletion: a renewal pushes a new entry and makes the old one stale (its token no
+    longer matches), an ending leaves its entry behind. The queue is a FIFO for entries that
+    arrive in expiry order (grants and renewals as of ``now`` always do) plus a heap for the
+    rest. So :meth:`expire` with nothing due and :meth:`next_deadline` are O(1) amortised,
+    renewing ``k`` ids is O(k) (O(k log n) at worst), and every due lease is found however it
+    was granted or renewed (a scan from the head of a grant-ordered list would strand renewed
+    leases behind unrenewed ones, as vLLM's reaper did). The queue is rebuilt when stale
+    entries outnumber live ones.
 
     Ended leases are remembered (up to ``remember_ended``, oldest forgotten first) so that
     :meth:`lease` can still say how one ended, a late renewal can be told *why* it was
@@ -346,7 +398,7 @@ class LeaseTable(Generic[PayloadT]):
         self._policy = policy
         self._remember = remember_ended
         self._live: dict[str, _Record] = {}
-        self._heap: list[tuple[float, int, str]] = []
+        self._index = _ExpiryIndex()
         self._ended: OrderedDict[str, Lease[PayloadT]] = OrderedDict()
         self._clock = MonotonicClamp()
         self._token = 0
@@ -414,14 +466,15 @@ class LeaseTable(Generic[PayloadT]):
     def next_deadline(self) -> float | None:
         """The earliest expiry among live leases (call :meth:`expire` then), or ``None`` when
         no lease is live. Never later than any live lease's expiry."""
-        heap, live = self._heap, self._live
-        while heap:
-            expiry, token, rid = heap[0]
-            rec = live.get(rid)
-            if rec is not None and rec.token == token:
-                return expiry
-            heapq.heappop(heap)
-        return None
+        index, live = self._index, self._live
+        while True:
+            entry = index.peek()
+            if entry is None:
+                return None
+            rec = live.get(entry[2])
+            if rec is not None and rec.token == entry[1]:
+                return entry[0]
+            index.pop()
 
     # -- events ---------------------------------------------------------------------------
     def grant(self, request_id: str, now: float, payload: PayloadT) -> Lease[PayloadT]:
@@ -443,7 +496,7 @@ class LeaseTable(Generic[PayloadT]):
         self._token += 1
         rec = _Record(t, t + self._policy.duration, payload, self._token)
         self._live[request_id] = rec
-        heapq.heappush(self._heap, (rec.expiry, rec.token, request_id))
+        self._index.push((rec.expiry, rec.token, request_id))
         self._granted += 1
         return self._snapshot(request_id, rec, LeaseState.LIVE, None)
 
@@ -478,31 +531,38 @@ class LeaseTable(Generic[PayloadT]):
         t = self._clock.advance(now)
         base = t if sent_at is None else min(float(sent_at), t)
         candidate = base + self._policy.extension
-        live, ended, heap = self._live, self._ended, self._heap
+        live_get, ended, index = self._live.get, self._ended, self._index
+        # Every push in this call has the same expiry, so one check picks the FIFO or the heap.
+        push = index.fifo.append if not index.fifo or candidate >= index.fifo[-1][0] else index.push
         renewed: dict[str, float] = {}
         ignored: dict[str, RenewIgnored] = {}
+        fresh = candidate > t
+        token = self._token
         for rid in request_ids:
-            if rid in renewed or rid in ignored:
+            rec = live_get(rid)
+            if fresh and rec is not None and rec.expiry > t:
+                if rid in renewed:
+                    continue
+                if candidate > rec.expiry:
+                    token += 1
+                    rec.expiry = candidate
+                    rec.token = token
+                    push((candidate, token, rid))
+                rec.renewals += 1
+                renewed[rid] = rec.expiry
+            elif rid in ignored or rid in renewed:
                 continue
-            rec = live.get(rid)
-            if rec is None:
+            elif rec is None:
                 gone = ended.get(rid)
                 ignored[rid] = RenewIgnored.UNKNOWN if gone is None else _REASON_FOR[gone.state]
             elif rec.expiry <= t:
                 ignored[rid] = RenewIgnored.EXPIRED
-            elif candidate <= t:
-                ignored[rid] = RenewIgnored.STALE
             else:
-                if candidate > rec.expiry:
-                    self._token += 1
-                    rec.expiry = candidate
-                    rec.token = self._token
-                    heapq.heappush(heap, (candidate, self._token, rid))
-                rec.renewals += 1
-                renewed[rid] = rec.expiry
+                ignored[rid] = RenewIgnored.STALE
+        self._token = token
         self._renewed += len(renewed)
         self._renew_ignored += len(ignored)
-        if len(heap) > 2 * len(live) + 64:
+        if len(self._index) > 2 * len(self._live) + 64:
             self._compact()
         return RenewResult(renewed=renewed, ignored=ignored)
 
@@ -533,17 +593,21 @@ class LeaseTable(Generic[PayloadT]):
         Raises :class:`~kvframe.errors.LeaseError` for a non-finite ``now`` (nothing ends).
         """
         t = self._clock.advance(now)
-        heap, live = self._heap, self._live
+        index, live = self._index, self._live
         out: list[Lease[PayloadT]] = []
-        while heap and heap[0][0] <= t:
-            _, token, rid = heapq.heappop(heap)
+        entry = index.peek()
+        if entry is None or entry[0] > t:
+            return out
+        state = next_state(LeaseState.LIVE, LeaseEvent.EXPIRE)
+        retire = self._retire
+        while entry is not None and entry[0] <= t:
+            _, token, rid = index.pop()
             rec = live.get(rid)
-            if rec is None or rec.token != token:
-                continue
-            next_state(LeaseState.LIVE, LeaseEvent.EXPIRE)
-            del live[rid]
-            self._expired += 1
-            out.append(self._retire(rid, rec, LeaseState.EXPIRED, t))
+            if rec is not None and rec.token == token:
+                del live[rid]
+                out.append(retire(rid, rec, state, t))
+            entry = index.peek()
+        self._expired += len(out)
         return out
 
     # -- internals ------------------------------------------------------------------------
@@ -568,6 +632,8 @@ class LeaseTable(Generic[PayloadT]):
             self._consumed += 1
         else:
             self._aborted += 1
+        if len(self._index) > 2 * len(self._live) + 64:
+            self._compact()
         return self._retire(request_id, rec, target, t)
 
     def _retire(
@@ -596,5 +662,4 @@ class LeaseTable(Generic[PayloadT]):
         )
 
     def _compact(self) -> None:
-        self._heap = [(rec.expiry, rec.token, rid) for rid, rec in self._live.items()]
-        heapq.heapify(self._heap)
+        self._index.rebuild([(rec.expiry, rec.token, rid) for rid, rec in self._live.items()])

@@ -209,7 +209,7 @@ def test_nothing_remembered() -> None:
     assert t.lease("a") is None
 
 
-def test_heap_stays_bounded_under_many_renewals() -> None:
+def test_index_stays_bounded_under_many_renewals_and_ends() -> None:
     t = new_table()
     for i in range(100):
         t.grant(f"r{i}", 0.0, i)
@@ -217,9 +217,30 @@ def test_heap_stays_bounded_under_many_renewals() -> None:
     for step in range(1, 200):
         t.renew(ids, float(step))
     # Lazy deletion leaves stale entries; compaction keeps them proportional to the live set.
-    assert len(t._heap) <= 2 * len(t) + 64 + 100
+    assert len(t._index) <= 2 * len(t) + 64 + 100
     assert t.next_deadline() == 199.0 + 20.0
-    assert len(t.expire(219.0)) == 100
+    for i in range(50):
+        t.consume(f"r{i}", 200.0)
+    assert len(t._index) <= 2 * len(t) + 64
+    assert len(t.expire(219.0)) == 50
+
+
+def test_out_of_order_renewals_are_still_reaped_in_expiry_order() -> None:
+    t = new_table()
+    for i in range(6):
+        t.grant(f"r{i}", 0.0, i)  # all 30
+    # Heartbeats as of decreasing send times: expiries 45, 44, 43 (out of push order).
+    t.renew(["r0"], 26.0, sent_at=25.0)
+    t.renew(["r1"], 26.0, sent_at=24.0)
+    t.renew(["r2"], 26.0, sent_at=23.0)
+    assert t.next_deadline() == 30.0
+    assert [x.request_id for x in t.expire(30.0)] == ["r3", "r4", "r5"]
+    assert t.next_deadline() == 43.0
+    assert [(x.request_id, x.expiry) for x in t.expire(50.0)] == [
+        ("r2", 43.0),
+        ("r1", 44.0),
+        ("r0", 45.0),
+    ]
 
 
 def test_leases_lists_live_snapshots_in_grant_order() -> None:
