@@ -24,6 +24,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvframe.bench.transfer",
         "cross-process READ: kvframe NIXL transport vs raw NIXL vs memcpy, and post cost",
     ),
+    "lease": (
+        "kvframe.bench.lease",
+        "lease table vs naive dict scan (renew, expire), and heartbeat bytes per request id",
+    ),
 }
 
 

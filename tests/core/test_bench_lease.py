@@ -1,0 +1,80 @@
+"""``kvframe bench lease`` runs at tiny sizes and prints the documented JSON shape."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvframe.bench import lease
+from kvframe.cli import BENCHMARKS
+
+TINY = ["--leases", "300", "--renew", "30", "--expire", "10", "--repeat", "1"]
+
+
+def run_bench(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser()
+    lease.add_arguments(parser)
+    status = lease.run(parser.parse_args(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_registered_in_the_cli() -> None:
+    assert BENCHMARKS["lease"][0] == "kvframe.bench.lease"
+
+
+def test_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_bench([*TINY, "--json"], capsys)
+    assert status == 0
+    report = json.loads(out)
+    assert set(report) == {"benchmark", "params", "results", "heartbeat"}
+    assert report["benchmark"] == "lease"
+    assert report["params"] == {
+        "leases": 300,
+        "renew": 30,
+        "expire": 10,
+        "repeat": 1,
+        "heartbeat_ids": 100,
+        "id_length": 39,
+    }
+    assert set(report["results"]) == {"renew", "expire_none_due", "expire_due"}
+    for r in report["results"].values():
+        assert set(r) == {"kvframe_s", "naive_s", "ratio"}
+        assert all(isinstance(v, float) and v >= 0 for v in r.values())
+    hb = report["heartbeat"]
+    assert set(hb) == {
+        "ids",
+        "id_length",
+        "message_bytes",
+        "header_bytes",
+        "bytes_per_id",
+        "msgpack_bytes_per_id",
+    }
+    assert hb["bytes_per_id"] == 40.0  # len(id) + 1
+    assert hb["message_bytes"] == 18 + 100 * 40
+
+
+def test_scale_and_human_table(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_bench(["--scale", "0.002", "--repeat", "1", "--id-length", "8"], capsys)
+    assert status == 0
+    assert "200 live leases" in out
+    assert "renew 20 ids" in out
+    assert "expire 2 due" in out
+    assert "9.00 bytes/id" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--leases", "0"], "--leases must be >= 1"),
+        (["--scale", "0"], "--scale must be > 0"),
+        (["--id-length", "300"], "--id-length must be <= 255"),
+    ],
+)
+def test_bad_options(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_bench(argv, capsys)
+    assert status == 2
+    assert match in err
+    assert out == ""
