@@ -131,7 +131,8 @@ def test_late_duplicates_beyond_memory_are_forgotten_oldest_first() -> None:
     for rid in "abc":
         agg.add(0, ConnectorOutput(finished_sending={rid}))
     assert agg.take().finished_sending == {"a", "b", "c"}
-    agg.add(0, ConnectorOutput(finished_sending={"a", "b", "c"}))
+    for rid in "bca":
+        agg.add(0, ConnectorOutput(finished_sending={rid}))
     # "a" fell out of the bounded memory; "b" and "c" are still recognised as duplicates.
     assert agg.take().finished_sending == {"a"}
 
