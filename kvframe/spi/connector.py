@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import abc
 import math
+import types
 from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +82,7 @@ def _token_counts(value: Mapping[str, int]) -> Mapping[str, int]:
             raise ValueError(
                 f"{k!r}: {v!r}; token counts map request ids (str) to non-negative ints"
             )
-    return dict(value)
+    return types.MappingProxyType(dict(value))
 
 
 def _id_set(value: Any) -> frozenset[str]:

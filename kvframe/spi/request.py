@@ -139,7 +139,8 @@ class RequestView:
     kv_transfer_params: Mapping[str, Any] | None = attrs.field(
         default=None, converter=_params, hash=False
     )
-    """The ``kv_transfer_params`` the client sent with the request (read-only), or ``None``."""
+    """The ``kv_transfer_params`` the client sent with the request, or ``None``. A read-only
+    shallow copy: nested values are the engine's (JSON values, which connectors only read)."""
     arrival_time: float = attrs.field(default=0.0, validator=_finite)
     """When the request arrived, in seconds on the engine's clock (the same clock as ``now``
     in :class:`~kvframe.spi.connector.SchedulerStep`)."""

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvframe.protocol.aggregate import OutputAggregator
 from kvframe.protocol.messages import ConnectorOutput, KVEvent, Stats
@@ -160,3 +161,47 @@ def test_bad_arguments() -> None:
         OutputAggregator(1, remember=0)
     with pytest.raises(TypeError, match="expected a ConnectorOutput"):
         OutputAggregator(1).add(0, {})  # type: ignore[arg-type]
+
+
+class AggregatorMachine(RuleBasedStateMachine):
+    """Random add/take interleavings against a plain model: a request id is emitted in the
+    first take after all ranks reported it, exactly once; failures are emitted once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ranks = 3
+        self.agg = OutputAggregator(self.ranks)
+        self.reported: dict[str, set[int]] = {}
+        self.emitted: set[str] = set()
+        self.failed_reported: set[str] = set()
+        self.failed_emitted: set[str] = set()
+
+    @rule(rank=st.integers(0, 2), rid=st.sampled_from("abcdef"), fail=st.booleans())
+    def add(self, rank: int, rid: str, fail: bool) -> None:
+        failures = {rid: f"rank {rank}"} if fail else {}
+        self.agg.add(rank, ConnectorOutput(finished_recving={rid}, failures=failures))
+        self.reported.setdefault(rid, set()).add(rank)
+        if fail:
+            self.failed_reported.add(rid)
+
+    @rule()
+    def take(self) -> None:
+        out = self.agg.take()
+        due = {r for r, ranks in self.reported.items() if len(ranks) == self.ranks}
+        assert set(out.finished_recving) == due - self.emitted
+        self.emitted |= set(out.finished_recving)
+        assert set(out.failures) == self.failed_reported - self.failed_emitted
+        self.failed_emitted |= set(out.failures)
+
+    @invariant()
+    def pending_matches_model(self) -> None:
+        pending = self.agg.pending()["receiving"]
+        expected = {
+            r: frozenset(ranks)
+            for r, ranks in self.reported.items()
+            if len(ranks) < self.ranks and r not in self.emitted
+        }
+        assert pending == expected
+
+
+TestAggregatorMachine = AggregatorMachine.TestCase

@@ -124,6 +124,8 @@ def test_connector_class_defaults_and_abstract_factories() -> None:
 def test_scheduler_step_and_engine_info_validate() -> None:
     step = SchedulerStep(step=2, new_requests={"a": 3}, cached_requests={"b": 1}, now=1.0)
     assert step.num_scheduled_tokens == 4
+    with pytest.raises(TypeError):
+        step.new_requests["c"] = 1  # type: ignore[index]
     with pytest.raises(ValueError, match="now"):
         SchedulerStep(step=0, now=math.inf)
     with pytest.raises(ValueError, match="step"):
