@@ -1,0 +1,643 @@
+"""The transport conformance kit: tests any transport plugin runs against itself.
+
+Use it from a plugin's test suite (see ``docs/testing-plugins.md``)::
+
+    # conftest.py
+    pytest_plugins = ["kvframe.testing.pytest_plugin"]
+
+    @pytest.fixture
+    def kvframe_transport_name():
+        return "fastwire"
+
+    # test_conformance.py
+    from kvframe.testing import TransportConformance
+
+    class TestFastWire(TransportConformance):
+        pass
+
+Every test runs on a :class:`Pair`: endpoint ``a`` in the test process (its transport is
+``pair.a.transport``) and endpoint ``b`` — in a child process when the transport's
+capabilities say ``cross_process``, else in this process. Both have registered one host buffer
+cut into a three-region :class:`~kvframe.spi.transport.BlockLayout` (block lengths
+:data:`BLOCK_LENS`, :data:`NUM_BLOCKS` blocks), know each other as peers and have prepared
+each other's layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+
+from kvframe.errors import (
+    CapabilityError,
+    PeerUnreachableError,
+    TransportClosedError,
+    TransportError,
+)
+from kvframe.spi.transport import (
+    BlockLayout,
+    LayoutHandle,
+    MemoryKind,
+    MemoryRegion,
+    Notification,
+    Op,
+    TransportCapabilities,
+    XferState,
+)
+from kvframe.testing.endpoint import ChildEndpoint, Endpoint, LocalEndpoint, TransportSpec
+
+__all__ = [
+    "BLOCK_LENS",
+    "NUM_BLOCKS",
+    "Pair",
+    "PairFactory",
+    "TransportConformance",
+    "expected_after",
+    "make_layout",
+    "make_pair",
+]
+
+#: Block length of each region of the kit's layout (deliberately different per region).
+BLOCK_LENS = (256, 64, 1024)
+#: Blocks per region in the kit's layout.
+NUM_BLOCKS = 16
+
+
+def make_layout(buffer: MemoryRegion, block_lens: Sequence[int], num_blocks: int) -> BlockLayout:
+    """Cut ``buffer`` into consecutive regions of ``num_blocks`` blocks each.
+
+    Raises ``ValueError`` when the buffer is too small.
+    """
+    need = sum(block_lens) * num_blocks
+    if need > buffer.length:
+        raise ValueError(f"buffer of {buffer.length} bytes is too small; the layout needs {need}")
+    regions = []
+    addr = buffer.addr
+    for blen in block_lens:
+        regions.append(
+            MemoryRegion(
+                addr=addr, length=blen * num_blocks, kind=buffer.kind, device_id=buffer.device_id
+            )
+        )
+        addr += blen * num_blocks
+    return BlockLayout(regions=regions, block_lens=list(block_lens), num_blocks=num_blocks)
+
+
+def _offsets(layout: BlockLayout) -> list[int]:
+    base = layout.regions[0].addr
+    return [r.addr - base for r in layout.regions]
+
+
+def expected_after(
+    dst: np.ndarray[Any, Any],
+    src: np.ndarray[Any, Any],
+    layout: BlockLayout,
+    dst_blocks: Sequence[int],
+    src_blocks: Sequence[int],
+    regions: Sequence[int] | None,
+) -> np.ndarray[Any, Any]:
+    """What the destination buffer holds after a transfer: ``dst`` with the selected blocks
+    replaced by the paired ``src`` blocks (both buffers laid out by :func:`make_layout`)."""
+    out = dst.copy()
+    offsets = _offsets(layout)
+    for r in range(layout.num_regions) if regions is None else regions:
+        blen = layout.block_lens[r]
+        for d, s in zip(dst_blocks, src_blocks, strict=True):
+            out[offsets[r] + d * blen : offsets[r] + (d + 1) * blen] = src[
+                offsets[r] + s * blen : offsets[r] + (s + 1) * blen
+            ]
+    return out
+
+
+@attrs.define(eq=False)
+class Pair:
+    """Two connected endpoints of the transport under test (see the module docstring).
+
+    ``a_local``/``a_remote`` are ``a``'s layout ids for its own buffer and for ``b``'s;
+    ``b_local``/``b_remote`` likewise for ``b``. ``peer_a``/``peer_b`` are the names each
+    side's ``add_peer`` returned (``b``'s name as seen by ``a`` is ``peer_b``).
+    """
+
+    a: LocalEndpoint
+    b: Endpoint
+    cross_process: bool
+    timeout: float
+    a_buffer: MemoryRegion
+    b_buffer: MemoryRegion
+    a_layout: BlockLayout
+    b_layout: BlockLayout
+    a_local: int
+    a_remote: int
+    b_local: int
+    b_remote: int
+    peer_a: str
+    peer_b: str
+    a_data: np.ndarray[Any, Any]
+    """What ``a``'s buffer was filled with at set-up."""
+    b_data: np.ndarray[Any, Any]
+    """What ``b``'s buffer was filled with at set-up."""
+
+    @property
+    def caps(self) -> TransportCapabilities:
+        """The transport's capabilities (as ``a`` reports them)."""
+        return self.a.capabilities
+
+    def pump(self) -> None:
+        """One round of progress on both sides."""
+        self.a.pump()
+        self.b.pump()
+
+    def read_a(self) -> np.ndarray[Any, Any]:
+        """``a``'s whole buffer, as bytes in a numpy array."""
+        return np.frombuffer(self.a.read(self.a_buffer.addr, self.a_buffer.length), np.uint8)
+
+    def read_b(self) -> np.ndarray[Any, Any]:
+        """``b``'s whole buffer, as bytes in a numpy array."""
+        return np.frombuffer(self.b.read(self.b_buffer.addr, self.b_buffer.length), np.uint8)
+
+    def wait(self, ep: Endpoint, xfer: int, timeout: float | None = None) -> XferState:
+        """Poll ``xfer`` on ``ep`` until it stops; pumps the other side meanwhile.
+
+        Raises ``AssertionError`` when it is still ``PENDING`` after ``timeout`` (default:
+        the pair's timeout).
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        other = self.b if ep is self.a else self.a
+        while True:
+            state = ep.poll(xfer).state
+            if state is not XferState.PENDING:
+                return state
+            other.pump()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"transfer still PENDING after {self.timeout} s")
+            time.sleep(0.0002)
+
+    def wait_notifications(
+        self, ep: Endpoint, count: int, timeout: float | None = None
+    ) -> list[Notification]:
+        """Drain ``ep`` until ``count`` notifications arrived (pumping the other side); returns
+        all that arrived. Raises ``AssertionError`` on timeout, listing what did arrive."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        other = self.b if ep is self.a else self.a
+        got: list[Notification] = []
+        while True:
+            got.extend(ep.drain())
+            if len(got) >= count:
+                return got
+            other.pump()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(got)} of {count} notifications arrived: {got!r}")
+            time.sleep(0.0002)
+
+    def settle(self, rounds: int = 20) -> None:
+        """Pump both sides ``rounds`` times (lets a wrongly started transfer do its damage)."""
+        for _ in range(rounds):
+            self.pump()
+            time.sleep(0.0002)
+
+    def close(self) -> None:
+        """Shut both endpoints down (closing transports, stopping a child). Idempotent."""
+        self.a.shutdown()
+        self.b.shutdown()
+
+
+#: Builds a new connected pair; ``cross_process=None`` follows the capabilities.
+PairFactory = Callable[..., Pair]
+
+
+def make_pair(
+    spec: TransportSpec,
+    *,
+    cross_process: bool | None = None,
+    timeout: float = 10.0,
+    seed: int = 0,
+) -> Pair:
+    """Build two endpoints of ``spec``'s transport, register and fill a buffer on each,
+    connect them both ways and prepare each other's layout.
+
+    ``cross_process`` ``None`` puts ``b`` in a child process exactly when the transport's
+    capabilities say ``cross_process``. Raises what the transport raises during set-up
+    (everything created so far is shut down first).
+    """
+    tag = uuid.uuid4().hex[:8]
+    a = LocalEndpoint(spec.build(f"kit-{tag}-a"))
+    b: Endpoint | None = None
+    try:
+        remote = a.capabilities.cross_process if cross_process is None else cross_process
+        if remote:
+            b = ChildEndpoint.start(spec, f"kit-{tag}-b", timeout=timeout, pump=a.pump)
+        else:
+            b = LocalEndpoint(spec.build(f"kit-{tag}-b"))
+        size = sum(BLOCK_LENS) * NUM_BLOCKS
+        rng = np.random.default_rng(seed)
+        buffers = []
+        data = []
+        for ep in (a, b):
+            buf = ep.alloc(size)
+            content = rng.integers(0, 256, size, dtype=np.uint8)
+            ep.write(buf.addr, content.tobytes())
+            ep.register([buf])
+            buffers.append(buf)
+            data.append(content)
+        a_layout = make_layout(buffers[0], BLOCK_LENS, NUM_BLOCKS)
+        b_layout = make_layout(buffers[1], BLOCK_LENS, NUM_BLOCKS)
+        a_meta, b_meta = a.metadata(), b.metadata()
+        peer_b = a.add_peer(b_meta)
+        peer_a = b.add_peer(a_meta)
+        return Pair(
+            a=a,
+            b=b,
+            cross_process=remote,
+            timeout=timeout,
+            a_buffer=buffers[0],
+            b_buffer=buffers[1],
+            a_layout=a_layout,
+            b_layout=b_layout,
+            a_local=a.prepare_local(a_layout),
+            a_remote=a.prepare_remote(peer_b, b_layout),
+            b_local=b.prepare_local(b_layout),
+            b_remote=b.prepare_remote(peer_a, a_layout),
+            peer_a=peer_a,
+            peer_b=peer_b,
+            a_data=data[0],
+            b_data=data[1],
+        )
+    except BaseException:
+        a.shutdown()
+        if b is not None:
+            b.shutdown()
+        raise
+
+
+def _random_blocks(rng: random.Random, count: int) -> list[int]:
+    return rng.sample(range(NUM_BLOCKS), count)
+
+
+def _random_regions(rng: random.Random) -> list[int] | None:
+    if rng.random() < 0.3:
+        return None
+    return sorted(rng.sample(range(len(BLOCK_LENS)), rng.randint(1, len(BLOCK_LENS))))
+
+
+class TransportConformance:
+    """Subclass this in a test module to run the kit (see the module docstring).
+
+    Tests use the fixtures ``kvframe_pair`` (a fresh :class:`Pair`, shut down afterwards),
+    ``kvframe_pair_factory`` (more pairs) and ``kvframe_transport_spec``, all provided by
+    :mod:`kvframe.testing.pytest_plugin` from the plugin author's ``kvframe_transport_name``
+    and ``kvframe_transport_options`` fixtures. A test that does not apply to the transport
+    (for example a dead peer process, for a transport that is not cross-process) is *skipped*
+    with the reason, never passed silently.
+    """
+
+    # -- identity, registration, metadata ---------------------------------------------------
+    def test_capability_card_is_consistent(self, kvframe_pair: Pair) -> None:
+        caps = kvframe_pair.caps
+        assert isinstance(caps, TransportCapabilities)
+        assert MemoryKind.HOST in caps.memory_kinds, "the kit needs HOST memory support"
+        assert caps.read or caps.write, "a transport that can neither READ nor WRITE"
+        if caps.notifications:
+            assert caps.max_notification_bytes > 0
+        else:
+            assert caps.max_notification_bytes == 0
+        assert kvframe_pair.a.transport.name == kvframe_pair.a.name
+
+    def test_metadata_names_the_peer_and_add_peer_is_idempotent(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        meta = p.b.metadata()
+        assert isinstance(meta, bytes)
+        assert meta
+        assert p.peer_b == p.b.name
+        assert p.peer_a == p.a.name
+        assert p.a.add_peer(meta) == p.peer_b  # same metadata again: a no-op
+        self._check_transfer(p, Op.READ if p.caps.read else Op.WRITE, [0, 1], [2, 3], None)
+
+    def test_garbage_metadata_is_rejected_and_transport_stays_usable(
+        self, kvframe_pair: Pair
+    ) -> None:
+        p = kvframe_pair
+        with pytest.raises(PeerUnreachableError):
+            p.a.add_peer(b"\x00 this is not metadata \xff")
+        self._check_transfer(p, Op.READ if p.caps.read else Op.WRITE, [4], [5], None)
+
+    # -- transfers --------------------------------------------------------------------------
+    def _check_transfer(
+        self,
+        p: Pair,
+        op: Op,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        regions: list[int] | None,
+        *,
+        notification: bytes | None = None,
+    ) -> None:
+        before_a, before_b = p.read_a(), p.read_b()
+        xid = p.a.post(
+            op,
+            p.a_local,
+            local_blocks,
+            p.a_remote,
+            remote_blocks,
+            regions=regions,
+            notification=notification,
+        )
+        state = p.wait(p.a, xid)
+        status = p.a.poll(xid)
+        assert state is XferState.DONE, f"transfer ended {state}: {status.error!r}"
+        assert status.state is XferState.DONE, "a DONE transfer must stay DONE"
+        p.a.release(xid)
+        after_a, after_b = p.read_a(), p.read_b()
+        if op is Op.READ:
+            want_a = expected_after(before_a, before_b, p.a_layout, local_blocks, remote_blocks,
+                                    regions)  # fmt: skip
+            np.testing.assert_array_equal(after_a, want_a, err_msg="READ destination bytes")
+            np.testing.assert_array_equal(after_b, before_b, err_msg="READ changed its source")
+        else:
+            want_b = expected_after(before_b, before_a, p.a_layout, remote_blocks, local_blocks,
+                                    regions)  # fmt: skip
+            np.testing.assert_array_equal(after_b, want_b, err_msg="WRITE destination bytes")
+            np.testing.assert_array_equal(after_a, before_a, err_msg="WRITE changed its source")
+
+    @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+    @pytest.mark.parametrize("seed", range(3))
+    def test_transfer_moves_exactly_the_selected_blocks(
+        self, kvframe_pair: Pair, op: Op, seed: int
+    ) -> None:
+        p = kvframe_pair
+        self._require_op(p, op)
+        rng = random.Random(seed)
+        for _ in range(3):
+            n = rng.randint(1, NUM_BLOCKS)
+            self._check_transfer(
+                p, op, _random_blocks(rng, n), _random_blocks(rng, n), _random_regions(rng)
+            )
+
+    def test_empty_transfer_completes(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        op = Op.READ if p.caps.read else Op.WRITE
+        self._check_transfer(p, op, [], [], None)
+
+    def test_peer_can_post_back(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        op = Op.READ if p.caps.read else Op.WRITE
+        before_a, before_b = p.read_a(), p.read_b()
+        xid = p.b.post(op, p.b_local, [7, 8], p.b_remote, [9, 1], regions=[2, 0])
+        assert p.wait(p.b, xid) is XferState.DONE
+        p.b.release(xid)
+        if op is Op.READ:
+            want = expected_after(before_b, before_a, p.a_layout, [7, 8], [9, 1], [2, 0])
+            np.testing.assert_array_equal(p.read_b(), want)
+        else:
+            want = expected_after(before_a, before_b, p.a_layout, [9, 1], [7, 8], [2, 0])
+            np.testing.assert_array_equal(p.read_a(), want)
+
+    def test_poll_states_and_release_twice(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        op = Op.READ if p.caps.read else Op.WRITE
+        xid = p.a.post(op, p.a_local, [0], p.a_remote, [1])
+        handle = p.a.handle(xid)
+        assert handle.op is op
+        assert handle.peer == p.peer_b
+        assert handle.nbytes == sum(BLOCK_LENS)
+        seen = [p.a.poll(xid).state]
+        assert seen[0] in (XferState.PENDING, XferState.DONE)
+        assert p.wait(p.a, xid) is XferState.DONE
+        assert p.a.poll(xid).state is XferState.DONE
+        p.a.release(xid)
+        p.a.release(xid)  # a no-op
+        assert handle.released
+        with pytest.raises(TransportClosedError):
+            p.a.poll(xid)
+
+    def test_release_while_pending_stops_the_transfer(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        op = Op.READ if p.caps.read else Op.WRITE
+        xid = p.a.post(op, p.a_local, list(range(NUM_BLOCKS)), p.a_remote, list(range(16)))
+        p.a.release(xid)
+        with pytest.raises(TransportClosedError):
+            p.a.poll(xid)
+        # the transport stays usable, and the released transfer's blocks may be reused at once
+        self._check_transfer(p, op, [3, 4], [5, 6], None)
+
+    @pytest.mark.parametrize(
+        ("local_blocks", "remote_blocks", "regions", "why"),
+        [
+            ([NUM_BLOCKS], [0], None, "local block out of range"),
+            ([0], [NUM_BLOCKS], None, "remote block out of range"),
+            ([-1], [0], None, "negative block"),
+            ([0, 1], [0], None, "lists of different length"),
+            ([0], [0], [len(BLOCK_LENS)], "region out of range"),
+            ([0], [0], [-1], "negative region"),
+        ],
+    )
+    def test_invalid_indices_raise_valueerror_and_move_nothing(
+        self,
+        kvframe_pair: Pair,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        regions: list[int] | None,
+        why: str,
+    ) -> None:
+        p = kvframe_pair
+        before_a, before_b = p.read_a(), p.read_b()
+        for op in (Op.READ, Op.WRITE):
+            if not self._supported(p, op):
+                continue
+            with pytest.raises(ValueError):  # noqa: PT011 - the kit pins the class, not the text
+                p.a.post(op, p.a_local, local_blocks, p.a_remote, remote_blocks, regions=regions)
+        p.settle()
+        np.testing.assert_array_equal(p.read_a(), before_a, err_msg=why)
+        np.testing.assert_array_equal(p.read_b(), before_b, err_msg=why)
+
+    def test_unsupported_operations_raise_capabilityerror(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        checked = 0
+        for op in (Op.READ, Op.WRITE):
+            if not self._supported(p, op):
+                with pytest.raises(CapabilityError):
+                    p.a.post(op, p.a_local, [0], p.a_remote, [0])
+                checked += 1
+        if not p.caps.notifications:
+            with pytest.raises(CapabilityError):
+                p.a.notify(p.peer_b, b"x")
+            checked += 1
+        if MemoryKind.DEVICE not in p.caps.memory_kinds:
+            spare = p.a.alloc(4096)
+            with pytest.raises(CapabilityError):
+                p.a.register([MemoryRegion(addr=spare.addr, length=4096, kind=MemoryKind.DEVICE)])
+            checked += 1
+        if checked == 0:
+            pytest.skip("the transport supports every capability the kit can switch off")
+
+    # -- notifications ----------------------------------------------------------------------
+    def _require_notifications(self, p: Pair) -> None:
+        if not p.caps.notifications:
+            pytest.skip("the transport does not support notifications")
+
+    def test_notifications_arrive_in_order_both_ways(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        self._require_notifications(p)
+        sent = [f"n{i}".encode() for i in range(20)]
+        for payload in sent:
+            p.a.notify(p.peer_b, payload)
+        got = p.wait_notifications(p.b, len(sent))
+        assert all(n.sender == p.peer_a for n in got)
+        if p.caps.ordered_notifications:
+            assert [n.payload for n in got] == sent
+        else:
+            assert sorted(n.payload for n in got) == sorted(sent)
+        p.b.notify(p.peer_a, b"back")
+        assert p.wait_notifications(p.a, 1) == [Notification(sender=p.peer_b, payload=b"back")]
+
+    def test_notification_size_limit(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        self._require_notifications(p)
+        limit = p.caps.max_notification_bytes
+        with pytest.raises(CapabilityError):
+            p.a.notify(p.peer_b, b"x" * (limit + 1))
+        op = Op.READ if p.caps.read else Op.WRITE
+        with pytest.raises(CapabilityError):
+            p.a.post(op, p.a_local, [0], p.a_remote, [0], notification=b"y" * (limit + 1))
+        big = bytes(range(256)) * (limit // 256) + b"z" * (limit % 256)
+        p.a.notify(p.peer_b, big)
+        got = p.wait_notifications(p.b, 1)
+        assert [n.payload for n in got] == [big], "a payload of exactly the limit must arrive"
+
+    @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+    def test_post_with_notification(self, kvframe_pair: Pair, op: Op) -> None:
+        p = kvframe_pair
+        self._require_op(p, op)
+        self._require_notifications(p)
+        self._check_transfer(p, op, [1, 2], [3, 4], [0, 2], notification=b"blocks-ready")
+        got = p.wait_notifications(p.b, 1)
+        assert got == [Notification(sender=p.peer_a, payload=b"blocks-ready")]
+
+    # -- peers ------------------------------------------------------------------------------
+    def test_remove_peer_stops_transfers_and_readd_works(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        op = Op.READ if p.caps.read else Op.WRITE
+        before_a, before_b = p.read_a(), p.read_b()
+        xid = p.a.post(op, p.a_local, [0, 1], p.a_remote, [2, 3])
+        p.a.remove_peer(p.peer_b)
+        p.a.remove_peer("no-such-peer")  # unknown names are ignored
+        state = p.wait(p.a, xid)
+        status = p.a.poll(xid)
+        if state is XferState.FAILED:
+            assert isinstance(status.error, TransportError)
+        else:
+            # it completed before the removal: then every byte must be right
+            if op is Op.READ:
+                want = expected_after(before_a, before_b, p.a_layout, [0, 1], [2, 3], None)
+                np.testing.assert_array_equal(p.read_a(), want)
+            else:
+                want = expected_after(before_b, before_a, p.a_layout, [2, 3], [0, 1], None)
+                np.testing.assert_array_equal(p.read_b(), want)
+        p.a.release(xid)
+        with pytest.raises(PeerUnreachableError):
+            p.a.post(op, p.a_local, [0], p.a_remote, [0])
+        if p.caps.notifications:
+            with pytest.raises(PeerUnreachableError):
+                p.a.notify(p.peer_b, b"gone")
+        with pytest.raises(PeerUnreachableError):
+            p.a.prepare_remote(p.peer_b, p.b_layout)
+        assert p.a.add_peer(p.b.metadata()) == p.peer_b
+        p.a_remote = p.a.prepare_remote(p.peer_b, p.b_layout)
+        self._check_transfer(p, op, [5], [6], None)
+
+    def test_dead_peer_process_fails_transfers_within_bound(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        if not isinstance(p.b, ChildEndpoint):
+            pytest.skip("the transport is not cross-process; there is no peer process to kill")
+        op = Op.READ if p.caps.read else Op.WRITE
+        inflight = p.a.post(op, p.a_local, list(range(NUM_BLOCKS)), p.a_remote, list(range(16)))
+        p.b.kill()
+        bound = p.timeout
+        start = time.monotonic()
+        state = p.wait(p.a, inflight, timeout=bound)
+        assert state in (XferState.DONE, XferState.FAILED)  # it may have finished before
+        p.a.release(inflight)
+        # anything started after the death must fail, by raising or by polling FAILED
+        try:
+            late = p.a.post(op, p.a_local, [0], p.a_remote, [0])
+        except PeerUnreachableError:
+            pass
+        else:
+            state = p.wait(p.a, late, timeout=bound)
+            status = p.a.poll(late)
+            assert state is XferState.FAILED, "a transfer with a dead peer reported DONE"
+            assert isinstance(status.error, PeerUnreachableError), status.error
+            p.a.release(late)
+        assert time.monotonic() - start < 2 * bound
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def test_close_twice_and_use_after_close(self, kvframe_pair: Pair) -> None:
+        p = kvframe_pair
+        t = p.a.transport
+        op = Op.READ if p.caps.read else Op.WRITE
+        xid = p.a.post(op, p.a_local, [0], p.a_remote, [0])
+        local, remote = p.a.layout(p.a_local), p.a.layout(p.a_remote)
+        handle = p.a.handle(xid)
+        p.a.close()
+        t.close()  # a no-op
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("register_memory", lambda: t.register_memory([p.a_buffer])),
+            ("local_metadata", t.local_metadata),
+            ("add_peer", lambda: t.add_peer(b"x")),
+            ("remove_peer", lambda: t.remove_peer(p.peer_b)),
+            ("prepare_local", lambda: t.prepare_local(p.a_layout)),
+            ("prepare_remote", lambda: t.prepare_remote(p.peer_b, p.b_layout)),
+            ("post", lambda: self._post_raw(t, op, local, remote)),
+            ("poll", lambda: t.poll(handle)),
+            ("send_notification", lambda: t.send_notification(p.peer_b, b"x")),
+            ("drain_notifications", t.drain_notifications),
+        ]
+        for what, call in calls:
+            try:
+                call()
+            except TransportClosedError:
+                continue
+            pytest.fail(f"{what} after close() did not raise TransportClosedError")
+
+    @staticmethod
+    def _post_raw(t: Any, op: Op, local: LayoutHandle, remote: LayoutHandle) -> object:
+        return t.post(op, local, [0], remote, [0])
+
+    def test_state_machine(self, kvframe_pair_factory: PairFactory) -> None:
+        from kvframe.testing.stateful import run_transport_state_machine
+
+        run_transport_state_machine(kvframe_pair_factory)
+
+    # -- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _supported(p: Pair, op: Op) -> bool:
+        return p.caps.read if op is Op.READ else p.caps.write
+
+    def _require_op(self, p: Pair, op: Op) -> None:
+        if not self._supported(p, op):
+            pytest.skip(f"the transport does not support {op.name}")
+
+
+@contextlib.contextmanager
+def pair_factory(spec: TransportSpec, *, timeout: float) -> Iterator[PairFactory]:
+    """A pair factory whose pairs are all shut down when the context exits."""
+    made: list[Pair] = []
+
+    def factory(**kwargs: Any) -> Pair:
+        kwargs.setdefault("timeout", timeout)
+        pair = make_pair(spec, **kwargs)
+        made.append(pair)
+        return pair
+
+    try:
+        yield factory
+    finally:
+        for pair in made:
+            pair.close()

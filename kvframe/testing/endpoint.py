@@ -1,0 +1,773 @@
+"""Endpoints the conformance kit drives: one in this process, or one in a child process.
+
+An *endpoint* is a transport plus the host buffers it moves, behind a small command set
+(allocate, write, read, register, metadata, add_peer, prepare, post, poll, release, notify,
+drain, close). :class:`LocalEndpoint` runs the commands on a transport in this process;
+:class:`ChildEndpoint` sends them to ``python -m kvframe.testing._endpoint`` over a socket pair,
+framed as length-prefixed msgpack (never pickle), and the child runs them on a
+:class:`LocalEndpoint` of its own.
+
+Progress: the child calls ``drain_notifications()`` at least every millisecond between
+commands and keeps what it drained until the parent asks, so transports that progress only
+when called (NIXL without its progress thread) can accept connections and serve one-sided
+transfers while the parent is busy. While the parent waits for the child's answer, it runs the
+``pump`` callback it was given (usually its own endpoint's :meth:`LocalEndpoint.pump`) every
+millisecond for the same reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import importlib
+import itertools
+import os
+import select
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import msgpack
+import numpy as np
+
+from kvframe import errors
+from kvframe.spi.transport import (
+    BlockLayout,
+    LayoutHandle,
+    MemoryKind,
+    MemoryRegion,
+    Notification,
+    Op,
+    Transport,
+    TransportCapabilities,
+    TransportParams,
+    XferHandle,
+    XferState,
+)
+
+__all__ = [
+    "ChildEndpoint",
+    "Endpoint",
+    "LocalEndpoint",
+    "RemoteError",
+    "TransportSpec",
+    "XferStatus",
+    "serve_child",
+]
+
+_FRAME = struct.Struct(">I")
+_MAX_FRAME = 256 * 1024 * 1024
+
+
+class RemoteError(Exception):
+    """The child endpoint raised an exception that is not one of kvframe's or a builtin the
+    kit maps back (``ValueError``, ``TypeError``, ``KeyError``). ``type_name`` names it."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+
+
+@attrs.frozen(kw_only=True)
+class XferStatus:
+    """What :meth:`Endpoint.poll` answers: the state and, when ``FAILED``, the error."""
+
+    state: XferState
+    error: BaseException | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TransportSpec:
+    """How to build the transport under test, in this process or in a child.
+
+    ``factory`` is ``None`` (ask the plugin host for ``name``, as an engine would), a
+    ``"module:callable"`` string (imported in whichever process builds it), or a callable
+    :class:`~kvframe.spi.transport.TransportFactory` (this process only). ``options`` go into
+    :class:`~kvframe.spi.transport.TransportParams`; for a child they must be msgpack-able.
+    """
+
+    name: str
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    factory: str | Callable[[TransportParams], Transport] | None = None
+
+    @property
+    def portable(self) -> bool:
+        """Whether a child process can build it (no callable factory)."""
+        return not callable(self.factory)
+
+    def build(self, endpoint_name: str) -> Transport:
+        """Build a transport whose endpoint name is ``endpoint_name``.
+
+        Raises whatever the factory or the plugin host raises (``PluginNotFoundError`` for an
+        uninstalled name, ``ConfigError`` for bad options).
+        """
+        params = TransportParams(name=endpoint_name, options=dict(self.options))
+        if callable(self.factory):
+            return self.factory(params)
+        if isinstance(self.factory, str):
+            module, _, attr = self.factory.partition(":")
+            if not attr:
+                raise errors.ConfigError(
+                    f"factory {self.factory!r}: write it as 'package.module:callable'"
+                )
+            factory = getattr(importlib.import_module(module), attr)
+            transport: Transport = factory(params)
+            return transport
+        from kvframe.runtime.plugins import PluginHost
+
+        host = PluginHost()
+        host.load()
+        built: Transport = host.create_transport(self.name, params)
+        return built
+
+    def to_wire(self) -> dict[str, Any]:
+        """The spec as a msgpack-able mapping. Raises ``TypeError`` for a callable factory."""
+        if not self.portable:
+            raise TypeError(
+                "a callable factory cannot cross a process boundary; give the transport's "
+                "registered name or a 'module:callable' string instead"
+            )
+        return {"name": self.name, "options": dict(self.options), "factory": self.factory}
+
+
+# -- values on the wire ---------------------------------------------------------------------
+
+
+def _region_to_wire(r: MemoryRegion) -> list[Any]:
+    return [r.addr, r.length, r.kind.value, r.device_id]
+
+
+def _region_from_wire(v: Sequence[Any]) -> MemoryRegion:
+    return MemoryRegion(addr=v[0], length=v[1], kind=MemoryKind(v[2]), device_id=v[3])
+
+
+def _layout_to_wire(layout: BlockLayout) -> dict[str, Any]:
+    return {
+        "regions": [_region_to_wire(r) for r in layout.regions],
+        "block_lens": list(layout.block_lens),
+        "num_blocks": layout.num_blocks,
+    }
+
+
+def _layout_from_wire(v: Mapping[str, Any]) -> BlockLayout:
+    return BlockLayout(
+        regions=[_region_from_wire(r) for r in v["regions"]],
+        block_lens=list(v["block_lens"]),
+        num_blocks=v["num_blocks"],
+    )
+
+
+def _caps_to_wire(c: TransportCapabilities) -> dict[str, Any]:
+    return {
+        "memory_kinds": sorted(k.value for k in c.memory_kinds),
+        "read": c.read,
+        "write": c.write,
+        "notifications": c.notifications,
+        "max_notification_bytes": c.max_notification_bytes,
+        "cross_process": c.cross_process,
+        "ordered_notifications": c.ordered_notifications,
+    }
+
+
+def _caps_from_wire(v: Mapping[str, Any]) -> TransportCapabilities:
+    return TransportCapabilities(
+        memory_kinds=frozenset(MemoryKind(k) for k in v["memory_kinds"]),
+        read=v["read"],
+        write=v["write"],
+        notifications=v["notifications"],
+        max_notification_bytes=v["max_notification_bytes"],
+        cross_process=v["cross_process"],
+        ordered_notifications=v["ordered_notifications"],
+    )
+
+
+_ERROR_TYPES: dict[str, type[BaseException]] = {
+    name: getattr(errors, name) for name in errors.__all__
+} | {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError}
+
+
+def _error_to_wire(exc: BaseException) -> dict[str, Any]:
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+def _error_from_wire(v: Mapping[str, Any]) -> BaseException:
+    cls = _ERROR_TYPES.get(v["type"])
+    if cls is None:
+        return RemoteError(v["type"], v["message"])
+    return cls(v["message"])
+
+
+# -- the endpoint interface -----------------------------------------------------------------
+
+
+class Endpoint:
+    """The command set the conformance kit drives; see :class:`LocalEndpoint` for contracts.
+
+    Layouts and transfers are named by integer ids local to the endpoint, so the same test
+    code drives an endpoint in this process and one in a child.
+    """
+
+    name: str
+    capabilities: TransportCapabilities
+
+    def alloc(self, nbytes: int) -> MemoryRegion:
+        """A zeroed host buffer of ``nbytes`` owned by the endpoint (64-byte aligned)."""
+        raise NotImplementedError
+
+    def write(self, addr: int, data: bytes) -> None:
+        """Copy ``data`` into an allocated buffer at ``addr``."""
+        raise NotImplementedError
+
+    def read(self, addr: int, length: int) -> bytes:
+        """Copy ``length`` bytes out of an allocated buffer at ``addr``."""
+        raise NotImplementedError
+
+    def checksum(self, addr: int, length: int) -> str:
+        """sha256 hex digest of ``length`` bytes of an allocated buffer at ``addr``."""
+        raise NotImplementedError
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """``transport.register_memory(regions)``."""
+        raise NotImplementedError
+
+    def metadata(self) -> bytes:
+        """``transport.local_metadata()``."""
+        raise NotImplementedError
+
+    def add_peer(self, metadata: bytes) -> str:
+        """``transport.add_peer(metadata)``."""
+        raise NotImplementedError
+
+    def remove_peer(self, peer: str) -> None:
+        """``transport.remove_peer(peer)``."""
+        raise NotImplementedError
+
+    def prepare_local(self, layout: BlockLayout) -> int:
+        """``transport.prepare_local(layout)``; returns a layout id."""
+        raise NotImplementedError
+
+    def prepare_remote(self, peer: str, layout: BlockLayout) -> int:
+        """``transport.prepare_remote(peer, layout)``; returns a layout id."""
+        raise NotImplementedError
+
+    def post(
+        self,
+        op: Op,
+        local: int,
+        local_blocks: Sequence[int],
+        remote: int,
+        remote_blocks: Sequence[int],
+        *,
+        regions: Sequence[int] | None = None,
+        notification: bytes | None = None,
+    ) -> int:
+        """``transport.post(...)`` with layout ids; returns a transfer id."""
+        raise NotImplementedError
+
+    def poll(self, xfer: int) -> XferStatus:
+        """``transport.poll(handle)`` and the handle's error."""
+        raise NotImplementedError
+
+    def release(self, xfer: int) -> None:
+        """``transport.release(handle)``."""
+        raise NotImplementedError
+
+    def notify(self, peer: str, payload: bytes) -> None:
+        """``transport.send_notification(peer, payload)``."""
+        raise NotImplementedError
+
+    def drain(self) -> list[Notification]:
+        """Every notification received so far and not yet returned, oldest first."""
+        raise NotImplementedError
+
+    def pump(self) -> None:
+        """Make progress (drain and keep notifications for :meth:`drain`)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """``transport.close()``; buffers stay allocated until :meth:`shutdown`."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Close the transport (if open) and free everything. Idempotent."""
+        raise NotImplementedError
+
+
+class LocalEndpoint(Endpoint):
+    """An endpoint in this process, wrapping ``transport`` (owned from here on).
+
+    :attr:`transport` is the transport itself, for tests that call it directly. Every method
+    raises what the transport raises; buffer accessors raise ``ValueError`` for an address
+    range outside the endpoint's buffers.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.name = transport.name
+        self.capabilities = transport.capabilities
+        self._buffers: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+        self._layouts: dict[int, LayoutHandle] = {}
+        self._xfers: dict[int, XferHandle] = {}
+        self._inbox: list[Notification] = []
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def alloc(self, nbytes: int) -> MemoryRegion:
+        if nbytes <= 0:
+            raise ValueError(f"alloc({nbytes}): give a positive size")
+        raw = np.zeros(nbytes + 64, dtype=np.uint8)
+        offset = (-raw.ctypes.data) % 64
+        buf = raw[offset : offset + nbytes]
+        self._buffers.append(buf)
+        return MemoryRegion(addr=int(buf.ctypes.data), length=nbytes)
+
+    def _check_range(self, addr: int, length: int) -> None:
+        for buf in self._buffers:
+            start = int(buf.ctypes.data)
+            if start <= addr and addr + length <= start + buf.nbytes:
+                return
+        raise ValueError(f"[{addr:#x}, +{length}) is not inside a buffer of endpoint {self.name}")
+
+    def write(self, addr: int, data: bytes) -> None:
+        self._check_range(addr, len(data))
+        ctypes.memmove(addr, bytes(data), len(data))
+
+    def read(self, addr: int, length: int) -> bytes:
+        self._check_range(addr, length)
+        return ctypes.string_at(addr, length)
+
+    def checksum(self, addr: int, length: int) -> str:
+        return hashlib.sha256(self.read(addr, length)).hexdigest()
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        self.transport.register_memory(list(regions))
+
+    def metadata(self) -> bytes:
+        return self.transport.local_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        return self.transport.add_peer(metadata)
+
+    def remove_peer(self, peer: str) -> None:
+        self.transport.remove_peer(peer)
+
+    def prepare_local(self, layout: BlockLayout) -> int:
+        lid = next(self._ids)
+        self._layouts[lid] = self.transport.prepare_local(layout)
+        return lid
+
+    def prepare_remote(self, peer: str, layout: BlockLayout) -> int:
+        lid = next(self._ids)
+        self._layouts[lid] = self.transport.prepare_remote(peer, layout)
+        return lid
+
+    def layout(self, layout_id: int) -> LayoutHandle:
+        """The :class:`LayoutHandle` behind a layout id. Raises ``KeyError`` if unknown."""
+        return self._layouts[layout_id]
+
+    def post(
+        self,
+        op: Op,
+        local: int,
+        local_blocks: Sequence[int],
+        remote: int,
+        remote_blocks: Sequence[int],
+        *,
+        regions: Sequence[int] | None = None,
+        notification: bytes | None = None,
+    ) -> int:
+        handle = self.transport.post(
+            op,
+            self._layouts[local],
+            list(local_blocks),
+            self._layouts[remote],
+            list(remote_blocks),
+            regions=None if regions is None else list(regions),
+            notification=notification,
+        )
+        xid = next(self._ids)
+        self._xfers[xid] = handle
+        return xid
+
+    def handle(self, xfer: int) -> XferHandle:
+        """The :class:`XferHandle` behind a transfer id. Raises ``KeyError`` if unknown."""
+        return self._xfers[xfer]
+
+    def poll(self, xfer: int) -> XferStatus:
+        handle = self._xfers[xfer]
+        state = self.transport.poll(handle)
+        return XferStatus(state=state, error=handle.error if state is XferState.FAILED else None)
+
+    def release(self, xfer: int) -> None:
+        self.transport.release(self._xfers[xfer])
+
+    def notify(self, peer: str, payload: bytes) -> None:
+        self.transport.send_notification(peer, payload)
+
+    def drain(self) -> list[Notification]:
+        if not self._closed:
+            self._inbox.extend(self.transport.drain_notifications())
+        out, self._inbox = self._inbox, []
+        return out
+
+    def pump(self) -> None:
+        if not self._closed:
+            self._inbox.extend(self.transport.drain_notifications())
+
+    def close(self) -> None:
+        self._closed = True
+        self.transport.close()
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+        # only now, with the transport closed, can no transfer touch the buffers any more
+        self._buffers.clear()
+        self._xfers.clear()
+        self._layouts.clear()
+
+
+# -- the child side -------------------------------------------------------------------------
+
+
+def _send_frame(sock: socket.socket, obj: Any) -> None:
+    body: bytes = msgpack.packb(obj, use_bin_type=True)
+    sock.sendall(_FRAME.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < n:
+        chunk = sock.recv(n - len(chunks))
+        if not chunk:
+            raise EOFError("the other end closed the endpoint connection")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _recv_frame(sock: socket.socket) -> Any:
+    (size,) = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
+    if size > _MAX_FRAME:
+        raise errors.CodecError(f"endpoint frame of {size} bytes is over the {_MAX_FRAME} limit")
+    return msgpack.unpackb(_recv_exact(sock, size), raw=False)
+
+
+class ChildEndpoint(Endpoint):
+    """An endpoint in a child process (``python -m kvframe.testing._endpoint``).
+
+    :meth:`start` spawns the child (a fresh interpreter: no fork after threads) and builds
+    the transport there from a portable :class:`TransportSpec`. Every call raises what the
+    child's transport raised (kvframe errors and ``ValueError``/``TypeError`` map back to
+    their own classes, anything else to :class:`RemoteError`) and
+    :class:`~kvframe.errors.PeerUnreachableError` when the child is gone or does not answer
+    within ``timeout`` seconds. ``pump`` runs every millisecond while waiting.
+    """
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        sock: socket.socket,
+        *,
+        timeout: float,
+        pump: Callable[[], None] | None,
+    ) -> None:
+        self._proc = proc
+        self._sock = sock
+        self._timeout = timeout
+        self.pump_while_waiting = pump
+        """Called every millisecond while waiting for the child (drives the parent's side)."""
+        self.name = ""
+        self.capabilities = TransportCapabilities(
+            memory_kinds=frozenset(), read=False, write=False, notifications=False,
+            max_notification_bytes=0,
+        )  # fmt: skip
+
+    @classmethod
+    def start(
+        cls,
+        spec: TransportSpec,
+        endpoint_name: str,
+        *,
+        timeout: float = 30.0,
+        pump: Callable[[], None] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ChildEndpoint:
+        """Spawn a child and build ``spec``'s transport there as ``endpoint_name``.
+
+        Raises what building the transport raised in the child (the child is then stopped),
+        and ``TypeError`` for a spec with a callable factory.
+        """
+        wire = spec.to_wire()
+        parent_sock, child_sock = socket.socketpair()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvframe.testing._endpoint", str(child_sock.fileno())],
+                pass_fds=[child_sock.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None,
+                env=None if env is None else {**os.environ, **env},
+            )
+        finally:
+            child_sock.close()
+        ep = cls(proc, parent_sock, timeout=timeout, pump=pump)
+        try:
+            ep.create(wire, endpoint_name)
+        except BaseException:
+            ep.kill()
+            raise
+        return ep
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._proc.pid
+
+    def create(self, wire_spec: Mapping[str, Any], endpoint_name: str) -> None:
+        """Build a new transport in the child (closing the previous one and its buffers)."""
+        result = self._call("create", spec=dict(wire_spec), endpoint_name=endpoint_name)
+        self.name = result["name"]
+        self.capabilities = _caps_from_wire(result["capabilities"])
+
+    def kill(self) -> None:
+        """Kill the child at once (SIGKILL), as a crash would. Idempotent."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._sock.close()
+
+    def _call(self, cmd: str, **args: Any) -> Any:
+        if self._sock.fileno() < 0:
+            raise errors.PeerUnreachableError("the child endpoint was stopped")
+        try:
+            _send_frame(self._sock, {"cmd": cmd, "args": args})
+        except OSError as exc:
+            raise errors.PeerUnreachableError(f"child endpoint is gone: {exc}") from exc
+        deadline = time.monotonic() + self._timeout
+        while True:
+            readable, _, _ = select.select([self._sock], [], [], 0.001)
+            if readable:
+                break
+            if self.pump_while_waiting is not None:
+                self.pump_while_waiting()
+            if time.monotonic() > deadline:
+                raise errors.PeerUnreachableError(
+                    f"child endpoint did not answer {cmd!r} within {self._timeout} s"
+                )
+        try:
+            reply = _recv_frame(self._sock)
+        except (EOFError, OSError) as exc:
+            raise errors.PeerUnreachableError(f"child endpoint is gone: {exc}") from exc
+        if not reply["ok"]:
+            raise _error_from_wire(reply["error"])
+        return reply["result"]
+
+    def alloc(self, nbytes: int) -> MemoryRegion:
+        return _region_from_wire(self._call("alloc", nbytes=nbytes))
+
+    def write(self, addr: int, data: bytes) -> None:
+        self._call("write", addr=addr, data=bytes(data))
+
+    def read(self, addr: int, length: int) -> bytes:
+        data: bytes = self._call("read", addr=addr, length=length)
+        return data
+
+    def checksum(self, addr: int, length: int) -> str:
+        digest: str = self._call("checksum", addr=addr, length=length)
+        return digest
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        self._call("register", regions=[_region_to_wire(r) for r in regions])
+
+    def metadata(self) -> bytes:
+        blob: bytes = self._call("metadata")
+        return blob
+
+    def add_peer(self, metadata: bytes) -> str:
+        name: str = self._call("add_peer", metadata=metadata)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        self._call("remove_peer", peer=peer)
+
+    def prepare_local(self, layout: BlockLayout) -> int:
+        lid: int = self._call("prepare_local", layout=_layout_to_wire(layout))
+        return lid
+
+    def prepare_remote(self, peer: str, layout: BlockLayout) -> int:
+        lid: int = self._call("prepare_remote", peer=peer, layout=_layout_to_wire(layout))
+        return lid
+
+    def post(
+        self,
+        op: Op,
+        local: int,
+        local_blocks: Sequence[int],
+        remote: int,
+        remote_blocks: Sequence[int],
+        *,
+        regions: Sequence[int] | None = None,
+        notification: bytes | None = None,
+    ) -> int:
+        xid: int = self._call(
+            "post",
+            op=op.value,
+            local=local,
+            local_blocks=[int(b) for b in local_blocks],
+            remote=remote,
+            remote_blocks=[int(b) for b in remote_blocks],
+            regions=None if regions is None else [int(r) for r in regions],
+            notification=notification,
+        )
+        return xid
+
+    def poll(self, xfer: int) -> XferStatus:
+        result = self._call("poll", xfer=xfer)
+        error = None if result["error"] is None else _error_from_wire(result["error"])
+        return XferStatus(state=XferState(result["state"]), error=error)
+
+    def release(self, xfer: int) -> None:
+        self._call("release", xfer=xfer)
+
+    def notify(self, peer: str, payload: bytes) -> None:
+        self._call("notify", peer=peer, payload=bytes(payload))
+
+    def drain(self) -> list[Notification]:
+        return [Notification(sender=s, payload=p) for s, p in self._call("drain")]
+
+    def pump(self) -> None:
+        """Nothing to do: the child makes progress by itself every millisecond."""
+
+    def close(self) -> None:
+        self._call("close")
+
+    def shutdown(self) -> None:
+        if self._proc.poll() is None and self._sock.fileno() >= 0:
+            with contextlib.suppress(Exception):
+                self._call("exit")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=10)
+        self.kill()
+
+
+def _has_fileno(stream: Any) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
+
+
+class _Server:
+    """The child's command loop around one :class:`LocalEndpoint` at a time."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.endpoint: LocalEndpoint | None = None
+        self.running = True
+
+    def _ep(self) -> LocalEndpoint:
+        if self.endpoint is None:
+            raise ValueError("no transport yet: send 'create' first")
+        return self.endpoint
+
+    def handle(self, cmd: str, args: Mapping[str, Any]) -> Any:
+        if cmd == "create":
+            if self.endpoint is not None:
+                self.endpoint.shutdown()
+                self.endpoint = None
+            spec = TransportSpec(
+                name=args["spec"]["name"],
+                options=args["spec"]["options"],
+                factory=args["spec"]["factory"],
+            )
+            self.endpoint = LocalEndpoint(spec.build(args["endpoint_name"]))
+            return {
+                "name": self.endpoint.name,
+                "capabilities": _caps_to_wire(self.endpoint.capabilities),
+            }
+        if cmd == "exit":
+            self.running = False
+            return None
+        ep = self._ep()
+        if cmd == "alloc":
+            return _region_to_wire(ep.alloc(args["nbytes"]))
+        if cmd == "write":
+            return ep.write(args["addr"], args["data"])
+        if cmd == "read":
+            return ep.read(args["addr"], args["length"])
+        if cmd == "checksum":
+            return ep.checksum(args["addr"], args["length"])
+        if cmd == "register":
+            return ep.register([_region_from_wire(r) for r in args["regions"]])
+        if cmd == "metadata":
+            return ep.metadata()
+        if cmd == "add_peer":
+            return ep.add_peer(args["metadata"])
+        if cmd == "remove_peer":
+            return ep.remove_peer(args["peer"])
+        if cmd == "prepare_local":
+            return ep.prepare_local(_layout_from_wire(args["layout"]))
+        if cmd == "prepare_remote":
+            return ep.prepare_remote(args["peer"], _layout_from_wire(args["layout"]))
+        if cmd == "post":
+            return ep.post(
+                Op(args["op"]),
+                args["local"],
+                args["local_blocks"],
+                args["remote"],
+                args["remote_blocks"],
+                regions=args["regions"],
+                notification=args["notification"],
+            )
+        if cmd == "poll":
+            status = ep.poll(args["xfer"])
+            err = None if status.error is None else _error_to_wire(status.error)
+            return {"state": status.state.value, "error": err}
+        if cmd == "release":
+            return ep.release(args["xfer"])
+        if cmd == "notify":
+            return ep.notify(args["peer"], args["payload"])
+        if cmd == "drain":
+            return [[n.sender, n.payload] for n in ep.drain()]
+        if cmd == "close":
+            return ep.close()
+        raise ValueError(f"unknown endpoint command {cmd!r}")
+
+    def serve(self) -> None:
+        while self.running:
+            readable, _, _ = select.select([self.sock], [], [], 0.001)
+            if readable:
+                try:
+                    request = _recv_frame(self.sock)
+                except (EOFError, OSError):
+                    break  # the parent is gone
+                try:
+                    reply = {"ok": True, "result": self.handle(request["cmd"], request["args"])}
+                except Exception as exc:
+                    reply = {"ok": False, "error": _error_to_wire(exc)}
+                try:
+                    _send_frame(self.sock, reply)
+                except OSError:
+                    break
+            if self.endpoint is not None:
+                # a failing peer must not take the child down; the parent sees it in poll()
+                with contextlib.suppress(errors.TransportError):
+                    self.endpoint.pump()
+        if self.endpoint is not None:
+            self.endpoint.shutdown()
+
+
+def serve_child(fd: int) -> None:
+    """Run the child's command loop on the inherited socket ``fd`` until told to exit or the
+    parent goes away (used by ``python -m kvframe.testing._endpoint``)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        _Server(sock).serve()
+    finally:
+        sock.close()
