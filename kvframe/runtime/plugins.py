@@ -371,6 +371,9 @@ def _parse_autoload_env(env: Mapping[str, str]) -> bool:
 
 
 def _parse_block(items: Iterable[str]) -> frozenset[str]:
+    if isinstance(items, str):
+        # A bare string is a comma-separated list, not an iterable of one-letter names.
+        items = [items]
     out: set[str] = set()
     for item in items:
         if not isinstance(item, str):
@@ -390,8 +393,8 @@ class PluginHost:
     :param autoload: load entry-point plugins in :meth:`load`. ``None`` (the default) reads
         ``KVFRAME_DISABLE_PLUGIN_AUTOLOAD`` from ``env``; built-ins load either way.
     :param block: plugin or distribution names not to load. ``None`` reads the comma-separated
-        ``KVFRAME_BLOCK_PLUGINS`` from ``env``; a given iterable replaces it (items may contain
-        commas too).
+        ``KVFRAME_BLOCK_PLUGINS`` from ``env``; a given value replaces it. Items may contain
+        commas, and a bare string is read as one comma-separated list.
     :param env: the environment to read the switches from; default ``os.environ``, read once,
         here. Pass ``{}`` to ignore the process environment.
     :param entry_points: a zero-argument callable returning the entry points to load; default

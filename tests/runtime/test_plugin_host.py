@@ -295,6 +295,11 @@ def test_block_list_does_not_apply_to_explicit_registration() -> None:
     assert host.transport_names() == ("t",)
 
 
+def test_block_given_as_one_string_is_a_comma_separated_list() -> None:
+    assert PluginHost(env={}, block="nixl, ucx").blocked == {"nixl", "ucx"}
+    assert PluginHost(env={}, block=["a,b", "c"]).blocked == {"a", "b", "c"}
+
+
 def test_non_string_block_item_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="must be strings"):
         PluginHost(env={}, block=[3])  # type: ignore[list-item]
