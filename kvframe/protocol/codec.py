@@ -91,6 +91,9 @@ _Dec = Callable[[Any, str], Any]
 class _Conv:
     enc: _Enc
     dec: _Dec
+    exact: type[Any] | None = None
+    """Set for scalar types whose values pass through unchanged: sequences of them take a
+    fast path that checks ``type(v) is exact`` without building a path per item."""
 
 
 def _type_name(tp: Any) -> str:
@@ -117,7 +120,7 @@ def _scalar(tp: type[Any]) -> _Conv:
             raise _Bad(path, f"expected {_type_name(tp)}, got {type(value).__name__}")
         return float(value) if tp is float else value
 
-    return _Conv(enc, dec)
+    return _Conv(enc, dec, tp if tp in (int, str, bytes, bool) else None)
 
 
 def _any() -> _Conv:
@@ -157,10 +160,14 @@ def _union(members: tuple[Any, ...], where: str, cache: dict[Any, _Conv | None])
 
 
 def _sequence(item: _Conv, as_set: bool) -> _Conv:
+    exact = item.exact
+
     def enc(value: Any, path: str) -> Any:
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
             raise TypeError(f"{path} = {value!r}; expected a collection")
-        out = [item.enc(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        out = list(value)
+        if exact is None or not all(type(v) is exact for v in out):
+            out = [item.enc(v, f"{path}[{i}]") for i, v in enumerate(out)]
         if as_set:
             # Sorted so that equal sets give equal bytes; mixed kinds keep iteration order
             # (decoding does not depend on the order).
@@ -171,6 +178,8 @@ def _sequence(item: _Conv, as_set: bool) -> _Conv:
     def dec(value: Any, path: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise _Bad(path, f"expected an array, got {type(value).__name__}")
+        if exact is not None and all(type(v) is exact for v in value):
+            return frozenset(value) if as_set else tuple(value)
         items = [item.dec(v, f"{path}[{i}]") for i, v in enumerate(value)]
         try:
             return frozenset(items) if as_set else tuple(items)
