@@ -118,7 +118,8 @@ TestPoolMachine = PoolMachine.TestCase
 def test_cached_blocks_are_evicted_last_and_lru() -> None:
     pool = BlockPool(4)
     a, b, c, d = pool.allocate(4)
-    assert pool.cache(a, _h(0)) and pool.cache(b, _h(1))
+    assert pool.cache(a, _h(0))
+    assert pool.cache(b, _h(1))
     pool.free([a, b, c, d])
     # Uncached c, d go first; then the cached ones, b (freed after a, as the tail) first.
     assert sorted(pool.allocate(2)) == sorted([c, d])
@@ -129,7 +130,7 @@ def test_cached_blocks_are_evicted_last_and_lru() -> None:
 
 def test_lookup_stops_at_first_miss() -> None:
     pool = BlockPool(3)
-    x, y, z = pool.allocate(3)
+    x, _y, z = pool.allocate(3)
     pool.cache(x, _h(0))
     pool.cache(z, _h(2))
     assert pool.lookup([_h(0), _h(1), _h(2)]) == [x]

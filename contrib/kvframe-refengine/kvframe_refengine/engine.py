@@ -34,7 +34,6 @@ from kvframe.spi.connector import (
     KVConnectorScheduler,
     KVConnectorWorker,
 )
-
 from kvframe_refengine.block_pool import BlockPool
 from kvframe_refengine.model import ModelConfig, TinyLM
 from kvframe_refengine.request import Request, RequestOutput
@@ -236,8 +235,11 @@ class Engine:
         vocab = self.config.model.vocab_size
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
-        bad += [t for t in prompt if isinstance(t, int) and not 0 <= t < vocab]
+        bad: list[object] = [
+            t
+            for t in prompt
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+        ]
         if bad:
             raise ValueError(
                 f"request {request_id!r}: token {bad[0]!r} is not an int in [0, {vocab})"

@@ -17,7 +17,6 @@ import torch
 
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
 from kvframe.spi.connector import KVConnectorWorker
-
 from kvframe_refengine.model import PagedBatch, SeqSlice, TinyLM
 from kvframe_refengine.scheduler import ScheduledBatch, StepResult
 

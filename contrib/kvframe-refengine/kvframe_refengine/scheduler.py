@@ -26,7 +26,6 @@ from kvframe.errors import KVFrameError
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
 from kvframe.spi.connector import KVConnectorScheduler, SchedulerStep
 from kvframe.spi.request import RequestView
-
 from kvframe_refengine.block_pool import BlockPool
 from kvframe_refengine.request import FinishReason, Request, RequestOutput, RequestStatus
 
