@@ -112,6 +112,7 @@ def test_unsupported_version(version: int) -> None:
         (_with_header(msgpack.packb({"finished_sending": "abc"})), "expected an array"),
         (_with_header(msgpack.packb({"finished_sending": [1]})), "expected str"),
         (_with_header(msgpack.packb({"invalid_block_ids": [-1]})), "non-negative"),
+        (_with_header(msgpack.packb({"invalid_block_ids": [1, True]})), r"\[1\]: expected int"),
         (_with_header(msgpack.packb({"stats": {"counters": {"x": -1}}})), "never go negative"),
         (
             _with_header(msgpack.packb({"events": [{"kind": "k", "data": {"a": {1: 2}}}]})),
