@@ -52,7 +52,7 @@ __all__ = [
     "transition_table",
 ]
 
-PayloadT = TypeVar("PayloadT")
+_PayloadT = TypeVar("_PayloadT")
 
 #: How many ended leases a :class:`LeaseTable` remembers by default (for precise errors and
 #: :meth:`LeaseTable.lease` answers after the end). Older ones are forgotten, oldest first.
@@ -236,7 +236,7 @@ class LeasePolicy:
 
 
 @attrs.frozen(kw_only=True)
-class Lease(Generic[PayloadT]):
+class Lease(Generic[_PayloadT]):
     """A snapshot of one request's lease (a value: it does not change when the table does)."""
 
     request_id: str
@@ -247,7 +247,7 @@ class Lease(Generic[PayloadT]):
     """When it expires (or expired, or would have): holder's clock, seconds."""
     renewals: int
     """How many heartbeats renewed it (stale and post-expiry ones excluded)."""
-    payload: PayloadT
+    payload: _PayloadT
     """What the holder attached at grant (block ids, a handle, ...); opaque to the core."""
     ended_at: float | None = None
     """When it ended (the ``now`` of the ending call), ``None`` while live."""
@@ -364,7 +364,7 @@ class _ExpiryIndex:
         self.heap = []
 
 
-class LeaseTable(Generic[PayloadT]):
+class LeaseTable(Generic[_PayloadT]):
     """Every lease one holder (a prefill instance) has granted.
 
     Live leases sit in a dict and in a priority queue of ``(expiry, token, id)`` entries with
@@ -399,7 +399,7 @@ class LeaseTable(Generic[PayloadT]):
         self._remember = remember_ended
         self._live: dict[str, _Record] = {}
         self._index = _ExpiryIndex()
-        self._ended: OrderedDict[str, Lease[PayloadT]] = OrderedDict()
+        self._ended: OrderedDict[str, Lease[_PayloadT]] = OrderedDict()
         self._clock = MonotonicClamp()
         self._token = 0
         self._granted = self._renewed = self._renew_ignored = 0
@@ -429,7 +429,7 @@ class LeaseTable(Generic[PayloadT]):
         """The number of live leases."""
         return len(self._live)
 
-    def lease(self, request_id: str) -> Lease[PayloadT] | None:
+    def lease(self, request_id: str) -> Lease[_PayloadT] | None:
         """A snapshot of ``request_id``'s lease: live, or ended and still remembered; ``None``
         when absent."""
         rec = self._live.get(request_id)
@@ -444,7 +444,7 @@ class LeaseTable(Generic[PayloadT]):
         ended = self._ended.get(request_id)
         return LeaseState.ABSENT if ended is None else ended.state
 
-    def leases(self) -> Iterator[Lease[PayloadT]]:
+    def leases(self) -> Iterator[Lease[_PayloadT]]:
         """Snapshots of every live lease, in grant order. Do not change the table while
         iterating."""
         for rid, rec in self._live.items():
@@ -477,7 +477,7 @@ class LeaseTable(Generic[PayloadT]):
             index.pop()
 
     # -- events ---------------------------------------------------------------------------
-    def grant(self, request_id: str, now: float, payload: PayloadT) -> Lease[PayloadT]:
+    def grant(self, request_id: str, now: float, payload: _PayloadT) -> Lease[_PayloadT]:
         """Grant a lease on ``request_id``'s blocks: it expires at ``now + duration`` unless
         renewed.
 
@@ -566,7 +566,7 @@ class LeaseTable(Generic[PayloadT]):
             self._compact()
         return RenewResult(renewed=renewed, ignored=ignored)
 
-    def consume(self, request_id: str, now: float) -> Lease[PayloadT]:
+    def consume(self, request_id: str, now: float) -> Lease[_PayloadT]:
         """The reader reported completion: end the lease as ``CONSUMED``; release the blocks
         (the returned lease carries the payload) at once.
 
@@ -579,14 +579,14 @@ class LeaseTable(Generic[PayloadT]):
         """
         return self._end(request_id, now, LeaseEvent.CONSUME)
 
-    def abort(self, request_id: str, now: float) -> Lease[PayloadT]:
+    def abort(self, request_id: str, now: float) -> Lease[_PayloadT]:
         """No reader will come: end the lease as ``ABORTED`` and release the blocks at once.
 
         Raises as :meth:`consume` does; the table is unchanged then.
         """
         return self._end(request_id, now, LeaseEvent.ABORT)
 
-    def expire(self, now: float) -> list[Lease[PayloadT]]:
+    def expire(self, now: float) -> list[Lease[_PayloadT]]:
         """End every live lease whose expiry is ``<= now`` as ``EXPIRED``; return them, earliest
         expiry first. O(1) amortised when nothing is due.
 
@@ -594,7 +594,7 @@ class LeaseTable(Generic[PayloadT]):
         """
         t = self._clock.advance(now)
         index, live = self._index, self._live
-        out: list[Lease[PayloadT]] = []
+        out: list[Lease[_PayloadT]] = []
         entry = index.peek()
         if entry is None or entry[0] > t:
             return out
@@ -623,7 +623,7 @@ class LeaseTable(Generic[PayloadT]):
                 ) from None
             raise
 
-    def _end(self, request_id: str, now: float, event: LeaseEvent) -> Lease[PayloadT]:
+    def _end(self, request_id: str, now: float, event: LeaseEvent) -> Lease[_PayloadT]:
         check_now(now)
         target = self._transition(request_id, event)
         t = self._clock.advance(now)
@@ -638,7 +638,7 @@ class LeaseTable(Generic[PayloadT]):
 
     def _retire(
         self, request_id: str, rec: _Record, state: LeaseState, now: float
-    ) -> Lease[PayloadT]:
+    ) -> Lease[_PayloadT]:
         snap = self._snapshot(request_id, rec, state, now)
         if self._remember:
             ended = self._ended
@@ -649,8 +649,8 @@ class LeaseTable(Generic[PayloadT]):
 
     def _snapshot(
         self, request_id: str, rec: _Record, state: LeaseState, ended_at: float | None
-    ) -> Lease[PayloadT]:
-        payload: PayloadT = rec.payload  # type: ignore[assignment]
+    ) -> Lease[_PayloadT]:
+        payload: _PayloadT = rec.payload  # type: ignore[assignment]
         return Lease(
             request_id=request_id,
             state=state,

@@ -64,6 +64,7 @@ class LeaseModel(RuleBasedStateMachine):
             "granted_at": now,
             "renewals": 0,
             "payload": self.payload,
+            "last_renewal": None,  # send time (as of) of the last accepted renewal
         }
         assert lease.expiry == now + POLICY.duration
 
@@ -90,6 +91,7 @@ class LeaseModel(RuleBasedStateMachine):
             else:
                 m["expiry"] = max(m["expiry"], base + POLICY.extension)
                 m["renewals"] += 1
+                m["last_renewal"] = base
                 assert result.renewed[rid] == m["expiry"]
         assert len(result.renewed) + len(result.ignored) == len(set(rids))
 
@@ -129,7 +131,19 @@ class LeaseModel(RuleBasedStateMachine):
             # It really was due: neither the grant nor any renewal covered `now`.
             assert lease.expiry == m["expiry"] <= now
             assert lease.payload == m["payload"]
+            # Renewed less than `extension` ago: it would not have expired.
+            if m["last_renewal"] is not None:
+                assert now - m["last_renewal"] >= POLICY.extension
             self._end(lease.request_id, LeaseState.EXPIRED)
+        for rid, m in self.model.items():
+            if m["state"] is LeaseState.LIVE:
+                # After the last renewal at t it expires no later than t + extension (or the
+                # end of its initial grant, if that is later).
+                t = m["last_renewal"]
+                bound = m["granted_at"] + POLICY.duration
+                if t is not None:
+                    bound = max(bound, t + POLICY.extension)
+                assert now < bound, f"{rid} still live at {now}, past {bound}"
         self.last_reap = now
 
     # -- invariants -------------------------------------------------------------------------
