@@ -32,6 +32,7 @@ from kvframe.core.lease import (
     Transition,
     next_state,
     state_diagram,
+    transition_table,
 )
 
 __all__ = [
@@ -57,5 +58,6 @@ __all__ = [
     "next_state",
     "rebase_deadline",
     "state_diagram",
+    "transition_table",
     "wire",
 ]
