@@ -64,7 +64,7 @@ class LeaseModel(RuleBasedStateMachine):
             "granted_at": now,
             "renewals": 0,
             "payload": self.payload,
-            "last_renewal": None,  # send time (as of) of the last accepted renewal
+            "last_renewal": None,  # latest send time (as of) among accepted renewals
         }
         assert lease.expiry == now + POLICY.duration
 
@@ -91,7 +91,9 @@ class LeaseModel(RuleBasedStateMachine):
             else:
                 m["expiry"] = max(m["expiry"], base + POLICY.extension)
                 m["renewals"] += 1
-                m["last_renewal"] = base
+                # Heartbeats may be delivered out of order: the latest send time counts.
+                prev = m["last_renewal"]
+                m["last_renewal"] = base if prev is None else max(prev, base)
                 assert result.renewed[rid] == m["expiry"]
         assert len(result.renewed) + len(result.ignored) == len(set(rids))
 
