@@ -35,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import msgpack
@@ -80,12 +80,14 @@ class BenchConfig:
         descriptor_counts: Sequence[int],
         overlap_bytes: int,
         pool_bytes: int,
+        scrub_bytes: int = 48 * MiB,
     ) -> None:
         self.block_sizes = tuple(block_sizes)
         self.blocks = tuple(blocks)
         self.repeats = repeats
         self.descriptor_counts = tuple(descriptor_counts)
         self.overlap_bytes = overlap_bytes
+        self.scrub_bytes = scrub_bytes
         # The pool must hold the largest request; smaller blocks are drawn from all of it, so
         # a request rarely reuses what the previous one left in the CPU caches.
         self.pool_bytes = max(
@@ -104,6 +106,7 @@ class BenchConfig:
             "descriptor_counts": list(self.descriptor_counts),
             "overlap_bytes": self.overlap_bytes,
             "pool_bytes": self.pool_bytes,
+            "scrub_bytes": self.scrub_bytes,
         }
 
 
@@ -124,6 +127,7 @@ QUICK = BenchConfig(
     descriptor_counts=(1, 16),
     overlap_bytes=4 * MiB,
     pool_bytes=8 * MiB,
+    scrub_bytes=1 * MiB,
 )
 """``--quick``: a few seconds; for tests of the output's shape, not for figures."""
 
@@ -432,8 +436,29 @@ METHOD_FACTORIES: list[Callable[[_Env], Method]] = [
 # -- measurements ----------------------------------------------------------------------------
 
 
+class _Scrub:
+    """Evicts the CPU caches between measurements (writes a buffer larger than the L3), so
+    the method measured second does not find the first one's blocks cached."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = np.zeros(nbytes, dtype=np.uint8)
+        self.value = 0
+
+    def __call__(self) -> None:
+        self.value = (self.value + 1) % 256
+        self.buf.fill(self.value)
+
+
+def _rounds(methods: Sequence[Method], repeats: int) -> Iterator[list[tuple[int, Method]]]:
+    """``repeats + 1`` rounds (the first is a warm-up the caller drops); each round runs every
+    method once, and the order rotates so no method is always first."""
+    k = len(methods)
+    for i in range(repeats + 1):
+        yield [(i, methods[(i + j) % k]) for j in range(k)]
+
+
 def _throughput(
-    methods: Sequence[Method], config: BenchConfig, rng: np.random.Generator
+    methods: Sequence[Method], config: BenchConfig, rng: np.random.Generator, scrub: _Scrub
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for bs in config.block_sizes:
@@ -442,17 +467,18 @@ def _throughput(
             m.setup(bs, pool_blocks)
         for n in config.blocks:
             times: dict[str, list[float]] = {m.name: [] for m in methods}
-            for _ in range(config.repeats + 1):  # the first round warms up and is dropped
+            for order in _rounds(methods, config.repeats):
                 dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
                 src = rng.permutation(pool_blocks)[:n].astype(np.int64)
-                for m in methods:
+                for _, m in order:
+                    scrub()
                     t0 = time.perf_counter()
                     m.run_once(dst, src)
                     times[m.name].append(time.perf_counter() - t0)
             nbytes = bs * n
             results = {}
             for name, ts in times.items():
-                med = statistics.median(ts[1:])
+                med = statistics.median(ts[1:])  # the first round warmed up
                 results[name] = {"median_s": med, "gbps": nbytes / med / 1e9}
             first = methods[0].name
             ratios = {
@@ -477,6 +503,7 @@ def _post_cost(
     raw: _RawNixlMethod,
     config: BenchConfig,
     rng: np.random.Generator,
+    scrub: _Scrub,
 ) -> list[dict[str, Any]]:
     bs = 16 * KiB
     pool_blocks = config.pool_bytes // bs
@@ -490,25 +517,33 @@ def _post_cost(
             "raw_make_us": [],
             "raw_make_transfer_us": [],
         }
-        for _ in range(max(3, config.repeats) + 1):
+        for i in range(2 * config.repeats + 1):
             dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
             src = rng.permutation(pool_blocks)[:n].astype(np.int64)
-            for key, m in (("kvframe_post_us", inline), ("kvframe_post_thread_us", threaded)):
+            for j in range(3):
+                scrub()
+                which = (i + j) % 3
+                if which < 2:
+                    key, m = (
+                        ("kvframe_post_us", inline),
+                        ("kvframe_post_thread_us", threaded),
+                    )[which]
+                    t0 = time.perf_counter()
+                    h = m.post(dst, src)
+                    samples[key].append((time.perf_counter() - t0) * 1e6)
+                    m.wait(h)
+                    continue
+                d32, s32 = dst.astype(np.int32), src.astype(np.int32)
                 t0 = time.perf_counter()
-                h = m.post(dst, src)
-                samples[key].append((time.perf_counter() - t0) * 1e6)
-                m.wait(h)
-            d32, s32 = dst.astype(np.int32), src.astype(np.int32)
-            t0 = time.perf_counter()
-            xh = raw.agent.make_prepped_xfer("READ", raw.local, d32, raw.remote, s32)
-            t1 = time.perf_counter()
-            state = raw.agent.transfer(xh)
-            t2 = time.perf_counter()
-            while state == "PROC":
-                state = raw.agent.check_xfer_state(xh)
-            xh.release()
-            samples["raw_make_us"].append((t1 - t0) * 1e6)
-            samples["raw_make_transfer_us"].append((t2 - t0) * 1e6)
+                xh = raw.agent.make_prepped_xfer("READ", raw.local, d32, raw.remote, s32)
+                t1 = time.perf_counter()
+                state = raw.agent.transfer(xh)
+                t2 = time.perf_counter()
+                while state == "PROC":
+                    state = raw.agent.check_xfer_state(xh)
+                xh.release()
+                samples["raw_make_us"].append((t1 - t0) * 1e6)
+                samples["raw_make_transfer_us"].append((t2 - t0) * 1e6)
         row: dict[str, Any] = {"descriptors": n}
         row.update({k: statistics.median(v[1:]) for k, v in samples.items()})
         rows.append(row)
@@ -576,12 +611,13 @@ def measure(config: BenchConfig, *, seed: int = 0) -> dict[str, Any]:
         for factory in METHOD_FACTORIES:
             methods.append(factory(env))
         rng = np.random.default_rng(seed)
-        throughput = _throughput(methods, config, rng)
+        scrub = _Scrub(config.scrub_bytes)
+        throughput = _throughput(methods, config, rng, scrub)
         inline = next(m for m in methods if isinstance(m, _KvframeMethod))
         raw = next(m for m in methods if isinstance(m, _RawNixlMethod))
         threaded = _KvframeMethod(env, post_thread=True)
         extra.append(threaded)
-        post_cost = _post_cost(inline, threaded, raw, config, rng)
+        post_cost = _post_cost(inline, threaded, raw, config, rng, scrub)
         overlap = _overlap(inline, threaded, config, rng)
     finally:
         for m in [*methods, *extra]:

@@ -106,6 +106,7 @@ __all__ = [
     "METADATA_VERSION",
     "NixlOptions",
     "NixlTransport",
+    "create",
 ]
 
 MAX_NOTIFICATION_BYTES: Final = 64 * 1024
@@ -1105,3 +1106,9 @@ class NixlTransport(Transport):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._peers)} peers"
         return f"<NixlTransport {self._name!r} {state}>"
+
+
+def create(params: TransportParams) -> NixlTransport:
+    """:meth:`NixlTransport.create` as a module-level callable, for places that name a factory
+    as a ``"module:callable"`` string (``"kvframe_nixl.transport:create"``)."""
+    return NixlTransport.create(params)

@@ -1,0 +1,34 @@
+"""kvframe's transport conformance kit against the NIXL transport, found through the plugin
+host (the entry point is tested too); the kit's second endpoint runs in a child process."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvframe.testing import TransportConformance
+from kvframe.testing.pytest_plugin import (  # noqa: F401  (the kit's fixtures, for this module)
+    kvframe_conformance_timeout,
+    kvframe_pair,
+    kvframe_pair_factory,
+    kvframe_transport_options,
+    kvframe_transport_spec,
+)
+
+pytestmark = pytest.mark.nixl
+
+
+@pytest.fixture
+def kvframe_transport_name() -> str:
+    return "nixl"
+
+
+class TestNixlConformance(TransportConformance):
+    """The whole kit against ``nixl`` (posting inline, the default)."""
+
+
+@pytest.fixture
+def kvframe_transport_factory() -> str:
+    # Build directly rather than through the plugin host: the host's built-in in-process
+    # transport imports torch (about 2 s) in every child the kit starts. The entry point and
+    # the host lookup are tested in test_nixl_bench.py::test_plugin_host_finds_nixl.
+    return "kvframe_nixl.transport:create"
