@@ -20,15 +20,24 @@ Sans-I/O: every call takes ``now``; nothing here reads a clock or sends anything
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
+from collections.abc import Iterable
 
 import attrs
 
 from kvframe.core._checks import check_config_seconds, check_now
-from kvframe.core.clock import DEFAULT_MAX_DRIFT, ClockSample, MonotonicClamp, SendTimeMapper
+from kvframe.core.clock import (
+    DEFAULT_MAX_DRIFT,
+    ClockSample,
+    MonotonicClamp,
+    SendTimeMapper,
+    rebase_deadline,
+)
 from kvframe.core.lease import LeasePolicy
 from kvframe.errors import InvalidTransitionError, LeaseError
 
 __all__ = [
+    "REMEMBER_BATCHES",
     "SEQ_MODULUS",
     "HeartbeatBatch",
     "HeartbeatGuard",
@@ -36,6 +45,10 @@ __all__ = [
     "StopReason",
     "seq_newer_or_equal",
 ]
+
+#: How many recent batches a :class:`HeartbeatTracker` remembers for
+#: :meth:`HeartbeatTracker.rebase_ack` (an ack for an older batch is ignored).
+REMEMBER_BATCHES = 4096
 
 #: Sequence numbers are 32-bit and wrap around; compare them with :func:`seq_newer_or_equal`.
 SEQ_MODULUS = 1 << 32
@@ -102,6 +115,8 @@ class HeartbeatTracker:
         self._clock = MonotonicClamp()
         self._seq = 0
         self._stopped = dict.fromkeys(StopReason, 0)
+        # seq -> (engine, sent_at) of recent batches, to rebase the holder's acks safely.
+        self._sent: OrderedDict[int, tuple[str, float]] = OrderedDict()
 
     @classmethod
     def from_policy(cls, policy: LeasePolicy) -> HeartbeatTracker:
@@ -210,11 +225,42 @@ class HeartbeatTracker:
                     sent_at=t,
                 )
             )
+            self._sent[self._seq] = (engine_id, t)
+            if len(self._sent) > REMEMBER_BATCHES:
+                self._sent.popitem(last=False)
             self._seq = (self._seq + 1) % SEQ_MODULUS
             st.next_due = t + self._interval
         for engine_id in dropped:
             del self._engines[engine_id]
         return out
+
+    def rebase_ack(
+        self,
+        engine_id: str,
+        echo_seq: int,
+        holder_now: float,
+        expiries: Iterable[tuple[str, float]],
+    ) -> dict[str, float] | None:
+        """The holder's acknowledgement of batch ``echo_seq`` as deadlines on this side's clock.
+
+        Each expiry is rebased with :func:`~kvframe.core.clock.rebase_deadline` against the
+        batch's own send time, a local reading no later than the holder's ``holder_now``, so
+        every returned deadline is at or before the true one. Read only under a deadline that
+        has not passed.
+
+        :param engine_id: the engine the acknowledgement came from.
+        :param echo_seq: the ``seq`` of the batch it answers.
+        :param holder_now: the holder's clock when it renewed.
+        :param expiries: ``(remote request id, expiry on the holder's clock)`` pairs.
+        :returns: remote request id -> local deadline; ``None`` when ``echo_seq`` is not a
+            recent batch sent to ``engine_id`` (too old to remember, never sent, or sent to
+            another engine): such an ack cannot be rebased safely and must be ignored.
+        :raises LeaseError: a time is not finite.
+        """
+        sent = self._sent.get(echo_seq) if isinstance(echo_seq, int) else None
+        if sent is None or sent[0] != engine_id:
+            return None
+        return {rid: rebase_deadline(exp, holder_now, sent[1]) for rid, exp in expiries}
 
     def next_deadline(self) -> float | None:
         """When the next batch is due (call :meth:`due` then), or ``None`` when nothing is

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvframe.core import wire
-from kvframe.core.clock import ClockSample, rebase_deadline
+from kvframe.core.clock import ClockSample
 from kvframe.core.heartbeat import (
+    REMEMBER_BATCHES,
     SEQ_MODULUS,
     HeartbeatGuard,
     HeartbeatTracker,
@@ -240,11 +241,9 @@ def test_partition_burst_cannot_prolong_a_lease() -> None:
     tracker.track("local-a", "P", "a", 0.0 + skew)
     queued: list[tuple[float, bytes]] = []
     acks: list[bytes] = []
-    sent_at: dict[int, float] = {}
     t = 0.0
     while t <= 100.0:
         for batch in tracker.due(t + skew):
-            sent_at[batch.seq] = batch.sent_at
             hb = wire.Heartbeat(seq=batch.seq, sent_at=batch.sent_at, request_ids=batch.request_ids)
             queued.append((t, wire.encode(hb)))
         partitioned = 30.0 <= t < 61.0
@@ -281,12 +280,29 @@ def test_partition_burst_cannot_prolong_a_lease() -> None:
     # D learns of the loss, and every ack it got rebases to a deadline no later than P's.
     kinds = [type(wire.decode(a)) for a in acks]
     assert wire.LeaseLost in kinds
+    confirmed = 0
     for a in acks:
         msg = wire.decode(a)
         if isinstance(msg, wire.LeaseAck):
-            for _, expiry in msg.expiries:
-                local = rebase_deadline(expiry, msg.holder_now, sent_at[msg.echo_seq])
-                assert local - skew <= expiry + 1e-6
+            local = tracker.rebase_ack("P", msg.echo_seq, msg.holder_now, msg.expiries)
+            assert local is not None
+            for rid, expiry in msg.expiries:
+                assert local[rid] - skew <= expiry + 1e-6
+                confirmed += 1
+    assert confirmed >= 5
+
+
+def test_rebase_ack_uses_the_batch_send_time_and_refuses_strangers() -> None:
+    t = HeartbeatTracker(INTERVAL)
+    t.track("d1", "p0", "r1", 100.0)
+    (batch,) = t.due(100.0)
+    # P (clock 5000 ahead, 0.2 s away) renewed at 5100.2 until 5120.2.
+    assert t.rebase_ack("p0", batch.seq, 5100.2, [("r1", 5120.2)]) == {"r1": pytest.approx(120.0)}
+    assert t.rebase_ack("p1", batch.seq, 5100.2, [("r1", 5120.2)]) is None  # wrong engine
+    assert t.rebase_ack("p0", batch.seq + 1, 5100.2, [("r1", 5120.2)]) is None  # never sent
+    for now in range(105, 105 + 5 * (REMEMBER_BATCHES + 1), 5):
+        t.due(float(now))
+    assert t.rebase_ack("p0", batch.seq, 5100.2, [("r1", 5120.2)]) is None  # forgotten
 
 
 def test_renew_result_maps_onto_lost_reasons() -> None:
