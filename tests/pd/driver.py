@@ -49,7 +49,7 @@ class Driver:
         host = PluginHost()
         host.load()
         self.sched = PDConnector.build_scheduler(self.config, self.info)
-        self.worker = PDConnector.build_worker(self.config, self.info, 0, host=host)
+        self.worker = PDConnector.build_worker(self.config, self.info, 0, host=host, clock=clock)
         self.kv = {f"layer{i}": torch.zeros((num_blocks, *SHAPE)) for i in range(LAYERS)}
         self.worker.register_kv_caches(self.kv)
         meta = self.worker.get_handshake_metadata()

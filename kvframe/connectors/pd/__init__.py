@@ -6,7 +6,8 @@ Registered as ``"PDConnector"`` (built-in). See ``docs/pd.md`` for the protocol,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvframe.config import KVTransferConfig
@@ -43,8 +44,16 @@ class PDConnector(KVConnector):
 
     @classmethod
     def build_worker(
-        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, *, host: Any = None
+        cls,
+        config: KVTransferConfig,
+        engine: EngineInfo,
+        rank: int,
+        *,
+        host: Any = None,
+        clock: Callable[[], float] | None = None,
     ) -> PDConnectorWorker:
+        """Build a worker. ``host`` is the plugin host to find the transport in (default: a
+        fresh one, loaded); ``clock`` replaces ``time.monotonic`` (tests skew it)."""
         from kvframe.runtime.plugins import PluginHost
 
         if host is None:
@@ -55,7 +64,9 @@ class PDConnector(KVConnector):
             from kvframe.errors import ConfigError
 
             raise ConfigError("engine_id is required by PDConnector")
-        return PDConnectorWorker(config, engine, rank, options, host=host)
+        return PDConnectorWorker(
+            config, engine, rank, options, host=host, clock=clock or time.monotonic
+        )
 
 
 @hookimpl

@@ -64,6 +64,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._policy = LeasePolicy.from_duration(config.kv_lease_duration)
         self._tracker = HeartbeatTracker.from_policy(self._policy)
         self._now = 0.0
+        self._stepped = False
         self._ports: dict[int, int] = {}
         # P side
         self._grants: list[SaveSpec] = []
@@ -134,6 +135,11 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._incoming[request.request_id] = inc
         return inc
 
+    def _time(self, request: RequestView) -> float:
+        # The latest step's clock; before the first step, the request's arrival time (both on
+        # the engine's clock). Never max() the two: an engine may leave arrival_time at 0.
+        return self._now if self._stepped else request.arrival_time
+
     def _loadable(self, request: RequestView, params: RemotePrefillParams) -> int:
         # The engine must compute at least the last prompt token itself (it needs its logits).
         return max(0, min(params.remote_num_tokens, request.num_prompt_tokens - 1))
@@ -150,9 +156,11 @@ class PDConnectorScheduler(KVConnectorScheduler):
         inc = self._parse(request)
         if inc is None:
             return
-        now = max(self._now, request.arrival_time)
         self._tracker.track(
-            request.request_id, inc.addr.engine_id, inc.params.remote_request_id, now
+            request.request_id,
+            inc.addr.engine_id,
+            inc.params.remote_request_id,
+            self._time(request),
         )
         self._new_engines[inc.addr.engine_id] = inc.addr
         self._count("remote_requests")
@@ -174,7 +182,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 request.request_id,
                 inc.addr.engine_id,
                 inc.params.remote_request_id,
-                max(self._now, request.arrival_time),
+                self._time(request),
             )
             self._new_engines[inc.addr.engine_id] = inc.addr
         return external, True
@@ -213,7 +221,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output: SchedulerStep) -> PDMetadata:
         now = scheduler_output.now
-        self._now = max(self._now, now)
+        self._now = now if not self._stepped else max(self._now, now)
+        self._stepped = True
         heartbeats: dict[str, list[str]] = {}
         for batch in self._tracker.due(now):
             heartbeats.setdefault(batch.engine_id, []).extend(batch.request_ids)

@@ -38,7 +38,7 @@ from kvframe.connectors.pd.peers import PeerState, RemoteEngine, RemoteEngines
 from kvframe.core import wire
 from kvframe.core.heartbeat import SEQ_MODULUS, HeartbeatGuard
 from kvframe.core.lease import LeasePolicy, LeaseTable, RenewIgnored
-from kvframe.errors import CodecError, KVFrameError, TransportError
+from kvframe.errors import CodecError, KVFrameError, PeerUnreachableError, TransportError
 from kvframe.protocol.messages import ConnectorMetadata, KVEvent, Stats
 from kvframe.spi.connector import EngineInfo, KVConnectorWorker
 from kvframe.spi.transport import (
@@ -69,6 +69,7 @@ class _Load:
     handle: XferHandle | None = None
     posted_at: float = 0.0
     urgent_sent: bool = False
+    urgent_at: float = 0.0
     nbytes: int = 0
 
 
@@ -471,6 +472,11 @@ class PDConnectorWorker(KVConnectorWorker):
             except TransportError as exc:
                 self._count("notify_failures", engine=entry.engine_id)
                 self._event("pd.notify_failed", engine=entry.engine_id, error=str(exc))
+                if isinstance(exc, PeerUnreachableError):
+                    # The prefill engine is gone: loads waiting on it fail now instead of
+                    # waiting for a lease confirmation that cannot come.
+                    assert self._engines is not None
+                    self._engines.mark_failed(entry, self._clock(), f"unreachable: {exc}")
                 return
 
     def _engine_entry(self, engine_id: str) -> RemoteEngine | None:
@@ -517,7 +523,7 @@ class PDConnectorWorker(KVConnectorWorker):
             if entry is None:
                 continue
             if entry.state is PeerState.FAILED:
-                self._fail(load, f"handshake failed: {entry.error}", now)
+                self._fail(load, f"prefill engine {entry.engine_id!r}: {entry.error}", now)
                 continue
             if entry.state is not PeerState.READY:
                 continue
@@ -530,8 +536,14 @@ class PDConnectorWorker(KVConnectorWorker):
                 except KVFrameError:
                     load.confirmed = now
             if load.confirmed - now < self._margin:
+                if load.urgent_sent and now - load.urgent_at > self._policy.extension:
+                    # A live holder answers a heartbeat within milliseconds (an ack, or a
+                    # loss notice); silence for a whole extension means it is gone.
+                    self._fail(load, "no answer from the prefill engine to confirm the lease", now)
+                    continue
                 if not load.urgent_sent:
                     load.urgent_sent = True
+                    load.urgent_at = now
                     self._heartbeat(entry.engine_id, [load.spec.remote_request_id], now)
                     self._count("urgent_heartbeats")
                 continue
@@ -579,11 +591,7 @@ class PDConnectorWorker(KVConnectorWorker):
             return
         if state is XferState.FAILED:
             err = load.handle.error
-            if (
-                load.engine is not None
-                and err is not None
-                and type(err).__name__ == ("PeerUnreachableError")
-            ):
+            if load.engine is not None and isinstance(err, PeerUnreachableError):
                 assert self._engines is not None
                 self._engines.mark_failed(load.engine, now, str(err))
             self._fail(load, f"transfer failed: {err}", now)
