@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("nixl_cu12", reason="the NIXL transport needs nixl-cu12")
 
-from tests.pd.nodes import Node  # noqa: E402
+from tests.pd.nodes import Node
 
 LEASE = 1.2
 INTERVAL = LEASE / 6
@@ -128,7 +128,7 @@ def test_clock_skew_between_processes(skew: float, producer: Node) -> None:
     d = Node(f"Dskew{next(_n)}", "kv_consumer", lease=LEASE, skew=skew)
     try:
         # no premature expiry: a request queued past the initial lease still reads
-        rid_p, params = _prefill(producer, [30, 31], tokens=32)
+        _, params = _prefill(producer, [30, 31], tokens=32)
         rid_d = _rid("d")
         d.call("arrive", rid=rid_d, tokens=32, params=params)
         time.sleep(2 * LEASE)
@@ -149,7 +149,7 @@ def test_clock_skew_between_processes(skew: float, producer: Node) -> None:
 
 def test_p_dead_at_handshake_fails_the_load(consumer: Node) -> None:
     p = Node(f"Pdead{next(_n)}", "kv_producer", lease=LEASE)
-    rid_p, params = _prefill(p, [1], tokens=16)
+    _, params = _prefill(p, [1], tokens=16)
     p.kill()
     p.close()
     rid_d = _load(consumer, params, [50])
@@ -161,7 +161,7 @@ def test_p_dead_at_handshake_fails_the_load(consumer: Node) -> None:
 def test_p_killed_mid_transfer_fails_and_nothing_lands_later(consumer: Node) -> None:
     p = Node(f"Pmid{next(_n)}", "kv_producer", lease=LEASE)
     blocks = list(range(40))
-    rid_p, params = _prefill(p, blocks, tokens=40 * 16)
+    _, params = _prefill(p, blocks, tokens=40 * 16)
     # make sure D has handshaken with P (a first small request completes)
     _, warm = _prefill(p, [63], tokens=16)
     rid_w = _load(consumer, warm, [63])
