@@ -313,7 +313,7 @@ _REASON_FOR = {
     LeaseState.EXPIRED: RenewIgnored.EXPIRED,
 }
 
-_Entry = tuple[float, int, str]  # (expiry, token, request id); tokens are unique
+_Entry = tuple[float, int, str]  # (expiry, token, request id); (token, id) is unique
 
 
 class _ExpiryIndex:
@@ -537,6 +537,9 @@ class LeaseTable(Generic[_PayloadT]):
         renewed: dict[str, float] = {}
         ignored: dict[str, RenewIgnored] = {}
         fresh = candidate > t
+        # One token for every entry this call pushes: an entry is identified by (token, id),
+        # and a call pushes at most one entry per id.
+        self._token += 1
         token = self._token
         for rid in request_ids:
             rec = live_get(rid)
@@ -544,7 +547,6 @@ class LeaseTable(Generic[_PayloadT]):
                 if rid in renewed:
                     continue
                 if candidate > rec.expiry:
-                    token += 1
                     rec.expiry = candidate
                     rec.token = token
                     push((candidate, token, rid))
@@ -559,7 +561,6 @@ class LeaseTable(Generic[_PayloadT]):
                 ignored[rid] = RenewIgnored.EXPIRED
             else:
                 ignored[rid] = RenewIgnored.STALE
-        self._token = token
         self._renewed += len(renewed)
         self._renew_ignored += len(ignored)
         if len(self._index) > 2 * len(self._live) + 64:
