@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
+
+if importlib.util.find_spec("kvframe_refengine") is None:
+    # Not installed (./dev installs plugins/*, not contrib/*): test it from its source tree.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "contrib" / "kvframe-refengine"))
+
 from _refengine_fake import STORES, FakePlugin
 
 from kvframe.runtime.plugins import PluginHost
@@ -28,3 +37,13 @@ def store() -> Iterator[str]:
     name = f"store-{next(_names)}"
     yield name
     STORES.pop(name, None)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """The model is tiny: torch's intra-op threads cost far more than they give, and on a
+    shared 2-core machine they make every step tens of times slower. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -139,7 +139,7 @@ def test_eviction_under_pressure_stays_correct() -> None:
 
 
 # Each example builds an engine and runs a dense reference per token: keep the count low.
-@settings(max_examples=15)
+@settings(max_examples=25)
 @given(
     lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4),
     max_tokens=st.integers(1, 4),

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from kvframe.config import KVTransferConfig
 from kvframe.errors import ConfigError
@@ -74,6 +75,12 @@ class EngineConfig:
     (proves that nothing else is shared). Off: the values are passed as they are."""
     device: str = "cpu"
     """Torch device for the model and the KV cache (``"cpu"``, ``"cuda"``, ``"cuda:1"``)."""
+    torch_threads: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
+    """If set, the engine calls ``torch.set_num_threads`` with it at construction (process-wide).
+    The model is tiny: one thread is usually fastest, and several engines sharing few cores
+    slow each other down badly with more."""
     idle_sleep_s: float = attrs.field(default=0.001, validator=_non_negative_seconds)
     """How long :meth:`Engine.generate` and :meth:`Engine.run_until_idle` sleep after a step
     that ran no tokens (waiting on the connector)."""
@@ -115,6 +122,8 @@ class Engine:
         self._codec = codec if codec is not None else DEFAULT_CODEC
         self._clock = clock
         self._closed = False
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
         self.model = TinyLM(config.model, device=config.device)
         sched_conn, worker_conn = self._build_connector(kv_transfer_config, plugin_host)
         self.connector_scheduler = sched_conn
@@ -236,9 +245,7 @@ class Engine:
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         bad: list[object] = [
-            t
-            for t in prompt
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+            t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
         ]
         if bad:
             raise ValueError(

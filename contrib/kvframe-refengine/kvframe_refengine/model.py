@@ -89,7 +89,7 @@ class AttentionHooks(Protocol):
         have landed by the time this returns)."""
 
     def after_attention(self, layer: int) -> None:
-        """Called after layer ``layer`` wrote the new tokens' K/V into its cache."""
+        """Called after layer ``layer``'s attention: the new tokens' K/V are in its cache."""
 
 
 @attrs.frozen(kw_only=True)
@@ -242,8 +242,8 @@ class TinyLM:
         """Run the new tokens of every request in ``batch`` through the model.
 
         Each layer calls ``hooks.before_attention(layer)``, writes the new tokens' K/V at
-        ``batch.slot_mapping``, calls ``hooks.after_attention(layer)``, then lets each request
-        attend over its ``context_len`` cached tokens read through its block table.
+        ``batch.slot_mapping``, lets each request attend over its ``context_len`` cached tokens
+        read through its block table, then calls ``hooks.after_attention(layer)``.
 
         Returns the logits of each request's *last* new token, ``[len(batch.seqs), vocab]``.
         Raises ``ValueError`` when ``kv_caches`` does not hold one tensor per layer. If a hook
@@ -266,8 +266,6 @@ class TinyLM:
                 hooks.before_attention(i)
             cache[blk, 0, off] = k
             cache[blk, 1, off] = v
-            if hooks is not None:
-                hooks.after_attention(i)
             outs = []
             for seq in batch.seqs:
                 kv = cache[seq.block_table]  # [n_blocks, 2, block_size, kv_heads, d]
@@ -278,6 +276,8 @@ class TinyLM:
                         q[seq.start : seq.end], batch.positions[seq.start : seq.end], ctx_k, ctx_v
                     )
                 )
+            if hooks is not None:
+                hooks.after_attention(i)
             h = h + torch.cat(outs) @ layer["wo"].T
             h = h + self._mlp(h, layer)
         last = torch.tensor([s.end - 1 for s in batch.seqs], device=h.device, dtype=torch.long)

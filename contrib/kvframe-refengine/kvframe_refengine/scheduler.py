@@ -355,10 +355,10 @@ class Scheduler:
         return True
 
     def _computed_after_load(self, req: Request, computed: int) -> int:
-        # The "last prompt token" rule: a load that covers the whole prompt still leaves the
+        # The last-prompt-token rule: a load that covers the whole prompt still leaves the
         # last prompt token to compute here, because its logits give the first output token.
-        # Its KV slot is rewritten with the same values (after the layer's load landed).
-        return min(computed, len(req.prompt) - 1) if not req.output else computed
+        # Its KV slot is rewritten with equal values, after the layer's load landed.
+        return min(computed, len(req.prompt) - 1)
 
     # -- one step: apply the worker's report -------------------------------------------------
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
