@@ -116,7 +116,9 @@ class TransportSpec:
                 raise errors.ConfigError(
                     f"factory {self.factory!r}: write it as 'package.module:callable'"
                 )
-            factory = getattr(importlib.import_module(module), attr)
+            factory: Any = importlib.import_module(module)
+            for part in attr.split("."):
+                factory = getattr(factory, part)
             transport: Transport = factory(params)
             return transport
         from kvframe.runtime.plugins import PluginHost
@@ -125,6 +127,25 @@ class TransportSpec:
         host.load()
         built: Transport = host.create_transport(self.name, params)
         return built
+
+    def for_child(self) -> TransportSpec:
+        """The spec a child process should build: for a transport found through the plugin
+        host, the host is asked *here* and the child gets the factory's import path, so the
+        child imports only that plugin (loading every installed plugin can cost seconds).
+        Falls back to the spec itself when the factory has no importable path.
+        """
+        if self.factory is not None:
+            return self
+        from kvframe.runtime.plugins import PluginHost
+
+        host = PluginHost()
+        host.load()
+        factory = host.transport_info(self.name).factory
+        module = getattr(factory, "__module__", None)
+        qualname = getattr(factory, "__qualname__", "")
+        if not module or not qualname or "<" in qualname:
+            return self
+        return attrs.evolve(self, factory=f"{module}:{qualname}")
 
     def to_wire(self) -> dict[str, Any]:
         """The spec as a msgpack-able mapping. Raises ``TypeError`` for a callable factory."""
@@ -503,7 +524,7 @@ class ChildEndpoint(Endpoint):
         Raises what building the transport raised in the child (the child is then stopped),
         and ``TypeError`` for a spec with a callable factory.
         """
-        wire = spec.to_wire()
+        wire = spec.for_child().to_wire()
         parent_sock, child_sock = socket.socketpair()
         try:
             proc = subprocess.Popen(
