@@ -450,7 +450,7 @@ def test_pair_ids_match_descriptor_ids(nb: int, lens: list[int], data: st.DataOb
 
     regions = [MemoryRegion(addr=1 << 20, length=b * nb) for b in lens]
     layout = BlockLayout(regions=regions, block_lens=lens, num_blocks=nb)
-    n = data.draw(st.integers(0, 8))
+    n = data.draw(st.integers(0, 40))  # crosses the scalar/vectorised threshold
     lblk = data.draw(st.lists(st.integers(0, nb - 1), min_size=n, max_size=n))
     rblk = data.draw(st.lists(st.integers(0, nb - 1), min_size=n, max_size=n))
     sel = data.draw(st.none() | st.lists(st.integers(0, len(lens) - 1), min_size=1, unique=True))
@@ -459,3 +459,18 @@ def test_pair_ids_match_descriptor_ids(nb: int, lens: list[int], data: st.DataOb
     np.testing.assert_array_equal(rids, descriptor_ids(layout, rblk, sel))
     chosen = range(len(lens)) if sel is None else sel
     assert nbytes == n * sum(lens[r] for r in chosen)
+    as_arrays = _pair_ids(layout, layout, np.array(lblk, dtype=np.int64), np.array(rblk), sel)
+    np.testing.assert_array_equal(as_arrays[0], lids)
+    np.testing.assert_array_equal(as_arrays[1], rids)
+
+
+def test_pair_ids_reject_non_integers() -> None:
+    from kvframe_nixl.transport import _pair_ids
+
+    layout = BlockLayout(
+        regions=[MemoryRegion(addr=4096, length=4096)], block_lens=[1024], num_blocks=4
+    )
+    with pytest.raises(ValueError, match="integers"):
+        _pair_ids(layout, layout, np.array([0.5]), [0], None)
+    with pytest.raises(ValueError, match="integers"):
+        _pair_ids(layout, layout, ["0"], [0], None)  # type: ignore[list-item]
