@@ -154,6 +154,8 @@ def _check_ids(ids: Sequence[str], what: str) -> None:
 
 
 def _id_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str | bytes):
+        raise ValueError(f"request_ids must be a sequence of ids, not one {type(value).__name__}")
     return tuple(value)
 
 

@@ -222,6 +222,7 @@ def test_split_respects_the_id_count_limit_and_every_type() -> None:
         ({"seq": 0, "sent_at": 0.0, "request_ids": ["a", "a"]}, "distinct"),
         ({"seq": 0, "sent_at": 0.0, "request_ids": [""]}, "non-empty"),
         ({"seq": 0, "sent_at": 0.0, "request_ids": [b"a"]}, "non-empty str"),
+        ({"seq": 0, "sent_at": 0.0, "request_ids": "abc"}, "not one str"),
     ],
 )
 def test_message_values_validate(kwargs: dict[str, object], match: str) -> None:
