@@ -491,6 +491,8 @@ class _Transfer:
     dst_devs: npt.NDArray[np.int64]
     due: int
     notification: bytes | None
+    checked: bool = False  # fault rules are consulted once per transfer
+    failing: FaultRule | None = None
 
 
 @attrs.define(eq=False)
@@ -911,23 +913,25 @@ class InProcessTransport(Transport):
 
     def _execute(self, xfer: _Transfer) -> None:
         handle = xfer.handle
-        event = FaultEvent(
-            kind="transfer",
-            endpoint=self._name,
-            peer=xfer.peer.name,
-            op=handle.op,
-            nbytes=handle.nbytes,
-        )
-        failing: FaultRule | None = None
-        delay = 0
-        for rule in self._fabric.faults._firing(event):
-            if rule.action == "fail" and failing is None:
-                failing = rule
-            elif rule.action == "delay_transfer":
-                delay += rule.polls
-        if failing is None and delay:
-            xfer.due = self._tick + delay
-            return
+        if not xfer.checked:
+            xfer.checked = True
+            event = FaultEvent(
+                kind="transfer",
+                endpoint=self._name,
+                peer=xfer.peer.name,
+                op=handle.op,
+                nbytes=handle.nbytes,
+            )
+            delay = 0
+            for rule in self._fabric.faults._firing(event):
+                if rule.action == "fail" and xfer.failing is None:
+                    xfer.failing = rule
+                elif rule.action == "delay_transfer":
+                    delay += rule.polls
+            if delay:
+                xfer.due = self._tick + delay
+                return
+        failing = xfer.failing
         n = len(xfer.lens)
         count = n if failing is None else int(n * failing.written)
         try:
