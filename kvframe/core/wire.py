@@ -1,4 +1,4 @@
-"""The heartbeat wire format: D -> P heartbeats, P -> D lease acknowledgements and loss notices.
+"""The heartbeat wire format: D -> P heartbeats and completions, P -> D acks and loss notices.
 
 Small, versioned, bounded binary messages (big-endian ``struct`` layouts, never pickle). Every
 message starts with the same four bytes::
@@ -6,7 +6,7 @@ message starts with the same four bytes::
     offset size field
     0      2    magic  b"KH"
     2      1    version (1)
-    3      1    type: 1 heartbeat, 2 lease ack, 3 lease lost
+    3      1    type: 1 heartbeat, 2 lease ack, 3 lease lost, 4 lease done
 
 **Heartbeat** (D -> P, type 1): "keep these leases; I sent this at ``sent_at``"::
 

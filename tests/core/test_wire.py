@@ -37,7 +37,17 @@ LOSTS = st.builds(
         )
     ),
 )
-MESSAGES = st.one_of(HEARTBEATS, ACKS, LOSTS)
+DONES = st.builds(
+    wire.LeaseDone,
+    seq=SEQ,
+    sent_at=TIME,
+    done=IDS.flatmap(
+        lambda ids: st.tuples(
+            *[st.tuples(st.just(i), st.sampled_from(wire.DoneReason)) for i in ids]
+        )
+    ),
+)
+MESSAGES = st.one_of(HEARTBEATS, ACKS, LOSTS, DONES)
 
 
 @given(MESSAGES)
@@ -70,6 +80,8 @@ def test_layout_is_as_documented() -> None:
         wire.LeaseLost(echo_seq=7, holder_now=3.0, lost=[("ab", wire.LostReason.EXPIRED)])
     )
     assert lost == b"KH\x01\x03" + struct.pack(">IdH", 7, 3.0, 1) + b"\x02ab\x04"
+    done = wire.encode(wire.LeaseDone(seq=8, sent_at=4.0, done=[("ab", wire.DoneReason.READ)]))
+    assert done == b"KH\x01\x04" + struct.pack(">IdH", 8, 4.0, 1) + b"\x02ab\x01"
 
 
 # -- fuzzing: arbitrary bytes raise only CodecError ---------------------------------------------
@@ -91,7 +103,7 @@ def test_arbitrary_bytes(data: bytes) -> None:
     decode_or_codec_error(data)
 
 
-@given(st.sampled_from([1, 2, 3]), st.binary(max_size=300))
+@given(st.sampled_from([t.value for t in wire.MessageType]), st.binary(max_size=300))
 def test_arbitrary_bodies_behind_a_valid_header(mtype: int, body: bytes) -> None:
     msg = decode_or_codec_error(b"KH\x01" + bytes([mtype]) + body)
     if msg is not None:
@@ -144,6 +156,12 @@ def test_precise_decode_errors() -> None:
     lost[-1] = 9
     with pytest.raises(CodecError, match="reason byte 9"):
         wire.decode(bytes(lost))
+    done = bytearray(
+        wire.encode(wire.LeaseDone(seq=1, sent_at=1.0, done=[("a", wire.DoneReason.RELEASED)]))
+    )
+    done[-1] = 3
+    with pytest.raises(CodecError, match="reason byte 3"):
+        wire.decode(bytes(done))
     ack = bytearray(wire.encode(wire.LeaseAck(echo_seq=1, holder_now=1.0, expiries=[("a", 1.0)])))
     ack[-8:] = struct.pack(">d", math.inf)
     with pytest.raises(CodecError, match="expiry is not finite"):
@@ -205,6 +223,11 @@ def test_split_respects_the_id_count_limit_and_every_type() -> None:
         500,
     )
     assert sum(len(x.lost) for x in losts) == 2500  # type: ignore[union-attr]
+    dones = wire.split(
+        wire.LeaseDone(seq=0, sent_at=0.0, done=[(i, wire.DoneReason.READ) for i in ids]), 700
+    )
+    assert all(isinstance(d, wire.LeaseDone) and d.seq == 0 for d in dones)
+    assert sum(len(d.done) for d in dones) == 2500  # type: ignore[union-attr]
     with pytest.raises(CodecError, match="alone"):
         wire.split(wire.Heartbeat(seq=0, sent_at=0.0, request_ids=["x" * 100]), 100)
     with pytest.raises(ValueError, match="max_bytes"):
@@ -237,3 +260,7 @@ def test_ack_and_lost_values_validate() -> None:
         wire.LeaseAck(echo_seq=0, holder_now=0.0, expiries=[("a", "1")])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="LostReason"):
         wire.LeaseLost(echo_seq=0, holder_now=0.0, lost=[("a", 1)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="DoneReason"):
+        wire.LeaseDone(seq=0, sent_at=0.0, done=[("a", 1)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="distinct"):
+        wire.LeaseDone(seq=0, sent_at=0.0, done=[("a", wire.DoneReason.READ)] * 2)
