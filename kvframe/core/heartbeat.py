@@ -5,6 +5,8 @@ transfer is done or the request ends. :meth:`HeartbeatTracker.due` answers, at m
 interval for each remote engine, one :class:`HeartbeatBatch` holding every remote request id
 tracked for that engine (one message per engine, not per request). An engine with nothing
 tracked is dropped. :meth:`HeartbeatTracker.next_deadline` says when to call ``due`` again.
+:meth:`HeartbeatTracker.rebase_ack` turns the holder's acknowledgement into deadlines on D's
+clock, against the answered batch's send time, so D reads only under a confirmed lease.
 
 **P (the holder)** runs each received heartbeat through :class:`HeartbeatGuard` before it
 renews anything: the guard drops heartbeats older than one already accepted from the same
@@ -83,7 +85,8 @@ class HeartbeatBatch:
     """The tracker's sequence number (0 <= seq < 2**32, increasing per batch, wrapping)."""
     sent_at: float
     """The ``now`` of the :meth:`HeartbeatTracker.due` call: the send time to put on the wire.
-    Keep it: it is the safe local reading for rebasing the holder's acknowledgement."""
+    The tracker remembers it per ``seq`` to rebase the holder's acknowledgement safely
+    (:meth:`HeartbeatTracker.rebase_ack`)."""
 
 
 class _Engine:
