@@ -2,8 +2,9 @@
 
 Measured side by side in one run, on the same memory and the same random block sets:
 
-- **kvframe** — a cross-process READ (D pulls from P) through the kvframe NIXL transport, found
-  through the plugin host like any transport (``post`` + ``poll`` until done + ``release``);
+- **kvframe** — a cross-process READ (D pulls from P) through the kvframe NIXL transport with
+  its default options, found through the plugin host like any transport (``post`` + ``poll``
+  until done + ``release``); **kvframe_inline** — the same with ``post_thread`` off;
 - **raw NIXL** — the same READ with NIXL called directly: descriptor lists prepared once with
   ``prep_xfer_dlist``, then ``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` per
   request, so the ratio kvframe/raw is kvframe's own overhead;
@@ -292,19 +293,19 @@ class Method(Protocol):
 
 
 class _KvframeMethod:
-    name = "kvframe"
+    """The kvframe NIXL transport with its default options (``name="kvframe"``) or with
+    ``options`` (another column)."""
 
-    def __init__(self, env: _Env, *, post_thread: bool = False) -> None:
+    def __init__(
+        self, env: _Env, *, name: str = "kvframe", options: dict[str, Any] | None = None
+    ) -> None:
         from kvframe.runtime.plugins import PluginHost
 
         host = PluginHost()
         host.load()
-        suffix = "-thread" if post_thread else ""
+        self.name = name
         self.t: Transport = host.create_transport(
-            "nixl",
-            TransportParams(
-                name=f"bench-D{suffix}-{os.getpid()}", options={"post_thread": post_thread}
-            ),
+            "nixl", TransportParams(name=f"bench-D-{name}-{os.getpid()}", options=options or {})
         )
         self.env = env
         self.t.register_memory([MemoryRegion(addr=env.pool.ctypes.data, length=env.pool.nbytes)])
@@ -424,10 +425,15 @@ class _MemcpyMethod:
         pass
 
 
+def _kvframe_inline(env: _Env) -> _KvframeMethod:
+    return _KvframeMethod(env, name="kvframe_inline", options={"post_thread": False})
+
+
 #: The throughput table's columns, in order. The first is the subject of the ratios.
 #: The lead's "through the P/D connector" column is appended here (see the module docstring).
 METHOD_FACTORIES: list[Callable[[_Env], Method]] = [
     _KvframeMethod,
+    _kvframe_inline,
     _RawNixlMethod,
     _MemcpyMethod,
 ]
@@ -512,7 +518,7 @@ def _post_cost(
     rows = []
     for n in config.descriptor_counts:
         samples: dict[str, list[float]] = {
-            "kvframe_post_us": [],
+            "kvframe_inline_post_us": [],
             "kvframe_post_thread_us": [],
             "raw_make_us": [],
             "raw_make_transfer_us": [],
@@ -525,7 +531,7 @@ def _post_cost(
                 which = (i + j) % 3
                 if which < 2:
                     key, m = (
-                        ("kvframe_post_us", inline),
+                        ("kvframe_inline_post_us", inline),
                         ("kvframe_post_thread_us", threaded),
                     )[which]
                     t0 = time.perf_counter()
@@ -605,7 +611,6 @@ def measure(config: BenchConfig, *, seed: int = 0) -> dict[str, Any]:
     pool[:] = 1  # touch every page before timing anything
     child = _Child(config.pool_bytes)
     methods: list[Method] = []
-    extra: list[_KvframeMethod] = []
     try:
         env = _Env(child, pool, config)
         for factory in METHOD_FACTORIES:
@@ -613,14 +618,13 @@ def measure(config: BenchConfig, *, seed: int = 0) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
         scrub = _Scrub(config.scrub_bytes)
         throughput = _throughput(methods, config, rng, scrub)
-        inline = next(m for m in methods if isinstance(m, _KvframeMethod))
+        kv = {m.name: m for m in methods if isinstance(m, _KvframeMethod)}
+        inline, threaded = kv["kvframe_inline"], kv["kvframe"]
         raw = next(m for m in methods if isinstance(m, _RawNixlMethod))
-        threaded = _KvframeMethod(env, post_thread=True)
-        extra.append(threaded)
         post_cost = _post_cost(inline, threaded, raw, config, rng, scrub)
         overlap = _overlap(inline, threaded, config, rng)
     finally:
-        for m in [*methods, *extra]:
+        for m in methods:
             m.close()
         child.close()
     return {
@@ -673,13 +677,13 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         "Per-request post cost (µs, 16 KiB blocks) against descriptors",
         "",
-        "| descriptors | kvframe post | kvframe post (post_thread) | raw make_prepped_xfer "
-        "| raw make + transfer |",
+        "| descriptors | kvframe post (inline) | kvframe post (post_thread) "
+        "| raw make_prepped_xfer | raw make + transfer |",
         "|---|---|---|---|---|",
     ]
     for row in report["post_cost"]:
         lines.append(
-            f"| {row['descriptors']} | {row['kvframe_post_us']:.1f} | "
+            f"| {row['descriptors']} | {row['kvframe_inline_post_us']:.1f} | "
             f"{row['kvframe_post_thread_us']:.1f} | {row['raw_make_us']:.1f} | "
             f"{row['raw_make_transfer_us']:.1f} |"
         )
@@ -704,7 +708,7 @@ def run(args: argparse.Namespace) -> int:
          "throughput": [{"block_bytes", "blocks", "bytes",
                          "results": {method: {"median_s", "gbps"}},
                          "ratios": {"kvframe/<method>": float}}],
-         "post_cost": [{"descriptors", "kvframe_post_us", "kvframe_post_thread_us",
+         "post_cost": [{"descriptors", "kvframe_inline_post_us", "kvframe_post_thread_us",
                         "raw_make_us", "raw_make_transfer_us"}],
          "overlap": {"bytes", "transfer_s", "work_s",
                      "inline": {"post_s", "step_s"}, "post_thread": {"post_s", "step_s"}}}

@@ -24,7 +24,7 @@ def test_quick_json_shape() -> None:
     assert report["benchmark"] == "transfer"
     assert report["version"] == 1
     assert report["quick"] is True
-    assert report["methods"][:3] == ["kvframe", "raw_nixl", "memcpy"]
+    assert report["methods"][:4] == ["kvframe", "kvframe_inline", "raw_nixl", "memcpy"]
     cfg = report["config"]
     rows = report["throughput"]
     assert len(rows) == len(cfg["block_sizes"]) * len(cfg["blocks"])
@@ -39,7 +39,7 @@ def test_quick_json_shape() -> None:
     for row in report["post_cost"]:
         assert set(row) == {
             "descriptors",
-            "kvframe_post_us",
+            "kvframe_inline_post_us",
             "kvframe_post_thread_us",
             "raw_make_us",
             "raw_make_transfer_us",

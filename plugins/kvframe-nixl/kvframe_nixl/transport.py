@@ -25,10 +25,12 @@ configuration      ``TransportParams.options`` keys, all optional (unknown keys 
                      to ~4 ms; with it off the caller drives progress (below).
                    - ``num_threads`` (int ≥ 0, default 0): backend worker threads (UCX
                      ``num_threads``); 0 lets NIXL decide.
-                   - ``post_thread`` (bool, default ``False``): hand each transfer to one worker
-                     thread so :meth:`post` returns in microseconds even where NIXL's
-                     ``transfer()`` is synchronous (UCX ``cma``: ~16 ms for 256 MiB). See
-                     docs/nixl.md for the measurement behind the default.
+                   - ``post_thread`` (bool, default ``True``): hand each transfer to one worker
+                     thread so :meth:`post` returns in tens of microseconds even where NIXL's
+                     ``transfer()`` is synchronous (UCX ``cma`` copies inside it: ~12 ms for
+                     64 MiB here, which would stall the engine's step). Turn it off for
+                     backends that post asynchronously (RDMA, ``cuda_ipc``, ``tcp``) to save
+                     the hand-off. docs/nixl.md has the measurement behind the default.
                    - ``ucx_env`` (mapping of ``UCX_*`` names to str, default empty): UCX
                      configuration applied while the backends are created (UCX reads its
                      configuration then), e.g. ``{"UCX_TLS": "tcp", "UCX_TCP_USER_TIMEOUT":
@@ -151,7 +153,7 @@ class NixlOptions:
     backends: tuple[str, ...] = ("UCX",)
     progress_thread: bool = False
     num_threads: int = 0
-    post_thread: bool = False
+    post_thread: bool = True
     ucx_env: Mapping[str, str] = attrs.field(factory=dict)
 
     @classmethod
