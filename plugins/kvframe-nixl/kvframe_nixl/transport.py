@@ -1,66 +1,59 @@
 """The NIXL transport: one-sided READ/WRITE of KV blocks over NIXL (UCX), with notifications.
 
-Capability card
-===============
+## Capability card
 
-================== ==========================================================================
-memory kinds       ``HOST`` (NIXL ``DRAM``) and ``DEVICE`` (NIXL ``VRAM``, CUDA builds of UCX),
-                   one code path chosen by :attr:`MemoryRegion.kind`. One layout holds one kind.
-read / write       both (``Op.READ`` pulls remote blocks, ``Op.WRITE`` pushes local blocks).
-notifications      yes; at most :data:`MAX_NOTIFICATION_BYTES` (64 KiB) per payload, standalone
-                   or attached to a transfer. An attached notification reaches the peer after
-                   every byte of its transfer landed.
-ordering           per pair of endpoints, notifications arrive in the order they were sent
-                   (one UCX endpoint). Across senders :meth:`drain_notifications` groups by
-                   sender. Delivery is best effort: a send that returned may still be lost or
-                   delayed when the peer or the link fails.
-cross-process      yes; same host (UCX ``cma``/shared memory) or across hosts (``tcp``, RDMA).
-configuration      ``TransportParams.options`` keys, all optional (unknown keys raise
-                   :class:`~kvframe.errors.ConfigError`):
+- **Memory kinds:** `HOST` (NIXL `DRAM`) and `DEVICE` (NIXL `VRAM`, with a CUDA-enabled UCX),
+  through one code path chosen by `MemoryRegion.kind`. A layout holds one kind (a NIXL
+  descriptor list has one memory type); mixing kinds raises `CapabilityError`.
+- **Read / write:** both. `Op.READ` pulls remote blocks into local ones, `Op.WRITE` pushes.
+- **Notifications:** yes, at most `MAX_NOTIFICATION_BYTES` (64 KiB) per payload, standalone or
+  attached to a transfer. An attached notification reaches the peer after every byte of its
+  transfer landed (NIXL sends it on completion).
+- **Ordering:** between one pair of endpoints, notifications arrive in the order they were
+  sent (one UCX endpoint); with `post_thread` on, a standalone notification sent after a post
+  is queued behind it. `drain_notifications` groups by sender. Delivery is best effort: a send
+  that returned may still be lost or delayed when the peer or the link fails.
+- **Cross-process:** yes; same host (UCX `cma`, shared memory) or across hosts (`tcp`, RDMA).
+- **Configuration** (`TransportParams.options`, all optional; unknown keys and bad values
+  raise `ConfigError` naming the key):
+    - `backends` (list of str, default `["UCX"]`): NIXL backends to create; one this NIXL
+      lacks is a `ConfigError`.
+    - `progress_thread` (bool, default `False`): NIXL's own progress thread. Off because it
+      spins a core at 100 % even when idle, halves throughput on small machines and raises
+      notification latency from about 8 µs to 4 ms; with it off the caller drives progress.
+    - `num_threads` (int ≥ 0, default 0): backend worker threads (UCX `num_threads`); 0 lets
+      NIXL decide.
+    - `post_thread` (bool, default `True`): hand each transfer to one worker thread so `post`
+      returns in tens of microseconds even where NIXL's `transfer()` is synchronous (under UCX
+      `cma` the copy happens inside it: about 12 ms for 64 MiB here, which would stall the
+      engine's step). Turn it off for backends that post asynchronously (RDMA, `cuda_ipc`,
+      `tcp`) to save the hand-off; docs/nixl.md has the measurements.
+    - `ucx_env` (mapping of `UCX_*` names to str, default empty): UCX settings applied while
+      the backends are created (UCX reads its configuration then), e.g.
+      `{"UCX_TLS": "tcp", "UCX_TCP_USER_TIMEOUT": "5s"}`. Without `UCX_TCP_USER_TIMEOUT` a cut
+      TCP link stalls transfers without bound.
+- **Progress:** the caller calls `progress()` or `drain_notifications()` at least once per
+  engine step and at least every millisecond while it waits for anything, *including while a
+  peer connects to it*: with the progress thread off, an endpoint that is not polled never
+  completes a peer's connection setup.
+- **Failure:** NIXL reports failures as exceptions, translated in one place (`_translate` /
+  `_translate_exc`): a dead or disconnected peer becomes `PeerUnreachableError` (`post`
+  raises it, or `poll` answers `FAILED` with it; `remove_peer` and a fresh `add_peer`
+  recover), a backend error on one transfer `TransferFailedError`, an unsupported request
+  `CapabilityError`. A peer killed mid-transfer is noticed within milliseconds under `cma`,
+  and the destination blocks are then partly written. A dead peer that is only a target is
+  noticed when it is next used. With `post_thread` on, errors NIXL raises while posting
+  arrive through `poll` rather than from `post`.
+- **Telemetry:** `stats()` keys: `bytes` (of completed transfers), `transfers_posted`,
+  `transfers_done`, `transfers_failed`, `descriptors` (posted), `post_time_us` (caller time
+  spent in `post`), `nixl_post_us` and `nixl_xfer_us` (NIXL's own telemetry of completed
+  transfers), `notifications_sent`, `notifications_received`, `peers`.
 
-                   - ``backends`` (list of str, default ``["UCX"]``): NIXL backends to create.
-                   - ``progress_thread`` (bool, default ``False``): NIXL's own progress
-                     thread. Off because it spins a core at 100 % even when idle, halves
-                     throughput on small machines and raises notification latency from ~8 µs
-                     to ~4 ms; with it off the caller drives progress (below).
-                   - ``num_threads`` (int ≥ 0, default 0): backend worker threads (UCX
-                     ``num_threads``); 0 lets NIXL decide.
-                   - ``post_thread`` (bool, default ``True``): hand each transfer to one worker
-                     thread so :meth:`post` returns in tens of microseconds even where NIXL's
-                     ``transfer()`` is synchronous (UCX ``cma`` copies inside it: ~12 ms for
-                     64 MiB here, which would stall the engine's step). Turn it off for
-                     backends that post asynchronously (RDMA, ``cuda_ipc``, ``tcp``) to save
-                     the hand-off. docs/nixl.md has the measurement behind the default.
-                   - ``ucx_env`` (mapping of ``UCX_*`` names to str, default empty): UCX
-                     configuration applied while the backends are created (UCX reads its
-                     configuration then), e.g. ``{"UCX_TLS": "tcp", "UCX_TCP_USER_TIMEOUT":
-                     "5s"}``. Without ``UCX_TCP_USER_TIMEOUT`` a cut TCP link stalls transfers
-                     without bound.
-progress           the caller calls :meth:`~NixlTransport.progress` or
-                   :meth:`~NixlTransport.drain_notifications` at least once per engine step and
-                   at least every millisecond while it waits for anything, *including while a
-                   peer connects to it*: with the progress thread off, a passive endpoint that
-                   is not polled never completes a peer's connection setup.
-failure            NIXL reports failures as exceptions, which are translated in one place
-                   (:func:`_translate`): a dead or disconnected peer becomes
-                   :class:`~kvframe.errors.PeerUnreachableError` (``poll`` answers ``FAILED``;
-                   ``remove_peer`` and a fresh ``add_peer`` recover), a backend error on one
-                   transfer :class:`~kvframe.errors.TransferFailedError`, an unsupported request
-                   :class:`~kvframe.errors.CapabilityError`. A peer killed mid-transfer is seen
-                   within milliseconds under ``cma``; the destination blocks are then partly
-                   written. A dead *passive* peer is noticed only when it is used.
-telemetry          :meth:`~NixlTransport.stats` keys: ``bytes`` (bytes of completed
-                   transfers), ``transfers_posted``, ``transfers_done``, ``transfers_failed``,
-                   ``descriptors`` (descriptors posted), ``post_time_us`` (caller time spent in
-                   :meth:`post`), ``nixl_post_us`` and ``nixl_xfer_us`` (NIXL's own telemetry
-                   for completed transfers), ``notifications_sent``,
-                   ``notifications_received``, ``peers``.
-================== ==========================================================================
-
-Threads: like every transport, one caller thread at a time. With ``post_thread`` on, a private
-worker thread owns the NIXL calls of posting; the caller's :meth:`poll`, :meth:`progress` and
-:meth:`drain_notifications` never wait for it (they answer from what is known), while
-:meth:`send_notification`, :meth:`release` of a running transfer and :meth:`close` do wait.
+**Threads.** Like every transport, one caller thread at a time. With `post_thread` on, a
+private worker thread makes the NIXL calls of posting; the caller's `poll`, `progress` and
+`drain_notifications` never wait for it (they answer from what is known, and the worker
+collects notifications after each transfer), while `send_notification` (when nothing is
+queued), `release` of a running transfer and `close` do wait for the transfer in progress.
 """
 
 from __future__ import annotations
@@ -930,13 +923,17 @@ class NixlTransport(Transport):
         if handle.state is not XferState.PENDING:
             return handle.state
         if not rec.posted:
+            # The worker needs the GIL to finish posting; a caller spinning on poll would hold
+            # it for a whole switch interval (5 ms). Releasing it once lets the worker run now.
+            time.sleep(0)
             return XferState.PENDING
         if rec.native_error is not None:
             self._fail(handle, rec.native_error, "posting a transfer")
             return handle.state
         if rec.status == "PROC":
             if not self._lock.acquire(blocking=self._worker is None):
-                return XferState.PENDING  # the worker is inside NIXL; answer from what we know
+                time.sleep(0)  # the worker is inside NIXL: answer from what we know, yield
+                return XferState.PENDING
             try:
                 rec.status = self._agent.check_xfer_state(rec.handle)
                 if rec.status == "DONE":
