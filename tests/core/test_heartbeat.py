@@ -35,10 +35,14 @@ class TrackerModel(RuleBasedStateMachine):
         self.tracker = HeartbeatTracker(INTERVAL)
         self.model: dict[str, tuple[str, str]] = {}
         self.now = 0.0
-        self.clock = 0.0
+        self.clock: float | None = None  # the largest time passed so far (the tracker's clock)
         self.last_batch: dict[str, float] = {}
         self.last_seq = -1
         self.since: dict[str, float] = {}  # when each engine last went from idle to tracked
+
+    def _t(self, now: float) -> float:
+        self.clock = now if self.clock is None else max(self.clock, now)
+        return self.clock
 
     @rule(dt=st.floats(min_value=0.0, max_value=8.0))
     def advance(self, dt: float) -> None:
@@ -55,21 +59,21 @@ class TrackerModel(RuleBasedStateMachine):
             with pytest.raises(InvalidTransitionError, match="already tracked"):
                 self.tracker.track(rid, engine, remote, self.now - back)
             return
-        self.clock = max(self.clock, self.now - back)
+        t = self._t(self.now - back)
         self.tracker.track(rid, engine, remote, self.now - back)
         if engine not in {e for e, _ in self.model.values()}:
-            self.since[engine] = self.clock
+            self.since[engine] = t
         self.model[rid] = (engine, remote)
 
     @rule(rid=st.sampled_from(LOCAL), reason=st.sampled_from(list(StopReason)))
     def stop(self, rid: str, reason: StopReason) -> None:
-        self.clock = max(self.clock, self.now)
+        self._t(self.now)
         assert self.tracker.stop(rid, self.now, reason) is (rid in self.model)
         self.model.pop(rid, None)
 
     @rule(back=st.sampled_from([0.0, 0.0, 0.0, 3.0]))
     def due(self, back: float) -> None:
-        now = self.clock = max(self.clock, self.now - back)
+        now = self._t(self.now - back)
         deadline = self.tracker.next_deadline()
         batches = self.tracker.due(self.now - back)
         engines = [b.engine_id for b in batches]
@@ -117,7 +121,7 @@ class TrackerModel(RuleBasedStateMachine):
     @rule()
     def idle_engines_are_dropped(self) -> None:
         self.now += INTERVAL
-        self.clock = max(self.clock, self.now)
+        self._t(self.now)
         assert self.tracker.due(self.now) == []
         assert self.tracker.engines == frozenset()
         assert self.tracker._engines == {}
