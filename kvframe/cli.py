@@ -34,7 +34,12 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvframe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run kvframe's main job (the P/D demo)")
+    demo = sub.add_parser(
+        "demo",
+        help="run kvframe's main job (the P/D demo; `kvframe demo --help` for its options)",
+        add_help=False,
+    )
+    del demo  # its arguments are the demo's own: main() hands them over unparsed
     from kvframe.runtime import plugin_report
 
     plugin_report.add_arguments(
@@ -50,6 +55,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvframe`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        return _demo(argv[1:])
     args = _build_parser().parse_args(argv)
     if args.command == "bench":
         module = importlib.import_module(BENCHMARKS[args.bench][0])
@@ -58,10 +66,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvframe.runtime import plugin_report
 
         return plugin_report.run(args)
-    if args.command == "demo":
-        print("kvframe demo: not available yet", file=sys.stderr)
-        return 1
     raise AssertionError(args.command)  # argparse rejects unknown commands
+
+
+def _demo(argv: list[str]) -> int:
+    try:
+        # The demo lives with the reference engine (contrib/kvframe-refengine), its own
+        # distribution: the core never depends on it.
+        demo = importlib.import_module("kvframe_refengine.demo")
+    except ImportError as exc:
+        print(
+            f"kvframe demo needs the reference engine ({exc}); install it with "
+            "`pip install -e contrib/kvframe-refengine` (./dev demo does)",
+            file=sys.stderr,
+        )
+        return 2
+    return int(demo.main(argv))
 
 
 if __name__ == "__main__":

@@ -139,9 +139,10 @@ class Scheduler:
         }
 
     # -- views -------------------------------------------------------------------------------
-    def view(self, req: Request) -> RequestView:
-        """The frozen view of ``req`` that connectors get."""
+    def view(self, req: Request, finish_reason: str | None = None) -> RequestView:
+        """The frozen view of ``req`` that connectors get (``finish_reason`` once it ended)."""
         return RequestView(
+            finish_reason=finish_reason,
             request_id=req.request_id,
             num_prompt_tokens=len(req.prompt),
             num_computed_tokens=req.num_computed_tokens,
@@ -196,7 +197,7 @@ class Scheduler:
         delay_free, params = False, None
         if self.connector is not None:
             delay_free, params = self.connector.request_finished(
-                self.view(req), (tuple(req.block_ids),)
+                self.view(req, reason.value), (tuple(req.block_ids),)
             )
             self._finished_since_step.add(req.request_id)
         # A load still in flight writes into these blocks: they stay held until the worker
@@ -358,7 +359,7 @@ class Scheduler:
         # The last-prompt-token rule: a load that covers the whole prompt still leaves the
         # last prompt token to compute here, because its logits give the first output token.
         # Its KV slot is rewritten with equal values, after the layer's load landed.
-        return min(computed, len(req.prompt) - 1)
+        return computed
 
     # -- one step: apply the worker's report -------------------------------------------------
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
