@@ -168,7 +168,11 @@ class Local:
 def local(request: pytest.FixtureRequest) -> Iterator[Local]:
     """This process's endpoint, once with posting inline and once from the post worker."""
     mode = "t" if request.param else "i"
-    end = Local(f"D-{mode}-{os.getpid()}", {"post_thread": request.param})
+    # With the worker on, send every request to it (the default posts small ones inline).
+    options = (
+        {"post_thread": True, "inline_post_bytes": 0} if request.param else {"post_thread": False}
+    )
+    end = Local(f"D-{mode}-{os.getpid()}", options)
     yield end
     end.t.close()
 

@@ -85,6 +85,7 @@ def transfer_requests() -> st.SearchStrategy[tuple[list[int], list[int], list[in
         ({"num_threads": True}, "'num_threads'"),
         ({"post_thread": 1}, "'post_thread'"),
         ({"ucx_env": {"TLS": "tcp"}}, "'ucx_env'"),
+        ({"inline_post_bytes": -1}, "'inline_post_bytes'"),
     ],
 )
 def test_bad_options_raise_config_error_naming_the_key(
