@@ -58,8 +58,11 @@ __all__ = [
     "METHOD_FACTORIES",
     "QUICK",
     "BenchConfig",
+    "BenchEnv",
     "Method",
     "add_arguments",
+    "format_report",
+    "measure",
     "run",
     "serve",
 ]
@@ -263,9 +266,12 @@ class _Child:
 # -- methods (the table's columns) ------------------------------------------------------------
 
 
-class _Env:
-    """What every method may use: D's pool, P's pool address, the child, a local source pool
-    for memcpy and the plugin host."""
+class BenchEnv:
+    """What a :class:`Method` factory receives: ``pool`` (D's registered-once destination
+    memory, ``config.pool_bytes`` bytes), ``remote_addr`` (the address of P's pool in the child),
+    ``child`` (the P process: ``child.hello`` holds P's kvframe transport metadata under
+    ``"meta"`` and its raw NIXL agent metadata under ``"raw_meta"``), ``source`` (a local copy
+    source for in-process methods) and ``config``."""
 
     def __init__(self, child: _Child, pool: npt.NDArray[np.uint8], config: BenchConfig) -> None:
         self.child = child
@@ -285,11 +291,16 @@ class Method(Protocol):
 
     name: str
 
-    def setup(self, block_size: int, num_blocks: int) -> None: ...
+    def setup(self, block_size: int, num_blocks: int) -> None:
+        """Prepare for requests of ``block_size``-byte blocks over pools of ``num_blocks``
+        blocks (called once per block size, before any ``run_once``)."""
 
-    def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None: ...
+    def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
+        """Move P's blocks ``src`` into D's blocks ``dst``; return when every byte landed.
+        Raise ``RuntimeError`` when the transfer fails."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release everything the method created."""
 
 
 class _KvframeMethod:
@@ -297,7 +308,7 @@ class _KvframeMethod:
     ``options`` (another column)."""
 
     def __init__(
-        self, env: _Env, *, name: str = "kvframe", options: dict[str, Any] | None = None
+        self, env: BenchEnv, *, name: str = "kvframe", options: dict[str, Any] | None = None
     ) -> None:
         from kvframe.runtime.plugins import PluginHost
 
@@ -360,7 +371,7 @@ def _descs(addr: int, block_size: int, num_blocks: int) -> npt.NDArray[np.uint64
 class _RawNixlMethod:
     name = "raw_nixl"
 
-    def __init__(self, env: _Env) -> None:
+    def __init__(self, env: BenchEnv) -> None:
         import nixl_cu12
 
         self.env = env
@@ -409,7 +420,7 @@ class _RawNixlMethod:
 class _MemcpyMethod:
     name = "memcpy"
 
-    def __init__(self, env: _Env) -> None:
+    def __init__(self, env: BenchEnv) -> None:
         self.env = env
 
     def setup(self, block_size: int, num_blocks: int) -> None:
@@ -425,13 +436,13 @@ class _MemcpyMethod:
         pass
 
 
-def _kvframe_inline(env: _Env) -> _KvframeMethod:
+def _kvframe_inline(env: BenchEnv) -> _KvframeMethod:
     return _KvframeMethod(env, name="kvframe_inline", options={"post_thread": False})
 
 
 #: The throughput table's columns, in order. The first is the subject of the ratios.
 #: The lead's "through the P/D connector" column is appended here (see the module docstring).
-METHOD_FACTORIES: list[Callable[[_Env], Method]] = [
+METHOD_FACTORIES: list[Callable[[BenchEnv], Method]] = [
     _KvframeMethod,
     _kvframe_inline,
     _RawNixlMethod,
@@ -612,7 +623,7 @@ def measure(config: BenchConfig, *, seed: int = 0) -> dict[str, Any]:
     child = _Child(config.pool_bytes)
     methods: list[Method] = []
     try:
-        env = _Env(child, pool, config)
+        env = BenchEnv(child, pool, config)
         for factory in METHOD_FACTORIES:
             methods.append(factory(env))
         rng = np.random.default_rng(seed)
