@@ -248,13 +248,8 @@ class TransportStateMachine(RuleBasedStateMachine):
         self.p.a.release(posted.xid)  # twice: a no-op
         if posted in self.pending:
             self.pending.remove(posted)
-            _, dst = self._sides(posted.op)
-            for region, block, _data in posted.src_bytes:
-                self.known[dst][region, block] = False
-            for r in posted.regions:
-                for blk in posted.local_blocks if dst == "a" else posted.remote_blocks:
-                    self.known[dst][r, blk] = False
             self._unbusy(posted)
+            self._reuse_destination(posted)
             if posted.payload is not None:
                 self.post_notes["b"].pop(posted.payload, None)
                 # it may still arrive (the transfer may have finished unseen): tolerate it once
@@ -267,6 +262,22 @@ class TransportStateMachine(RuleBasedStateMachine):
             pass
         else:
             raise AssertionError("poll of a released handle did not raise TransportClosedError")
+
+    def _reuse_destination(self, posted: _Posted) -> None:
+        """The SPI lets a caller reuse a released transfer's destination blocks at once: write
+        fresh bytes there, let both sides make progress, and check that nothing overwrote
+        them (a transfer that kept running after release would)."""
+        _, dst = self._sides(posted.op)
+        blocks = posted.local_blocks if dst == "a" else posted.remote_blocks
+        ep = self._ep(dst)
+        for r in posted.regions:
+            for blk in blocks:
+                fill = bytes([next(self.counter) % 251]) * BLOCK_LENS[r]
+                ep.write(self._addr(dst, r, blk), fill)
+                self._cell(dst, r, blk)[:] = np.frombuffer(fill, np.uint8)
+                self.known[dst][r, blk] = True
+        self.p.settle(3)
+        self.check_buffers()
 
     @precondition(lambda self: not self.closed and self.p.caps.notifications)
     @rule(to_b=st.booleans())
@@ -368,14 +379,22 @@ class TransportStateMachine(RuleBasedStateMachine):
             time.sleep(0.0005)
 
 
-def run_transport_state_machine(make_pair: PairFactory, *, cross_process_examples: int = 5) -> None:
+def run_transport_state_machine(
+    make_pair: PairFactory,
+    *,
+    cross_process_examples: int = 5,
+    base_settings: settings | None = None,
+) -> None:
     """Run :class:`TransportStateMachine` on pairs from ``make_pair``.
 
-    In-process pairs use the loaded Hypothesis profile; cross-process pairs (one child process
-    per example) run at most ``cross_process_examples`` examples. Raises what the machine finds.
+    In-process pairs use ``base_settings`` (default: the loaded Hypothesis profile);
+    cross-process pairs (one child process per example) run at most
+    ``cross_process_examples`` examples. Raises what the machine finds (an ``AssertionError``,
+    or an ``ExceptionGroup`` of them when Hypothesis reports several distinct bugs).
     """
+    parent = settings() if base_settings is None else base_settings
     probe = make_pair()
-    examples = settings().max_examples  # the loaded profile's
+    examples = parent.max_examples
     if probe.cross_process:
         examples = min(examples, cross_process_examples)
 
@@ -384,8 +403,12 @@ def run_transport_state_machine(make_pair: PairFactory, *, cross_process_example
 
     Machine.make_pair = make_pair
     Machine.spare_pairs = [probe]
-    run_state_machine_as_test(
-        # deadline=None: a step may wait on another process; the kit bounds waits itself
-        Machine,
-        settings=settings(max_examples=examples, stateful_step_count=25, deadline=None),
-    )
+    try:
+        run_state_machine_as_test(
+            Machine,
+            # deadline=None: a step may wait on another process; the kit bounds waits itself
+            settings=settings(parent, max_examples=examples, stateful_step_count=25, deadline=None),
+        )
+    finally:
+        for pair in Machine.spare_pairs:
+            pair.close()

@@ -8,9 +8,17 @@ from typing import Any
 
 import pytest
 
+from kvframe.testing.pytest_plugin import (  # noqa: F401 - fixtures, re-exported for pytest
+    kvframe_conformance_timeout,
+    kvframe_pair,
+    kvframe_pair_factory,
+    kvframe_transport_factory,
+    kvframe_transport_spec,
+)
 from kvframe.transports.inprocess import InProcessFabric
 
-pytest_plugins = ["kvframe.testing.pytest_plugin"]
+# A conftest below the rootdir may not set pytest_plugins (pytest refuses it: it would apply to
+# the whole suite), so the kit's fixtures are imported; the two we configure are defined here.
 
 
 @pytest.fixture

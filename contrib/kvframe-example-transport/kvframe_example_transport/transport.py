@@ -11,9 +11,9 @@ READ / WRITE             both; the *passive* side serves them from its
                          at least every few milliseconds
 notifications            yes, up to 64 KiB, ordered per sender
 cross process            yes (and cross host, on a reachable ``host``)
-cancellation             ``release`` of a pending READ guarantees no more local
-                         bytes are written; a pending WRITE whose bytes are
-                         already on the wire may still land on the peer
+cancellation             ``release`` of a pending READ returns at once (a late
+                         answer is ignored); of a pending WRITE, waits for the
+                         peer's answer (bytes on the wire cannot be recalled)
 =======================  =========================================================
 
 Options (``TransportParams.options``; unknown keys raise ``ConfigError``):
@@ -39,6 +39,7 @@ import itertools
 import selectors
 import socket
 import struct
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -359,11 +360,29 @@ class TcpTransport(Transport):
         return handle.state
 
     def release(self, handle: XferHandle) -> None:
-        """Forget the handle; a late answer to a released READ is ignored. Idempotent."""
+        """Forget the handle. Idempotent.
+
+        A late answer to a released READ is ignored, so no byte lands here afterwards. A
+        pending WRITE cannot be recalled once its bytes are on the wire, so release waits for
+        the peer's answer (at most ``connect_timeout``); a peer that does not answer in time
+        is dropped as broken, and its bytes may still land there.
+        """
         if handle.released:
             return
         handle.released = True
-        if self._pending.pop(handle.native, None) is not None:
+        xid = handle.native
+        pending = self._pending.get(xid)
+        if pending is None:
+            return
+        if handle.op is Op.WRITE and not self._closed:
+            deadline = time.monotonic() + self._timeout
+            while xid in self._pending and not pending.peer.conn.dead:
+                if time.monotonic() > deadline:
+                    self._drop_peer(pending.peer, "no answer to a released WRITE")
+                    break
+                self.progress()
+                time.sleep(0.0002)
+        if self._pending.pop(xid, None) is not None:
             handle.state = XferState.FAILED
             handle.error = TransferFailedError("released while pending")
 
