@@ -146,6 +146,7 @@ class Local:
         self.t.register_memory(regions)
         self.layout = BlockLayout(regions=regions, block_lens=BLOCK_LENS, num_blocks=NUM_BLOCKS)
         self.local = self.t.prepare_local(self.layout)
+        self.keep: list[Any] = []  # more memory tests register; alive until close
 
     def view(self, region: int) -> np.ndarray[Any, Any]:
         """Region ``region`` as a (num_blocks, block_len) array."""

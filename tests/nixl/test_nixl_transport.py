@@ -37,6 +37,8 @@ from kvframe.spi.transport import (
 
 pytestmark = pytest.mark.nixl
 
+MIB = 1 << 20
+
 
 def wait(local: Local, h: XferHandle, timeout: float = 10.0) -> XferState:
     """Poll until the transfer stops (driving progress), within ``timeout``."""
@@ -362,15 +364,15 @@ def test_close_twice_and_use_after_close() -> None:
 
 
 def _post_until_failure(
-    local: Local, remote: Any, timeout: float
+    local: Local, remote: Any, timeout: float, lh: Any = None
 ) -> tuple[float, Exception | None]:
-    """Post READs back to back until one fails; returns (seconds, the error)."""
+    """Post READs of every block back to back until one fails; returns (seconds, the error)."""
+    lh = local.local if lh is None else lh
+    every = list(range(lh.layout.num_blocks))
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         try:
-            h = local.t.post(
-                Op.READ, local.local, list(range(NUM_BLOCKS)), remote, list(range(NUM_BLOCKS))
-            )
+            h = local.t.post(Op.READ, lh, every, remote, every)
         except PeerUnreachableError as exc:
             return time.monotonic() - start, exc
         state = wait(local, h)
@@ -382,12 +384,24 @@ def _post_until_failure(
 
 def test_peer_killed_mid_transfer_then_restarted(local: Local, peer: tuple[Peer, Any]) -> None:
     victim_name = f"V-{local.t.name}"
-    victim = Peer(victim_name, seed=7)
+    # 32 MiB per READ (a few ms each), back to back: the kill almost surely lands mid-copy.
+    big = np.zeros(32 * MIB, dtype=np.uint8)
+    local.keep.append(big)  # registered until the transport closes: keep the memory alive
+    region = MemoryRegion(addr=big.ctypes.data, length=big.nbytes)
+    local.t.register_memory([region])
+    big_local = local.t.prepare_local(
+        BlockLayout(regions=[region], block_lens=[MIB], num_blocks=32)
+    )
+    victim = Peer(victim_name, seed=7, block_lens=(MIB,), num_blocks=32)
     try:
-        remote = local.connect(victim)
-        # Kill while READs run back to back, so the kill lands during or between transfers.
+        local.connect(victim)
+        remote = local.t.prepare_remote(victim_name, victim.layout)
+        h = local.t.post(Op.READ, big_local, [0], remote, [5])
+        assert wait(local, h) is XferState.DONE
+        local.t.release(h)
+        np.testing.assert_array_equal(big[:MIB], victim.expected(0)[5 * MIB : 6 * MIB])
         threading.Timer(0.05, victim.kill).start()
-        took, err = _post_until_failure(local, remote, timeout=5.0)
+        took, err = _post_until_failure(local, remote, timeout=5.0, lh=big_local)
         assert isinstance(err, PeerUnreachableError), err
         assert took < 2.0
         victim.kill()
