@@ -100,6 +100,8 @@ ENV_BLOCK_PLUGINS = "KVFRAME_BLOCK_PLUGINS"
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("inprocess", "kvframe.transports.inprocess"),
     ("pd", "kvframe.connectors.pd"),
+    ("offload", "kvframe.connectors.offload"),
+    ("multi", "kvframe.connectors.multi"),
 )
 #: What a registered name must look like (it appears in configuration files and commands).
 #: Case is kept and matters (``PDConnector`` follows vLLM's connector names); a lookup that

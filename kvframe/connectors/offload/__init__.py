@@ -1,0 +1,101 @@
+"""The offloading connector: keeps KV blocks in host memory and on disk, loads them back.
+
+Registered as ``"OffloadingConnector"`` (built-in), with the tiers ``"cpu"`` and ``"disk"``
+and the eviction policies ``"lru"`` and ``"arc"``. See ``docs/offloading.md`` for the
+configuration keys, the tier and policy contracts (:mod:`kvframe.spi.offload`) and the
+failure behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from kvframe.config import KVTransferConfig
+from kvframe.connectors.offload.manager import TieredOffloadManager
+from kvframe.connectors.offload.metadata import OFFLOAD_CODEC, OffloadMetadata
+from kvframe.connectors.offload.options import OffloadOptions
+from kvframe.connectors.offload.policies import ARCPolicy, LRUPolicy
+from kvframe.connectors.offload.scheduler import OffloadingScheduler
+from kvframe.connectors.offload.tiers import CPUTier, DiskTier, create_cpu_tier, create_disk_tier
+from kvframe.connectors.offload.worker import OffloadingWorker
+from kvframe.protocol.codec import Codec
+from kvframe.spi.connector import EngineInfo, KVConnector
+from kvframe.spi.hookspecs import hookimpl
+
+__all__ = [
+    "OFFLOAD_CODEC",
+    "ARCPolicy",
+    "CPUTier",
+    "DiskTier",
+    "LRUPolicy",
+    "OffloadMetadata",
+    "OffloadOptions",
+    "OffloadingConnector",
+    "OffloadingScheduler",
+    "OffloadingWorker",
+    "TieredOffloadManager",
+    "kvframe_register_connectors",
+    "kvframe_register_eviction_policies",
+    "kvframe_register_offload_tiers",
+]
+
+
+def _host(host: Any) -> Any:
+    if host is None:
+        from kvframe.runtime.plugins import PluginHost
+
+        host = PluginHost()
+        host.load()
+    return host
+
+
+class OffloadingConnector(KVConnector):
+    """Offload KV blocks to tiers (host memory, disk, plugins) and load them back layer by
+    layer. The engine encodes its metadata with :attr:`codec`."""
+
+    codec: ClassVar[Codec] = OFFLOAD_CODEC
+    """The codec that knows :class:`~kvframe.connectors.offload.metadata.OffloadMetadata`."""
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Mapping[str, Any]) -> bool:
+        """Yes: loads run layer by layer in the forward pass (``wait_for_layer_load``) and
+        stores are posted from ``save_kv_layer``."""
+        return True
+
+    @classmethod
+    def build_scheduler(
+        cls, config: KVTransferConfig, engine: EngineInfo, *, host: Any = None
+    ) -> OffloadingScheduler:
+        """Build the scheduler half. ``host`` is the plugin host the tiers and the policy come
+        from (default: a fresh, loaded one)."""
+        options = OffloadOptions.from_extra(config.kv_connector_extra_config)
+        return OffloadingScheduler(config, engine, options, _host(host))
+
+    @classmethod
+    def build_worker(
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, *, host: Any = None
+    ) -> OffloadingWorker:
+        """Build the worker half for ``rank``; ``host`` as for :meth:`build_scheduler`."""
+        options = OffloadOptions.from_extra(config.kv_connector_extra_config)
+        return OffloadingWorker(config, engine, rank, options, _host(host))
+
+
+@hookimpl
+def kvframe_register_connectors(register: Any) -> None:
+    """Register the built-in offloading connector."""
+    register("OffloadingConnector", OffloadingConnector)
+
+
+@hookimpl
+def kvframe_register_offload_tiers(register: Any) -> None:
+    """Register the built-in tiers ``cpu`` and ``disk``."""
+    register("cpu", create_cpu_tier)
+    register("disk", create_disk_tier)
+
+
+@hookimpl
+def kvframe_register_eviction_policies(register: Any) -> None:
+    """Register the built-in eviction policies ``lru`` and ``arc``."""
+    register("lru", LRUPolicy)
+    register("arc", ARCPolicy)

@@ -1,0 +1,371 @@
+"""The offloading connector's worker side: every copy runs in a thread pool.
+
+The engine's thread only submits work and collects finished work; it waits only where the SPI
+says it must:
+
+- ``start_load_kv`` posts one copy per layer (memory tier → KV cache) for the step's loads,
+  plus the step's tier-to-tier copies (write-through to disk, promotions) and removals;
+- ``wait_for_layer_load(layer)`` waits for that layer's copy only (the per-layer pipeline:
+  layer ``i + 1`` is still being copied while layer ``i``'s attention runs);
+- ``save_kv_layer(layer)`` posts that layer's copy-out (KV cache → memory tier) of the step's
+  stores; ``wait_for_save`` posts the layers that did not run (a step without a forward pass)
+  and returns without waiting: stored blocks belong to finished requests whose blocks the
+  engine keeps (``delay_free``) until this worker reports them in ``finished_sending``, so the
+  engine never overwrites a block that is being copied out;
+- ``get_finished`` collects finished stores (``finished_sending``) and reports every finished
+  job as an ``offload.job`` event, which the scheduler side reads back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import threading
+from collections.abc import Mapping, Set
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from kvframe.config import KVTransferConfig
+from kvframe.connectors.offload.metadata import (
+    CopyJob,
+    JobReport,
+    LoadJob,
+    OffloadMetadata,
+    StoreJob,
+    job_event,
+)
+from kvframe.connectors.offload.options import OffloadOptions
+from kvframe.connectors.offload.scheduler import build_tiers, check_components
+from kvframe.protocol.messages import ConnectorMetadata, KVEvent, Stats
+from kvframe.spi.connector import EngineInfo, KVConnectorWorker
+from kvframe.spi.offload import (
+    CorruptEntryError,
+    MemoryTier,
+    OffloadTier,
+    TierFullError,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["OffloadingWorker"]
+
+
+def _code(exc: BaseException) -> str:
+    if isinstance(exc, TierFullError):
+        return "nospace"
+    if isinstance(exc, CorruptEntryError):
+        return "corrupt"
+    return "error"
+
+
+class _Store:
+    def __init__(self, job: StoreJob, layers: int) -> None:
+        self.job = job
+        self.futures: dict[str, cf.Future[None]] = {}
+        self.layers = layers
+
+
+class OffloadingWorker(KVConnectorWorker):
+    """Worker half of :class:`~kvframe.connectors.offload.OffloadingConnector`.
+
+    ``host`` is the plugin host the tiers come from. Tiers are built and opened in
+    :meth:`register_kv_caches`, when the bytes per block are known.
+    """
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        engine: EngineInfo,
+        rank: int,
+        options: OffloadOptions,
+        host: Any,
+    ) -> None:
+        check_components(host, options)
+        self._config = config
+        self._engine = engine
+        self._rank = rank
+        self._options = options
+        self._host = host
+        self._pool = cf.ThreadPoolExecutor(
+            max_workers=options.io_threads, thread_name_prefix=f"kvframe-offload-{rank}"
+        )
+        self._tiers: list[OffloadTier] = []
+        self._memory: MemoryTier | None = None
+        self._layers: dict[str, torch.Tensor] = {}
+        self._offsets: dict[str, tuple[int, int]] = {}
+        self.block_bytes = 0
+        self._layout = ""
+        self._load_futures: dict[str, tuple[cf.Future[None], tuple[LoadJob, ...]]] = {}
+        self._stores: list[_Store] = []
+        self._step_stores: list[_Store] = []
+        self._copies: list[tuple[CopyJob, cf.Future[dict[bytes, tuple[str, str]]]]] = []
+        self._removing: dict[tuple[int, bytes], cf.Future[None]] = {}
+        self._lock = threading.Lock()
+        self._finished_sending: set[str] = set()
+        self._invalid: set[int] = set()
+        self._failures: dict[str, str] = {}
+        self._events: list[KVEvent] = []
+        self._counters: dict[str, int] = {}
+        self._closed = False
+
+    # -- start-up ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Check the layout (block-major: dimension 0 is the block id, contiguous, equal block
+        counts), build and open the tiers. Raises ``ValueError`` for another layout and
+        :class:`~kvframe.errors.ConfigError` for tiers that cannot be built."""
+        import torch
+
+        if not kv_caches:
+            raise ValueError("register_kv_caches got no layers")
+        num_blocks = None
+        offset = 0
+        parts: list[str] = []
+        for name, t in kv_caches.items():
+            if not isinstance(t, torch.Tensor) or t.dim() < 2 or not t.is_contiguous():
+                raise ValueError(
+                    f"layer {name!r}: expected a contiguous block-major tensor "
+                    "[num_blocks, ...]; the offloading connector copies whole blocks"
+                )
+            if num_blocks is None:
+                num_blocks = t.shape[0]
+            elif t.shape[0] != num_blocks:
+                raise ValueError(
+                    f"layer {name!r} has {t.shape[0]} blocks, other layers {num_blocks}"
+                )
+            per_block = t[0].numel() * t.element_size()
+            self._layers[name] = t.view(torch.uint8).reshape(t.shape[0], per_block)
+            self._offsets[name] = (offset, per_block)
+            offset += per_block
+            parts.append(f"{name}:{t.dtype}:{tuple(t.shape[1:])}")
+        self.block_bytes = offset
+        self._layout = ";".join(parts)
+        tiers = build_tiers(self._host, self._options, self.block_bytes)
+        try:
+            for tier in tiers:
+                tier.open()
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        self._tiers = tiers
+        first = tiers[0]
+        assert isinstance(first, MemoryTier)
+        self._memory = first
+
+    def get_handshake_metadata(self) -> bytes | None:
+        """The bytes per block and the layout, for the scheduler's manager."""
+        return bytes(msgpack.packb({"block_bytes": self.block_bytes, "layout": self._layout}))
+
+    @property
+    def tiers(self) -> tuple[OffloadTier, ...]:
+        """The opened tiers, fastest first."""
+        return tuple(self._tiers)
+
+    # -- copies (run in the pool) ------------------------------------------------------------
+    def _slot_tensor(self, slot: int) -> torch.Tensor:
+        import torch
+
+        assert self._memory is not None
+        return torch.from_numpy(self._memory.slot_array(slot))
+
+    def _load_layer(self, name: str, loads: tuple[LoadJob, ...]) -> None:
+        off, size = self._offsets[name]
+        layer = self._layers[name]
+        for load in loads:
+            for block, slot in zip(load.block_ids, load.slots, strict=True):
+                layer[block].copy_(self._slot_tensor(slot)[off : off + size])
+
+    def _store_layer(self, name: str, job: StoreJob) -> None:
+        off, size = self._offsets[name]
+        layer = self._layers[name]
+        for block, slot in zip(job.block_ids, job.slots, strict=True):
+            self._slot_tensor(slot)[off : off + size].copy_(layer[block])
+
+    def _copy(self, job: CopyJob) -> dict[bytes, tuple[str, str]]:
+        failed: dict[bytes, tuple[str, str]] = {}
+        src = self._tiers[job.src_tier]
+        dst = self._tiers[job.dst_tier]
+        assert self._memory is not None
+        for key, s, d in zip(job.keys, job.src_slots, job.dst_slots, strict=True):
+            pending = self._removing.get((job.dst_tier, key))
+            if pending is not None:
+                # A removal of an older copy of this key was posted earlier: let it land first
+                # so that it cannot delete the file written now.
+                cf.wait([pending])
+            try:
+                if job.src_tier == 0:
+                    dst.write(key, d, self._memory.slot_array(s))
+                elif job.dst_tier == 0:
+                    src.read(key, s, self._memory.slot_array(d))
+                else:
+                    import numpy as np
+
+                    buf = np.empty(self.block_bytes, dtype=np.uint8)
+                    src.read(key, s, buf)
+                    dst.write(key, d, buf)
+            except Exception as exc:
+                failed[key] = (_code(exc), f"{type(exc).__name__}: {exc}")
+                if isinstance(exc, TierFullError):
+                    # Every later write to this tier would fail the same way.
+                    for rest in job.keys[job.keys.index(key) + 1 :]:
+                        failed[rest] = ("nospace", "the tier is full")
+                    break
+        return failed
+
+    def _remove(self, tier: OffloadTier, key: bytes, slot: int) -> None:
+        with contextlib.suppress(Exception):  # removal is best effort by contract
+            tier.remove(key, slot)
+
+    # -- the step ----------------------------------------------------------------------------
+    def bind_connector_metadata(self, meta: ConnectorMetadata) -> None:
+        if not isinstance(meta, OffloadMetadata):
+            raise TypeError(
+                f"OffloadingConnector's worker got {type(meta).__qualname__}; the engine must "
+                "decode metadata with OffloadingConnector.codec"
+            )
+        super().bind_connector_metadata(meta)
+
+    def _meta(self) -> OffloadMetadata:
+        meta = self.connector_metadata
+        assert isinstance(meta, OffloadMetadata)
+        return meta
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        meta = self._meta()
+        if meta.offload_loads:
+            for name in self._layers:
+                fut = self._pool.submit(self._load_layer, name, meta.offload_loads)
+                self._load_futures[name] = (fut, meta.offload_loads)
+            self._count("load_blocks", sum(len(j.block_ids) for j in meta.offload_loads))
+        for rm in meta.removes:
+            tier = self._tiers[rm.tier]
+            for key, slot in zip(rm.keys, rm.slots, strict=True):
+                self._removing[(rm.tier, key)] = self._pool.submit(self._remove, tier, key, slot)
+        for job in meta.copies:
+            self._copies.append((job, self._pool.submit(self._copy, job)))
+        self._step_stores = [_Store(job, len(self._layers)) for job in meta.offload_stores]
+        self._stores.extend(self._step_stores)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        entry = self._load_futures.pop(layer_name, None)
+        if entry is None:
+            return
+        fut, loads = entry
+        try:
+            fut.result()
+        except Exception as exc:
+            self._load_failed(loads, f"{layer_name}: {type(exc).__name__}: {exc}")
+
+    def _load_failed(self, loads: tuple[LoadJob, ...], reason: str) -> None:
+        self._count("load_failures")
+        for load in loads:
+            self._invalid.update(load.block_ids)
+            self._failures.setdefault(load.request_id, f"offload load failed: {reason}")
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        for store in self._step_stores:
+            if layer_name in self._layers and layer_name not in store.futures:
+                store.futures[layer_name] = self._pool.submit(
+                    self._store_layer, layer_name, store.job
+                )
+
+    def wait_for_save(self) -> None:
+        # Layers whose loads were never waited for (no forward pass ran them) must still land
+        # before the step ends: nothing may write into the KV cache afterwards.
+        for name in list(self._load_futures):
+            self.wait_for_layer_load(name)
+        for store in self._step_stores:
+            for name in self._layers:
+                if name not in store.futures:
+                    store.futures[name] = self._pool.submit(self._store_layer, name, store.job)
+        self._step_stores = []
+
+    def get_finished(self, finished_req_ids: Set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._poll()
+        sending, self._finished_sending = self._finished_sending, set()
+        return sending or None, None
+
+    def _poll(self) -> None:
+        still: list[_Store] = []
+        for store in self._stores:
+            if len(store.futures) < store.layers or not all(
+                f.done() for f in store.futures.values()
+            ):
+                still.append(store)
+                continue
+            errors = [f.exception() for f in store.futures.values() if f.exception() is not None]
+            failed = dict.fromkeys(store.job.keys, "error") if errors else {}
+            self._report(store.job.job_id, failed, str(errors[0]) if errors else "")
+            self._finished_sending.add(store.job.request_id)
+            self._count("store_blocks", len(store.job.keys))
+        self._stores = still
+        pending: list[tuple[CopyJob, cf.Future[dict[bytes, tuple[str, str]]]]] = []
+        for job, fut in self._copies:
+            if not fut.done():
+                pending.append((job, fut))
+                continue
+            exc = fut.exception()
+            result = {k: ("error", str(exc)) for k in job.keys} if exc is not None else fut.result()
+            first = next(iter(result.values()), ("", ""))[1]
+            self._report(job.job_id, {k: c for k, (c, _) in result.items()}, first)
+            self._count("copy_blocks", len(job.keys) - len(result))
+            self._count("copy_failures", len(result))
+        self._copies = pending
+        for where, removal in list(self._removing.items()):
+            if removal.done():
+                del self._removing[where]
+
+    def _report(self, job_id: int, failed: Mapping[bytes, str], error: str) -> None:
+        self._events.append(
+            job_event(JobReport(job_id=job_id, rank=self._rank, failed=dict(failed), error=error))
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def take_failures(self) -> Mapping[str, str]:
+        out, self._failures = self._failures, {}
+        return out
+
+    def take_events(self) -> tuple[KVEvent, ...]:
+        out = tuple(self._events)
+        self._events.clear()
+        return out
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    def get_stats(self) -> Stats:
+        counters: dict[str, int | float] = dict(self._counters)
+        self._counters.clear()
+        return Stats(
+            counters=counters,
+            gauges={
+                "worker_stores_in_flight": len(self._stores),
+                "worker_copies_in_flight": len(self._copies),
+            },
+        )
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Block until every posted copy finished (tests and benchmarks). Raises
+        ``TimeoutError`` after ``timeout`` seconds."""
+        futures: list[cf.Future[Any]] = [f for _, f in self._copies]
+        futures += [f for s in self._stores for f in s.futures.values()]
+        futures += list(self._removing.values())
+        _, not_done = cf.wait(futures, timeout=timeout)
+        if not_done:
+            raise TimeoutError(f"{len(not_done)} offload copies still running after {timeout} s")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Copies in flight write into tier memory and the KV cache: let them finish before
+        # the memory goes away.
+        self._pool.shutdown(wait=True, cancel_futures=False)
+        for tier in self._tiers:
+            with contextlib.suppress(Exception):  # shutdown never raises
+                tier.close()
