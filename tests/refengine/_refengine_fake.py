@@ -57,6 +57,8 @@ class Store:
     built: list[ConnectorMetadata] = attrs.Factory(list)
     bound: list[ConnectorMetadata] = attrs.Factory(list)
     outputs: list[ConnectorOutput] = attrs.Factory(list)
+    gone: set[str] = attrs.Factory(set)
+    """Keys whose entry was read or expired: the producer no longer has them."""
 
 
 STORES: dict[str, Store] = {}
@@ -108,6 +110,8 @@ class FakeScheduler(KVConnectorScheduler):
             return 0, False
         if "key" not in p:
             raise ConfigError("kv_transfer_params.key: missing")
+        if p["key"] in self.store.gone:
+            return 0, False  # expired on the producer: compute everything here
         if p["key"] not in self.store.entries:
             return None, False  # the producer has not saved it yet: ask again next step
         if self.unknown_left[request.request_id] > 0:
@@ -274,6 +278,7 @@ class FakeWorker(KVConnectorWorker):
                 sending.add(rid)
                 self.saved.discard(rid)
                 del self.store.entries[rid]
+                self.store.gone.add(rid)
         recving, self.recving = self.recving, set()
         return sending or None, recving or None
 

@@ -15,9 +15,8 @@ if importlib.util.find_spec("kvframe_refengine") is None:
     # Not installed (./dev installs plugins/*, not contrib/*): test it from its source tree.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "contrib" / "kvframe-refengine"))
 
-from _refengine_fake import STORES, FakePlugin
-
 from kvframe.runtime.plugins import PluginHost
+from tests.refengine._refengine_fake import STORES, FakePlugin
 
 _names = itertools.count()
 

@@ -216,3 +216,23 @@ def test_bad_config_names_the_field() -> None:
 def test_tokenizer_round_trip() -> None:
     assert decode(encode("héllo")) == "héllo"
     assert decode([104, 105, 300]) == "hi<300>"
+
+
+def test_admission_counts_free_cached_hits_as_taken() -> None:
+    # A free cached block that a request takes back is no longer free for anyone else: an
+    # admission check that forgot it would over-admit and run out of blocks mid-flight.
+    engine = _engine(num_blocks=10)
+    shared = _prompt(70, 16)
+    engine.generate([[*shared, 1]], 1)  # leaves 4 cached free blocks
+    engine.add_request("x", _prompt(71, 13), 4)  # holds 4 blocks
+    engine.step()
+    engine.add_request("b", [*shared, *_prompt(72, 13)], 4)  # 8 blocks, 4 of them cached
+    order: list[str] = []
+    for out in engine.run_until_idle():
+        if out.finished:
+            order.append(out.request_id)
+        if out.request_id == "b" and out.finished:
+            assert list(out.token_ids) == greedy_reference(_REF, [*shared, *_prompt(72, 13)], 4)
+            assert out.num_cached_tokens == 16
+    assert order == ["x", "b"]
+    engine.check_no_leaks()

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from _refengine_fake import STORES
 from kvframe_refengine import (
     Engine,
     EngineConfig,
@@ -22,6 +21,7 @@ from kvframe_refengine import (
 from kvframe.config import KVTransferConfig
 from kvframe.errors import ConfigError, PluginNotFoundError
 from kvframe.runtime.plugins import PluginHost
+from tests.refengine._refengine_fake import STORES
 
 MODEL = ModelConfig(seed=11)
 _REF = TinyLM(MODEL)

@@ -359,7 +359,7 @@ class Scheduler:
         # The last-prompt-token rule: a load that covers the whole prompt still leaves the
         # last prompt token to compute here, because its logits give the first output token.
         # Its KV slot is rewritten with equal values, after the layer's load landed.
-        return computed
+        return min(computed, len(req.prompt) - 1)
 
     # -- one step: apply the worker's report -------------------------------------------------
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
