@@ -10,6 +10,7 @@ from kvframe.testing.pytest_plugin import (  # noqa: F401  (the kit's fixtures, 
     kvframe_conformance_timeout,
     kvframe_pair,
     kvframe_pair_factory,
+    kvframe_transport_factory,
     kvframe_transport_options,
     kvframe_transport_spec,
 )
@@ -24,11 +25,3 @@ def kvframe_transport_name() -> str:
 
 class TestNixlConformance(TransportConformance):
     """The whole kit against ``nixl`` (posting inline, the default)."""
-
-
-@pytest.fixture
-def kvframe_transport_factory() -> str:
-    # Build directly rather than through the plugin host: the host's built-in in-process
-    # transport imports torch (about 2 s) in every child the kit starts. The entry point and
-    # the host lookup are tested in test_nixl_bench.py::test_plugin_host_finds_nixl.
-    return "kvframe_nixl.transport:create"
