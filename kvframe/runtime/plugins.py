@@ -6,10 +6,10 @@ registrations. The hooks are specified in :mod:`kvframe.spi.hookspecs`.
 
 Discovery, in order, when :meth:`PluginHost.load` runs:
 
-1. **Built-ins** (:data:`BUILTIN_PLUGINS`: the in-process transport, the P/D connector) are
-   imported and registered by the host through the same hooks a third-party plugin implements.
-   They load even when entry-point autoloading is off, so a kvframe without any installed
-   plugin still works.
+1. **Built-ins** (:data:`BUILTIN_PLUGINS`: the in-process transport, the P/D, offloading and
+   multi connectors, the offload tiers and eviction policies) are imported and registered by
+   the host through the same hooks a third-party plugin implements. They load even when
+   entry-point autoloading is off, so a kvframe without any installed plugin still works.
 2. **Entry points** of the ``kvframe`` group, one plugin per entry point, unless autoloading is
    off (``KVFRAME_DISABLE_PLUGIN_AUTOLOAD=1``). An entry point naming a built-in module is
    ignored (the built-in is already registered; this keeps an older install's metadata from

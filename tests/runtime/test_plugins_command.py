@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvframe.cli import main
-from kvframe.runtime.plugins import ENV_BLOCK_PLUGINS, ENV_DISABLE_PLUGIN_AUTOLOAD
+from kvframe.runtime.plugins import BUILTIN_PLUGINS, ENV_BLOCK_PLUGINS, ENV_DISABLE_PLUGIN_AUTOLOAD
 
 from .fakes import CAPS as FAKE_CAPS
 from .fakes import FakeConnector, FakeTransport, ep, make_plugin, transport_plugin
@@ -27,11 +27,11 @@ def _everything() -> Any:
     return make_plugin(
         "everything",
         kvframe_register_transports=lambda register: register(
-            "fast", FakeTransport.factory, capabilities=FAKE_CAPS
+            "fake-fast", FakeTransport.factory, capabilities=FAKE_CAPS
         ),
-        kvframe_register_connectors=lambda register: register("pd-fast", FakeConnector),
-        kvframe_register_offload_tiers=lambda register: register("disk", _tier),
-        kvframe_register_eviction_policies=lambda register: register("lru", _policy),
+        kvframe_register_connectors=lambda register: register("fake-conn", FakeConnector),
+        kvframe_register_offload_tiers=lambda register: register("fake-tier", _tier),
+        kvframe_register_eviction_policies=lambda register: register("fake-policy", _policy),
     )
 
 
@@ -59,15 +59,15 @@ def test_text_report_lists_plugins_kinds_and_capabilities(
         "entry-point autoload: on",
         "inprocess  [loaded, builtin]  kvframe 0.1.0",
         "everything  [loaded, entry-point]  kvframe-everything 3.1",
-        "transports: fast",
-        "fast  (from everything)",
+        "transports: fake-fast",
+        "fake-fast  (from everything)",
         "memory host; read; notifications up to 512 B; cross-process",
         "in-process only",  # the built-in transport
-        "pd-fast  (from everything)",
+        "fake-conn  (from everything)",
         "PDConnector  (from pd)",
         f"{FakeConnector.__module__}.FakeConnector",
-        "disk  (from everything)",
-        "lru  (from everything)",
+        "fake-tier  (from everything)",
+        "fake-policy  (from everything)",
         "errors: none",
     ):
         assert needle in out, f"{needle!r} missing from:\n{out}"
@@ -79,9 +79,9 @@ def test_json_report(installed: list[Any], capsys: pytest.CaptureFixture[str]) -
     assert data["autoload"] is True
     by_name = {p["name"]: p for p in data["plugins"]}
     assert by_name["everything"]["version"] == "3.1"
-    assert by_name["everything"]["offload_tiers"] == ["disk"]
+    assert by_name["everything"]["offload_tiers"] == ["fake-tier"]
     assert by_name["inprocess"]["source"] == "builtin"
-    fast = next(t for t in data["transports"] if t["name"] == "fast")
+    fast = next(t for t in data["transports"] if t["name"] == "fake-fast")
     assert fast["capabilities"] == {
         "memory_kinds": ["host"],
         "read": True,
@@ -92,8 +92,11 @@ def test_json_report(installed: list[Any], capsys: pytest.CaptureFixture[str]) -
         "ordered_notifications": True,
     }
     assert fast["distribution"] == "kvframe-everything"
-    assert [c["name"] for c in data["connectors"]] == ["PDConnector", "pd-fast"]
-    assert [c["name"] for c in data["eviction_policies"]] == ["lru"]
+    connectors = {c["name"]: c for c in data["connectors"]}
+    assert connectors["fake-conn"]["plugin"] == "everything"
+    assert connectors["PDConnector"]["distribution"] == "kvframe"
+    policies = {c["name"]: c for c in data["eviction_policies"]}
+    assert policies["fake-policy"]["object"].endswith("._policy")
     assert data["errors"] == []
 
 
@@ -101,13 +104,15 @@ def test_load_errors_and_clashes_are_printed_and_exit_1(
     installed: list[Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     installed.append(ep("broken", ImportError("no module named x"), dist="kvframe-broken"))
-    installed.append(ep("rival", transport_plugin("fast"), dist="kvframe-rival", version="0.2"))
+    installed.append(
+        ep("rival", transport_plugin("fake-fast"), dist="kvframe-rival", version="0.2")
+    )
     assert main(["plugins"]) == 1
     out = capsys.readouterr().out
     assert "broken  [failed, entry-point]  kvframe-broken 1.0" in out
     assert "errors (2):" in out
     assert "ImportError: no module named x" in out
-    assert "fast  (from rival)  AMBIGUOUS" in out
+    assert "fake-fast  (from rival)  AMBIGUOUS" in out
     assert "kvframe-rival 0.2" in out
     assert main(["plugins", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
@@ -128,7 +133,7 @@ def test_env_switches_show_in_the_report(
     assert main(["plugins", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["autoload"] is False
-    assert [p["name"] for p in data["plugins"]] == ["inprocess", "pd"]
+    assert [p["name"] for p in data["plugins"]] == [name for name, _ in BUILTIN_PLUGINS]
 
 
 def test_bad_env_value_exits_2_with_a_message(
