@@ -26,8 +26,8 @@
     - `post_thread` (bool, default `True`): hand each transfer to one worker thread so `post`
       returns in tens of microseconds even where NIXL's `transfer()` is synchronous (under UCX
       `cma` the copy happens inside it: 4-19 ms for 64 MiB on our two-core machines, which
-      would stall the engine's step). Turn it off for backends that post asynchronously (RDMA, `cuda_ipc`,
-      `tcp`) to save the hand-off; docs/nixl.md has the measurements.
+      would stall the engine's step). Turn it off for backends that post asynchronously
+      (RDMA, `cuda_ipc`, `tcp`) to save the hand-off; docs/nixl.md has the measurements.
     - `inline_post_bytes` (int ≥ 0, default 262144): with `post_thread` on, a request of at
       most this many bytes is still posted in the caller's thread when the worker is idle: its
       copy (about 20 µs for 256 KiB) is shorter than the hand-off to the worker (50-80 µs on
