@@ -24,4 +24,5 @@ def kvframe_transport_name() -> str:
 
 
 class TestNixlConformance(TransportConformance):
-    """The whole kit against ``nixl`` (posting inline, the default)."""
+    """The whole kit against ``nixl`` with default options (post worker on, small requests
+    posted inline)."""
