@@ -369,7 +369,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def release(self, handle: XferHandle) -> None:
         """Free the handle's resources. A pending transfer is stopped first (its destination
-        bytes are undefined). Releasing twice is a no-op."""
+        bytes are undefined): when this returns it writes no more bytes, so the caller may
+        reuse its destination blocks at once. A backend that cannot cancel a transfer in
+        flight waits here until it has stopped. Releasing twice is a no-op."""
 
     # -- notifications ------------------------------------------------------------------
     @abc.abstractmethod
