@@ -236,3 +236,14 @@ def test_admission_counts_free_cached_hits_as_taken() -> None:
             assert out.num_cached_tokens == 16
     assert order == ["x", "b"]
     engine.check_no_leaks()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_matches_cpu_reference() -> None:
+    # Weights are drawn on the CPU and moved, so the CUDA engine runs the same model.
+    engine = _engine(device="cuda")
+    assert engine.runner.kv_caches[0].is_cuda
+    prompts = [_prompt(80, 3), _prompt(81, 14)]
+    for p, o in zip(prompts, engine.generate(prompts, 5), strict=True):
+        assert list(o.token_ids) == greedy_reference(_REF, p, 5)
+    engine.check_no_leaks()

@@ -293,6 +293,12 @@ class Engine:
         self._last_step_ran_tokens = bool(batch.seqs)
         return self.scheduler.update(batch, result)
 
+    @property
+    def last_step_ran_tokens(self) -> bool:
+        """Whether the latest :meth:`step` ran the model (False for an idle step, when a
+        serving loop should sleep briefly before the next one)."""
+        return self._last_step_ran_tokens
+
     def abort(self, request_id: str) -> bool:
         """Abort a live request. Its final output (``finish_reason`` ``ABORT``) comes from the
         next :meth:`step`. Returns False (and does nothing) when the id is not live: unknown or
