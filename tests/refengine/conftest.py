@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-
-if importlib.util.find_spec("kvframe_refengine") is None:
-    # Not installed (./dev installs plugins/*, not contrib/*): test it from its source tree.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "contrib" / "kvframe-refengine"))
 
 from kvframe.runtime.plugins import PluginHost
 from tests.refengine._refengine_fake import STORES, FakePlugin
