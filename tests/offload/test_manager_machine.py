@@ -86,7 +86,9 @@ class ManagerMachine(RuleBasedStateMachine):
             need = len(new) - (CAP[0] - len(self.tiers[0]) - len(evicted))
             assert len(evicted) == max(0, need)
             if self.policy_cls is LRUPolicy:
-                order = [k for k in lru_before if k in set(self._evictable(0, set(keys))) | set(evicted)]
+                order = [
+                    k for k in lru_before if k in set(self._evictable(0, set(keys))) | set(evicted)
+                ]
                 assert evicted == order[: len(evicted)], "LRU evicted out of order"
             for k in new:
                 self.tiers[0][k] = ["storing", 0]

@@ -174,7 +174,7 @@ class DiskTier(OffloadTier):
             final.parent.mkdir(exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                written = os.writev(fd, [header, payload])
+                written = self._writev(fd, [header, payload])
                 if written != len(header) + len(payload):
                     raise OffloadError(f"short write to {tmp}: {written} bytes")
                 if self.fsync:
@@ -187,6 +187,11 @@ class DiskTier(OffloadTier):
             if exc.errno in _NOSPACE:
                 raise TierFullError(f"disk tier {str(self.root)!r} is full: {exc}") from exc
             raise OffloadError(f"writing {final}: {exc}") from exc
+
+    def _writev(self, fd: int, buffers: list[Any]) -> int:
+        """The one system call that writes a block file: a fault-injection point for tests
+        (a subclass raises ``OSError(errno.ENOSPC, ...)`` here to simulate a full disk)."""
+        return os.writev(fd, buffers)
 
     def read(self, key: bytes, slot: int, out: ByteArray) -> None:
         path = self.file_of(key)
