@@ -1,0 +1,355 @@
+"""MultiConnector: SPI coverage by reflection, load ownership, delayed free, params clash, and
+P/D + offloading on D never storing blocks that did not finish loading (vLLM #34526)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Set
+from typing import Any
+
+import pytest
+
+from kvframe.config import KVTransferConfig
+from kvframe.connectors.multi import (
+    MULTI_CODEC,
+    MultiConnector,
+    MultiConnectorScheduler,
+    MultiConnectorWorker,
+    MultiMetadata,
+)
+from kvframe.connectors.offload.scheduler import OffloadingScheduler
+from kvframe.errors import ConfigError
+from kvframe.protocol.codec import DEFAULT_CODEC
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
+from kvframe.runtime.plugins import PluginHost
+from kvframe.spi.connector import (
+    EngineInfo,
+    KVConnector,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    SchedulerStep,
+)
+from kvframe.spi.request import BlockIds, RequestView, block_hashes
+
+
+def _public(cls: type) -> set[str]:
+    return {n for n, v in inspect.getmembers(cls) if not n.startswith("_") and callable(v)}
+
+
+@pytest.mark.parametrize(
+    ("base", "multi"),
+    [
+        (KVConnectorScheduler, MultiConnectorScheduler),
+        (KVConnectorWorker, MultiConnectorWorker),
+        (KVConnector, MultiConnector),
+    ],
+)
+def test_every_spi_method_is_handled(base: type, multi: type) -> None:
+    # A method added to the SPI and not overridden here would silently skip the children.
+    exempt = {"connector_metadata"} if base is KVConnectorWorker else set()
+    missing = sorted(n for n in _public(base) - exempt if n not in vars(multi))
+    assert not missing, f"{multi.__name__} does not handle {missing}"
+
+
+class _FakeWorker(KVConnectorWorker):
+    def __init__(self) -> None:
+        self.recving: set[str] = set()
+        self.sending: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        pass
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: Set[str]) -> tuple[set[str] | None, set[str] | None]:
+        s, r = self.sending, self.recving
+        self.sending, self.recving = set(), set()
+        return s or None, r or None
+
+
+def _bind(w: MultiConnectorWorker, **kw: Any) -> None:
+    blobs = tuple(DEFAULT_CODEC.encode(ConnectorMetadata()) for _ in range(2))
+    w.bind_connector_metadata(
+        MULTI_CODEC.decode(MULTI_CODEC.encode(MultiMetadata(children=blobs, **kw)))
+    )
+
+
+def test_finished_recving_only_from_the_owner_and_once() -> None:
+    a, b = _FakeWorker(), _FakeWorker()
+    w = MultiConnectorWorker(["0.A", "1.B"], [a, b], [DEFAULT_CODEC, DEFAULT_CODEC], 0)
+    _bind(w, load_owners={"r": 0})
+    a.recving, b.recving = {"r"}, {"r"}  # both report it: vLLM's union would report it twice
+    out = w.build_connector_worker_output()
+    assert out.finished_recving == {"r"}
+    b.recving = {"r"}  # a late duplicate from the non-owner
+    w.clear_connector_metadata()
+    _bind(w)
+    assert w.build_connector_worker_output().finished_recving == frozenset()
+
+
+def test_blocks_freed_only_when_every_holder_is_done() -> None:
+    a, b = _FakeWorker(), _FakeWorker()
+    w = MultiConnectorWorker(["0.A", "1.B"], [a, b], [DEFAULT_CODEC, DEFAULT_CODEC], 0)
+    _bind(w, holders={"r": (0, 1)})
+    a.sending = {"r"}
+    assert w.build_connector_worker_output().finished_sending == frozenset()
+    b.sending = {"r"}
+    assert w.build_connector_worker_output().finished_sending == {"r"}
+
+
+class _FakeSched(KVConnectorScheduler):
+    def __init__(self, answer: tuple[int | None, bool], params: dict[str, Any] | None) -> None:
+        self.answer = answer
+        self.params = params
+        self.allocs: list[int] = []
+
+    def get_num_new_matched_tokens(self, request: RequestView, n: int) -> tuple[int | None, bool]:
+        return self.answer
+
+    def update_state_after_alloc(self, request: RequestView, blocks: BlockIds, k: int) -> None:
+        self.allocs.append(k)
+
+    def build_connector_meta(self, scheduler_output: SchedulerStep) -> ConnectorMetadata:
+        return ConnectorMetadata()
+
+    def request_finished(
+        self, request: RequestView, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, self.params
+
+
+def _sched(*children: _FakeSched) -> MultiConnectorScheduler:
+    labels = [f"{i}.Fake" for i in range(len(children))]
+    return MultiConnectorScheduler(labels, list(children), [DEFAULT_CODEC] * len(children), 1)
+
+
+def test_first_non_zero_child_owns_the_load_and_none_means_not_known_yet() -> None:
+    a, b, c = (
+        _FakeSched((0, False), None),
+        _FakeSched((32, True), None),
+        _FakeSched((48, False), None),
+    )
+    m = _sched(a, b, c)
+    req = RequestView(request_id="r", num_prompt_tokens=64)
+    assert m.get_num_new_matched_tokens(req, 0) == (32, True)
+    m.update_state_after_alloc(req, ((1, 2),), 32)
+    assert (a.allocs, b.allocs, c.allocs) == ([0], [32], [0])
+    assert _sched(_FakeSched((None, False), None), b).get_num_new_matched_tokens(req, 0) == (
+        None,
+        False,
+    )
+
+
+def test_kv_transfer_params_merge_and_a_clash_is_an_error() -> None:
+    req = RequestView(request_id="r", num_prompt_tokens=4, finish_reason="stop")
+    ok = _sched(_FakeSched((0, False), {"a": 1}), _FakeSched((0, False), {"b": 2}))
+    assert ok.request_finished(req, ((1,),)) == (False, {"a": 1, "b": 2})
+    bad = _sched(_FakeSched((0, False), {"a": 1}), _FakeSched((0, False), {"a": 2}))
+    with pytest.raises(ConfigError, match=r"'a' is returned by both 0.Fake and 1.Fake"):
+        bad.request_finished(req, ((1,),))
+
+
+def test_required_layouts_must_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvframe.connectors.offload import OffloadingConnector
+    from kvframe.connectors.pd import PDConnector
+
+    cfg = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_consumer",
+            "engine_id": "d",
+            "kv_connector_extra_config": {
+                "connectors": [
+                    {
+                        "kv_connector": "PDConnector",
+                        "kv_connector_extra_config": {"transport": "inprocess"},
+                    },
+                    {
+                        "kv_connector": "OffloadingConnector",
+                        "kv_connector_extra_config": {
+                            "tiers": [{"tier": "cpu", "capacity_bytes": 1 << 20}]
+                        },
+                    },
+                ]
+            },
+        }
+    )
+    assert MultiConnector.get_required_kvcache_layout(cfg) is None
+    monkeypatch.setattr(PDConnector, "get_required_kvcache_layout", classmethod(lambda c, k: "HND"))
+    assert MultiConnector.get_required_kvcache_layout(cfg) == "HND"
+    monkeypatch.setattr(
+        OffloadingConnector, "get_required_kvcache_layout", classmethod(lambda c, k: "NHD")
+    )
+    with pytest.raises(ConfigError, match="different KV cache layouts"):
+        MultiConnector.get_required_kvcache_layout(cfg)
+
+
+# -- P/D + offloading on D, over the in-process transport --------------------------------------
+
+BS = 16
+
+
+class _MultiD:
+    """D: a MultiConnector(P/D consumer, offloading) driven like tests/pd/driver.Driver."""
+
+    def __init__(self, engine_id: str) -> None:
+        import torch
+
+        from tests.pd.driver import LAYERS, SHAPE
+
+        self.config = KVTransferConfig.from_dict(
+            {
+                "kv_connector": "MultiConnector",
+                "kv_role": "kv_consumer",
+                "engine_id": engine_id,
+                "kv_lease_duration": 3.0,
+                "kv_connector_extra_config": {
+                    "connectors": [
+                        {
+                            "kv_connector": "PDConnector",
+                            "kv_connector_extra_config": {"transport": "inprocess"},
+                        },
+                        {
+                            "kv_connector": "OffloadingConnector",
+                            "kv_connector_extra_config": {
+                                "tiers": [{"tier": "cpu", "capacity_bytes": 1 << 20}]
+                            },
+                        },
+                    ]
+                },
+            }
+        )
+        host = PluginHost()
+        host.load()
+        info = EngineInfo(block_size=BS, model="test-model")
+        self.sched = MultiConnector.build_scheduler(self.config, info, host=host)
+        self.worker = MultiConnector.build_worker(self.config, info, 0, host=host)
+        self.kv = {f"layer{i}": torch.zeros((32, *SHAPE)) for i in range(LAYERS)}
+        self.worker.register_kv_caches(self.kv)
+        self.sched.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata() or b""})
+        self.step_no = 0
+        self.outputs: list[ConnectorOutput] = []
+        self.metas: list[MultiMetadata] = []
+        self.scheduled: dict[str, int] = {}
+
+    def step(self) -> ConnectorOutput:
+        import time
+
+        meta = self.sched.build_connector_meta(
+            SchedulerStep(step=self.step_no, now=time.monotonic(), new_requests=self.scheduled)
+        )
+        self.scheduled = {}
+        self.step_no += 1
+        bound = MULTI_CODEC.decode_as(MULTI_CODEC.encode(meta), MultiMetadata)
+        self.metas.append(bound)
+        self.worker.bind_connector_metadata(bound)
+        self.worker.start_load_kv(None)
+        for name, t in self.kv.items():
+            self.worker.wait_for_layer_load(name)
+            self.worker.save_kv_layer(name, t, None)
+        self.worker.wait_for_save()
+        out = self.worker.build_connector_worker_output()
+        self.worker.clear_connector_metadata()
+        out = MULTI_CODEC.decode_as(MULTI_CODEC.encode(out), ConnectorOutput)
+        self.sched.update_connector_output(out)
+        self.outputs.append(out)
+        return out
+
+    def offload(self) -> OffloadingScheduler:
+        child = self.sched.children[1]
+        assert isinstance(child, OffloadingScheduler)
+        return child
+
+    def shutdown(self) -> None:
+        self.sched.shutdown()
+        self.worker.shutdown()
+
+
+def _stored_requests(d: _MultiD) -> set[str]:
+    from kvframe.connectors.offload.metadata import OffloadMetadata
+
+    out: set[str] = set()
+    from kvframe.connectors.offload import OFFLOAD_CODEC
+
+    for m in d.metas:
+        om = OFFLOAD_CODEC.decode_as(m.children[1], OffloadMetadata)
+        out |= {s.request_id for s in om.offload_stores}
+    return out
+
+
+@pytest.mark.parametrize("abort", [True, False])
+def test_pd_plus_offloading_never_stores_unloaded_blocks(abort: bool) -> None:
+    from tests.pd.driver import Driver, run_until
+
+    tokens = list(range(1, 65))
+    p = Driver(f"P-multi-{abort}", "kv_producer")
+    d = _MultiD(f"D-multi-{abort}")
+    try:
+        p.fill([3, 4, 5, 6], seed=7)
+        _, params = p.sched.request_finished(
+            RequestView(
+                request_id="r1",
+                num_prompt_tokens=64,
+                kv_transfer_params={"do_remote_decode": True},
+                finish_reason="length",
+            ),
+            ((3, 4, 5, 6),),
+        )
+        p.step()
+        hashes = block_hashes(tokens, BS)
+        req = RequestView(
+            request_id="d1", num_prompt_tokens=64, kv_transfer_params=params, block_hashes=hashes
+        )
+        d.sched.on_new_request(req)
+        n, is_async = d.sched.get_num_new_matched_tokens(req, 0)
+        assert (n, is_async) == (63, True)  # the P/D child owns the load
+        d.sched.update_state_after_alloc(req, ((10, 11, 12, 13),), n)
+        if abort:
+            # vLLM counts the external tokens as computed while they load (#34526).
+            gone = RequestView(
+                request_id="d1",
+                num_prompt_tokens=64,
+                num_computed_tokens=63,
+                block_hashes=hashes,
+                finish_reason="abort",
+            )
+            delay, _ = d.sched.request_finished(gone, ((10, 11, 12, 13),))
+            assert delay is True  # the P/D child keeps the blocks until its read stopped
+            run_until([p, d], lambda: any("d1" in o.finished_sending for o in d.outputs))  # type: ignore[list-item]
+            assert "d1" not in _stored_requests(d)
+            assert d.offload().manager is not None
+            assert d.offload().manager.keys(0) == frozenset()
+        else:
+            run_until([p, d], lambda: any("d1" in o.finished_recving for o in d.outputs))  # type: ignore[list-item]
+            assert sum("d1" in o.finished_recving for o in d.outputs) == 1
+            d.scheduled = {"d1": 1}
+            d.step()
+            done = RequestView(
+                request_id="d1",
+                num_prompt_tokens=64,
+                num_computed_tokens=64,
+                block_hashes=hashes,
+                finish_reason="length",
+            )
+            delay, _ = d.sched.request_finished(done, ((10, 11, 12, 13),))
+            assert delay is True  # the offloading child copies the loaded blocks out
+            run_until([p, d], lambda: any("d1" in o.finished_sending for o in d.outputs))  # type: ignore[list-item]
+            assert "d1" in _stored_requests(d)
+            run_until([p, d], lambda: not d.sched.has_pending_work())  # type: ignore[list-item]
+            manager = d.offload().manager
+            assert manager is not None and len(manager.keys(0)) == 4
+            counters = d.sched.get_stats().counters
+            assert any(k.startswith("1.OffloadingConnector.") for k in counters)
+    finally:
+        d.shutdown()
+        p.shutdown()
