@@ -29,7 +29,14 @@ import torch
 
 from kvframe.config import KVTransferConfig
 from kvframe.errors import ConfigError
-from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, LoadSpec, SaveSpec
+from kvframe.protocol.messages import (
+    ConnectorMetadata,
+    ConnectorOutput,
+    KVEvent,
+    LoadSpec,
+    SaveSpec,
+    Stats,
+)
 from kvframe.spi.connector import (
     EngineInfo,
     KVConnector,
@@ -180,6 +187,9 @@ class FakeScheduler(KVConnectorScheduler):
     def has_pending_work(self) -> bool:
         return bool(self.loading or self.sending)
 
+    def get_stats(self) -> Stats:
+        return Stats(gauges={"sending": len(self.sending)})
+
 
 class FakeWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, engine: EngineInfo) -> None:
@@ -193,6 +203,8 @@ class FakeWorker(KVConnectorWorker):
         self.errors: set[int] = set()
         self.failures: dict[str, str] = {}
         self.saved: set[str] = set()
+        self.events: list[KVEvent] = []
+        self.loaded_blocks = 0
         self.gen = torch.Generator().manual_seed(1234)
 
     def _log(self, method: str, detail: Any = None) -> None:
@@ -270,6 +282,8 @@ class FakeWorker(KVConnectorWorker):
             for layer in range(len(self.caches)):
                 self._copy(load, layer)
             self.recving.add(rid)
+            self.events.append(KVEvent(kind="fake.loaded", data={"request_id": rid}))
+            self.loaded_blocks += len(load.local_block_ids[0])
         sending: set[str] = set()
         for rid in list(self.saved):
             entry = self.store.entries[rid]
@@ -285,6 +299,14 @@ class FakeWorker(KVConnectorWorker):
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.errors = self.errors, set()
         return out
+
+    def take_events(self) -> tuple[KVEvent, ...]:
+        out, self.events = tuple(self.events), []
+        return out
+
+    def get_stats(self) -> Stats:
+        out, self.loaded_blocks = self.loaded_blocks, 0
+        return Stats(counters={"loaded_blocks": out} if out else {})
 
     def take_failures(self) -> Mapping[str, str]:
         out, self.failures = self.failures, {}

@@ -117,6 +117,23 @@ def test_load_after_local_prefix_hit_loads_only_the_rest(host: PluginHost, store
     d.check_no_leaks()
 
 
+def test_connector_events_and_stats_reach_the_engine(host: PluginHost, store: str) -> None:
+    prompt = _prompt(12, 10)
+    p = _engine(host, store, "kv_producer")
+    d = _engine(host, store, "kv_consumer")
+    params = _prefill(p, "r", prompt)
+    assert p.connector_stats() == {"sending": 1}
+    d.add_request("r-d", prompt, 2, params)
+    _step_both(p, d)
+    assert [(e.kind, dict(e.data)) for e in d.take_events()] == [
+        ("fake.loaded", {"request_id": "r-d"})
+    ]
+    assert d.take_events() == []
+    assert d.connector_stats() == {"loaded_blocks": 3, "sending": 0}
+    p.check_no_leaks()
+    d.check_no_leaks()
+
+
 def test_waiting_for_remote_kvs_until_finished_recving(host: PluginHost, store: str) -> None:
     prompt = _prompt(2, 10)
     p = _engine(host, store, "kv_producer")

@@ -27,7 +27,7 @@ import torch
 from kvframe.config import KVTransferConfig
 from kvframe.errors import ConfigError
 from kvframe.protocol.codec import DEFAULT_CODEC, Codec
-from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent
 from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.connector import (
     EngineInfo,
@@ -356,6 +356,24 @@ class Engine:
     def _idle_pause(self) -> None:
         if not self._last_step_ran_tokens and self.config.idle_sleep_s:
             time.sleep(self.config.idle_sleep_s)
+
+    def take_events(self) -> list[KVEvent]:
+        """Connector events since the last call (the worker's from its step outputs, the
+        scheduler half's from ``take_events``), oldest first; each is returned once."""
+        events = list(self.scheduler.events)
+        self.scheduler.events.clear()
+        return events
+
+    def connector_stats(self) -> dict[str, float]:
+        """The worker's connector counters summed since start, plus the scheduler half's
+        ``get_stats()`` counters and gauges of this moment (scheduler keys win a clash).
+        Empty without a connector."""
+        out: dict[str, float] = dict(self.scheduler.worker_counters)
+        if self.connector_scheduler is not None:
+            stats = self.connector_scheduler.get_stats()
+            out.update(stats.counters)
+            out.update(stats.gauges)
+        return out
 
     def describe(self) -> dict[str, Any]:
         """Queue sizes, pool counts and counters (for logs and failing tests)."""

@@ -23,7 +23,7 @@ import attrs
 
 from kvframe.config import KVTransferConfig
 from kvframe.errors import KVFrameError
-from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent
 from kvframe.spi.connector import KVConnectorScheduler, SchedulerStep
 from kvframe.spi.request import RequestView
 from kvframe_refengine.block_pool import BlockPool
@@ -130,6 +130,10 @@ class Scheduler:
         self.held: dict[str, HeldBlocks] = {}
         self._finished_since_step: set[str] = set()
         self._outputs: list[RequestOutput] = []
+        self.events: deque[KVEvent] = deque(maxlen=10_000)
+        """Connector events (both halves), oldest first; the oldest are dropped past 10,000."""
+        self.worker_counters: dict[str, float] = {}
+        """The worker's connector counters, summed over steps."""
         self.counters: dict[str, int] = {
             "tokens_computed": 0,
             "prefix_hit_tokens": 0,
@@ -372,6 +376,11 @@ class Scheduler:
             for b in invalid:
                 self.pool.uncache(b)
             self._finish_loads(out, invalid)
+            self.events.extend(out.events)
+            for name, value in out.stats.counters.items():
+                self.worker_counters[name] = self.worker_counters.get(name, 0) + value
+        if self.connector is not None:
+            self.events.extend(self.connector.take_events())
         for seq in batch.seqs:
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
