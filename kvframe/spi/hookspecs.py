@@ -38,6 +38,7 @@ from kvframe.spi.transport import TransportCapabilities, TransportFactory
 
 if TYPE_CHECKING:
     from kvframe.spi.connector import KVConnector
+    from kvframe.spi.offload import EvictionPolicyFactory, OffloadTierFactory
 
 __all__ = [
     "PROJECT_NAME",
@@ -130,14 +131,20 @@ class ConnectorRegistrar(Protocol):
 class OffloadTierRegistrar(Protocol):
     """The ``register`` callback passed to :func:`kvframe_register_offload_tiers`."""
 
-    def __call__(self, name: str, factory: Callable[..., Any]) -> None:
+    def __call__(self, name: str, factory: OffloadTierFactory) -> None:
         """Register an offload-tier factory.
 
         Arguments:
-            name: the tier's configuration name (same rules as transport names).
-            factory: builds a tier from its configuration mapping. The tier contract is not
-                final yet (it comes with the offload SPI); until then the factory is typed
-                ``Callable[..., Any]`` and kvframe only checks that it is callable.
+            name: the tier's configuration name (same rules as transport names), what users
+                write as ``"tier"`` in the offloading connector's ``tiers`` list.
+            factory: called as ``factory(TierConfig(...))`` (see :mod:`kvframe.spi.offload`)
+                in the scheduler process and in every worker; returns a new
+                :class:`~kvframe.spi.offload.OffloadTier` (a
+                :class:`~kvframe.spi.offload.MemoryTier` to be usable as the first tier). It
+                must be cheap (memory is reserved in ``open()``) and raise
+                :class:`~kvframe.errors.ConfigError` naming the option for bad options. A
+                class is a fine factory. The host checks only that it is callable; the
+                connector refuses a factory that returns something else, naming the tier.
 
         Raises:
             PluginError: a bad name or a factory that is not callable.
@@ -147,14 +154,16 @@ class OffloadTierRegistrar(Protocol):
 class EvictionPolicyRegistrar(Protocol):
     """The ``register`` callback passed to :func:`kvframe_register_eviction_policies`."""
 
-    def __call__(self, name: str, factory: Callable[..., Any]) -> None:
+    def __call__(self, name: str, factory: EvictionPolicyFactory) -> None:
         """Register an eviction-policy factory.
 
         Arguments:
-            name: the policy's configuration name (same rules as transport names).
-            factory: builds a policy from its configuration mapping. Like offload tiers, the
-                policy contract comes with the offload SPI; until then kvframe only checks that
-                the factory is callable.
+            name: the policy's configuration name (same rules as transport names), what users
+                write as ``eviction_policy``.
+            factory: called as ``factory(PolicyConfig(...))`` once per tier; returns a new
+                :class:`~kvframe.spi.offload.EvictionPolicy`. A class is a fine factory. The
+                host checks only that it is callable; the connector refuses a factory that
+                returns something else.
 
         Raises:
             PluginError: a bad name or a factory that is not callable.
@@ -250,9 +259,9 @@ def kvframe_register_connectors(register: ConnectorRegistrar) -> None:
 def kvframe_register_offload_tiers(register: OffloadTierRegistrar) -> None:
     """Register offload-tier factories (places to keep KV blocks: host memory, disk, ...).
 
-    The offload-tier contract is not final: it arrives with the offload SPI in a later release.
-    The hook is stable already so that tier plugins can be packaged and listed now; the factory
-    receives the tier's configuration mapping and returns the tier object.
+    The tier contract is :class:`kvframe.spi.offload.OffloadTier` (``docs/offloading.md`` has
+    a complete example); the factory receives a :class:`~kvframe.spi.offload.TierConfig` and
+    returns the tier. kvframe's own ``cpu`` and ``disk`` tiers are registered through this hook.
 
     Arguments:
         register: an [`OffloadTierRegistrar`](#offloadtierregistrar); call it as
@@ -273,7 +282,7 @@ def kvframe_register_offload_tiers(register: OffloadTierRegistrar) -> None:
 
         @hookimpl
         def kvframe_register_offload_tiers(register):
-            register("local-disk", lambda config: LocalDiskTier(**config))
+            register("local-disk", LocalDiskTier)  # LocalDiskTier(TierConfig) -> OffloadTier
         ```
     """
 
@@ -282,8 +291,9 @@ def kvframe_register_offload_tiers(register: OffloadTierRegistrar) -> None:
 def kvframe_register_eviction_policies(register: EvictionPolicyRegistrar) -> None:
     """Register eviction-policy factories (which blocks an offload tier drops when full).
 
-    Like offload tiers, the policy contract arrives with the offload SPI; the factory receives
-    the policy's configuration mapping and returns the policy object.
+    The policy contract is :class:`kvframe.spi.offload.EvictionPolicy`; the factory receives a
+    :class:`~kvframe.spi.offload.PolicyConfig` and returns the policy. kvframe's own ``lru``
+    and ``arc`` are registered through this hook.
 
     Arguments:
         register: an [`EvictionPolicyRegistrar`](#evictionpolicyregistrar); call it as
@@ -304,7 +314,7 @@ def kvframe_register_eviction_policies(register: EvictionPolicyRegistrar) -> Non
 
         @hookimpl
         def kvframe_register_eviction_policies(register):
-            register("lru", lambda config: LRUPolicy(capacity=config["capacity"]))
+            register("fifo", FIFOPolicy)  # FIFOPolicy(PolicyConfig) -> EvictionPolicy
         ```
     """
 
