@@ -489,3 +489,67 @@ def test_pair_ids_reject_non_integers() -> None:
         _pair_ids(layout, layout, np.array([0.5]), [0], None)
     with pytest.raises(ValueError, match="integers"):
         _pair_ids(layout, layout, ["0"], [0], None)  # type: ignore[list-item]
+
+
+# -- an asynchronous backend -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("post_thread", [False, True], ids=["inline", "post_thread"])
+def test_over_ucx_tcp_transfers_complete_in_the_background(post_thread: bool) -> None:
+    """Under UCX ``tcp`` NIXL's transfer() returns at once (PROC) and the copy completes while
+    both sides make progress: this takes the ``poll`` path that asks NIXL for the state, and
+    tests ``ucx_env``."""
+    options: dict[str, Any] = {
+        "ucx_env": {"UCX_TLS": "tcp"},
+        "post_thread": post_thread,
+        "inline_post_bytes": 0,
+    }
+    tag = "t" if post_thread else "i"
+    local = Local(f"tcp-D-{tag}-{os.getpid()}", options)
+    # 16 MiB: far more than UCX tcp moves inside the transfer() call itself.
+    big = np.zeros(16 * MIB, dtype=np.uint8)
+    region = MemoryRegion(addr=big.ctypes.data, length=big.nbytes)
+    local.t.register_memory([region])
+    big_local = local.t.prepare_local(
+        BlockLayout(regions=[region], block_lens=[MIB], num_blocks=16)
+    )
+    peer = Peer(
+        f"tcp-P-{tag}-{os.getpid()}",
+        seed=3,
+        block_lens=(MIB,),
+        num_blocks=16,
+        options={"ucx_env": {"UCX_TLS": "tcp"}},
+    )
+    try:
+        local.connect(peer)
+        remote = local.t.prepare_remote(peer.name, peer.layout)
+        assert os.environ.get("UCX_TLS") != "tcp"  # ucx_env applies only while creating
+        agent = local.t._agent  # record NIXL's answers: the PROC path must be taken
+        asked: list[str] = []
+        check = agent.check_xfer_state
+        agent.check_xfer_state = lambda x: asked.append(check(x)) or asked[-1]
+        order = list(range(16))[::-1]
+        deadline = time.monotonic() + 20
+        for _ in range(3):  # transfer() now and then finishes the copy itself: try again
+            big[:] = 0
+            h = local.t.post(Op.READ, big_local, order, remote, list(range(16)))
+            while local.t.poll(h) is XferState.PENDING:
+                assert time.monotonic() < deadline
+                local.t.progress()
+            assert h.state is XferState.DONE, h.error
+            local.t.release(h)
+            want = peer.expected(0).reshape(16, MIB)[::-1]
+            np.testing.assert_array_equal(big.reshape(16, MIB), want)
+            if asked:
+                break
+        # transfer() answered PROC (poll asks NIXL only then), and poll saw it finish.
+        assert asked
+        assert asked[-1] == "DONE"
+        local.t.send_notification(peer.name, b"tcp")
+        got: list[Any] = []
+        while not got and time.monotonic() < deadline:
+            got = peer.call("drain", drive=local.t)
+        assert got == [[local.t.name, b"tcp"]]
+    finally:
+        peer.stop()
+        local.t.close()
