@@ -15,6 +15,9 @@ passed); a consumer's request with the returned parameters loads the blocks back
 - ``count_last_token`` (bool, default true): offer every prompt token (the engine must still
   compute the last one itself).
 
+Requests whose ``kv_transfer_params`` hold ``refuse_new`` or ``refuse_alloc`` make
+``on_new_request`` or ``update_state_after_alloc`` raise ``ConfigError``.
+
 Every SPI call is appended to ``store.calls`` as ``(half, method, detail)`` so tests can check
 where the engine calls what.
 """
@@ -106,6 +109,8 @@ class FakeScheduler(KVConnectorScheduler):
 
     def on_new_request(self, request: RequestView) -> None:
         self._log("on_new_request", request.request_id)
+        if (request.kv_transfer_params or {}).get("refuse_new"):
+            raise ConfigError("kv_transfer_params.refuse_new: refused on arrival")
         self.unknown_left[request.request_id] = self.o.unknown_steps
 
     def get_num_new_matched_tokens(
@@ -131,6 +136,8 @@ class FakeScheduler(KVConnectorScheduler):
         self, request: RequestView, blocks: BlockIds, num_external_tokens: int
     ) -> None:
         self._log("update_state_after_alloc", (request.request_id, num_external_tokens))
+        if (request.kv_transfer_params or {}).get("refuse_alloc"):
+            raise ConfigError("kv_transfer_params.refuse_alloc: refused after allocation")
         if num_external_tokens == 0:
             return
         p = request.kv_transfer_params

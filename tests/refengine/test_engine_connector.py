@@ -334,6 +334,27 @@ def test_connector_refusing_a_request_fails_only_that_request(host: PluginHost, 
     d.check_no_leaks()
 
 
+def test_connector_refusing_after_allocation_frees_the_blocks(host: PluginHost, store: str) -> None:
+    d = _engine(host, store)
+    d.add_request("bad", _prompt(1, 9), 2, {"refuse_alloc": True})
+    outs = {o.request_id: o for o in d.run_until_idle() if o.finished}
+    assert outs["bad"].finish_reason is FinishReason.ERROR
+    assert outs["bad"].error is not None
+    assert "refused after allocation" in outs["bad"].error
+    assert ("sched", "request_finished", "bad") in STORES[store].calls
+    d.check_no_leaks()
+
+
+def test_connector_refusing_on_arrival_queues_nothing(host: PluginHost, store: str) -> None:
+    d = _engine(host, store)
+    with pytest.raises(ConfigError, match="refused on arrival"):
+        d.add_request("bad", _prompt(1, 9), 2, {"refuse_new": True})
+    assert not d.has_unfinished_work()
+    d.add_request("bad", _prompt(1, 9), 2)  # the id was never taken
+    d.run_until_idle()
+    d.check_no_leaks()
+
+
 def test_connector_lookup_and_layout_errors(host: PluginHost, store: str) -> None:
     cfg = EngineConfig(model=MODEL, block_size=BS, num_blocks=8)
     with pytest.raises(PluginNotFoundError):

@@ -168,11 +168,12 @@ class Scheduler:
 
     # -- arrivals and departures -------------------------------------------------------------
     def add(self, req: Request) -> None:
-        """Queue a new request and tell the connector (``on_new_request``)."""
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
+        """Tell the connector (``on_new_request``), then queue the request. If the connector
+        raises, the exception propagates and nothing was queued."""
         if self.connector is not None:
             self.connector.on_new_request(self.view(req))
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
 
     def abort(self, request_id: str) -> bool:
         """Finish a live request as aborted; False when it is not live."""
@@ -345,9 +346,15 @@ class Scheduler:
         req.num_external_tokens = ext
         req.allocated = True
         self.counters["prefix_hit_tokens"] += num_local
-        self.waiting.remove(req)
         if self.connector is not None:
-            self.connector.update_state_after_alloc(self.view(req), (tuple(req.block_ids),), ext)
+            try:
+                self.connector.update_state_after_alloc(
+                    self.view(req), (tuple(req.block_ids),), ext
+                )
+            except KVFrameError as exc:
+                self._finish(req, FinishReason.ERROR, f"the connector refused the request: {exc}")
+                return True
+        self.waiting.remove(req)
         if ext and is_async:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             req.num_computed_tokens = num_local
