@@ -89,7 +89,7 @@ class EngineService:
                 now = time.monotonic()
                 for out in self.engine.step():
                     self._on_output(out, now)
-                if not self.engine._last_step_ran_tokens:
+                if not self.engine.last_step_ran_tokens:
                     time.sleep(0.0005)
         except BaseException as exc:  # the engine is unusable: fail every waiter loudly
             self.failed = exc

@@ -122,7 +122,7 @@ class PDConnectorWorker(KVConnectorWorker):
         # D state
         self._loads: dict[str, _Load] = {}
         self._seq = 0
-        self._sent: dict[int, float] = {}  # heartbeat seq -> local send time
+        self._sent: dict[int, tuple[float, str | None]] = {}  # seq -> (send time, peer)
         self._pending_done: dict[str, list[tuple[str, wire.DoneReason]]] = {}
         # reporting
         self._finished_sending: set[str] = set()
@@ -427,11 +427,13 @@ class PDConnectorWorker(KVConnectorWorker):
         rank = self._rank % max(1, addr.tp_size)
         return self._engines.ensure(addr.engine_id, rank, addr.host, addr.port_for(rank), now)
 
-    def _next_seq(self, now: float) -> int:
+    def _next_seq(self, now: float, peer: str | None) -> int:
+        # Remember when and to whom each numbered message went: an acknowledgement counts
+        # only if it comes from that peer and answers a message we really sent.
         self._seq = (self._seq + 1) % SEQ_MODULUS
-        self._sent[self._seq] = now
+        self._sent[self._seq] = (now, peer)
         if len(self._sent) > 4096:
-            for old in sorted(self._sent, key=self._sent.__getitem__)[:2048]:
+            for old in sorted(self._sent, key=lambda k: self._sent[k][0])[:2048]:
                 del self._sent[old]
         return self._seq
 
@@ -440,7 +442,9 @@ class PDConnectorWorker(KVConnectorWorker):
         if entry is None or entry.state is not PeerState.READY or entry.peer is None:
             self._count("heartbeats_deferred")
             return
-        msg = wire.Heartbeat(seq=self._next_seq(now), sent_at=now, request_ids=tuple(ids))
+        msg = wire.Heartbeat(
+            seq=self._next_seq(now, entry.peer), sent_at=now, request_ids=tuple(ids)
+        )
         self._send(entry, msg)
         self._count("heartbeats_sent", engine=engine_id)
 
@@ -455,7 +459,8 @@ class PDConnectorWorker(KVConnectorWorker):
         if entry.state is not PeerState.READY:
             self._pending_done.setdefault(engine_id, []).extend(done)
             return
-        self._send(entry, wire.LeaseDone(seq=self._next_seq(now), sent_at=now, done=done))
+        seq = self._next_seq(now, entry.peer)
+        self._send(entry, wire.LeaseDone(seq=seq, sent_at=now, done=done))
         self._count("releases_sent", len(done))
 
     def _flush_pending_done(self, now: float) -> None:
@@ -492,10 +497,11 @@ class PDConnectorWorker(KVConnectorWorker):
         return None
 
     def _on_ack(self, sender: str, msg: wire.LeaseAck, now: float) -> None:
-        sent = self._sent.get(msg.echo_seq)
-        if sent is None:
+        record = self._sent.get(msg.echo_seq)
+        if record is None or record[1] != sender:
             self._count("acks_unmatched")
             return
+        sent = record[0]
         self._count("acks_received")
         by_remote = {ld.spec.remote_request_id: ld for ld in self._loads.values()}
         for rid, expiry in msg.expiries:
@@ -561,7 +567,7 @@ class PDConnectorWorker(KVConnectorWorker):
             return
         done = wire.encode(
             wire.LeaseDone(
-                seq=self._next_seq(now),
+                seq=self._next_seq(now, entry.peer),
                 sent_at=now,
                 done=[(spec.remote_request_id, wire.DoneReason.READ)],
             )
