@@ -28,6 +28,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvframe.bench.lease",
         "lease table vs naive dict scan (renew, expire), and heartbeat bytes per request id",
     ),
+    "offload": (
+        "kvframe.bench.offload",
+        "offload tiers vs memcpy and os.pwrite/pread, lookup cost, LRU vs ARC hit rates",
+    ),
 }
 
 

@@ -347,9 +347,48 @@ def test_pd_plus_offloading_never_stores_unloaded_blocks(abort: bool) -> None:
             assert "d1" in _stored_requests(d)
             run_until([p, d], lambda: not d.sched.has_pending_work())  # type: ignore[list-item]
             manager = d.offload().manager
-            assert manager is not None and len(manager.keys(0)) == 4
+            assert manager is not None
+            assert len(manager.keys(0)) == 4
             counters = d.sched.get_stats().counters
             assert any(k.startswith("1.OffloadingConnector.") for k in counters)
     finally:
         d.shutdown()
         p.shutdown()
+
+
+def test_two_offloading_children_on_the_reference_engine_stay_apart() -> None:
+    from kvframe_refengine import Engine, EngineConfig
+
+    cpu = {"tiers": [{"tier": "cpu", "capacity_bytes": 1 << 20}]}
+    kv = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "connectors": [
+                    {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": cpu},
+                    {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": cpu},
+                ]
+            },
+        }
+    )
+    prompt = [(i * 5 + 1) % 200 + 1 for i in range(70)]
+    cfg = EngineConfig(torch_threads=1, num_blocks=48, enable_prefix_caching=False)
+    with Engine(cfg, kv, codec=MultiConnector.codec) as engine:
+        first = engine.generate([prompt], max_tokens=3)[0]
+        engine.run_until_idle()
+        second = engine.generate([prompt], max_tokens=3)[0]
+        engine.run_until_idle()
+        engine.check_no_leaks()  # blocks kept by both children were released once both were done
+        assert second.token_ids == first.token_ids
+        assert second.num_external_tokens == 64
+        stats = engine.connector_stats()
+        events = engine.take_events()
+    # Each child stored the blocks once, under its own name.
+    assert stats["0.OffloadingConnector.tier0_used_blocks"] == 4
+    assert stats["1.OffloadingConnector.tier0_used_blocks"] == 4
+    stored = [e.kind for e in events if e.kind.endswith("offload.stored")]
+    assert sorted(set(stored)) == [
+        "0.OffloadingConnector.offload.stored",
+        "1.OffloadingConnector.offload.stored",
+    ]

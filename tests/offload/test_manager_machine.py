@@ -53,7 +53,8 @@ class ManagerMachine(RuleBasedStateMachine):
             if ev.kind == "offload.removed" and ev.data["reason"] == "evicted":
                 for k in keys:
                     state, pins = self.tiers[t][k]
-                    assert state == "ready" and pins == 0, "evicted a busy block"
+                    assert state == "ready", "evicted a block being stored"
+                    assert pins == 0, "evicted a pinned block"
                     assert k not in protect or t > 0, "evicted a protected block"
                     del self.tiers[t][k]
                     if t == 0:
@@ -146,9 +147,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self._apply_events(set(keys))
         assert r.ready == ready
         if r.status is LookupStatus.MISS:
-            assert ready == 0 and r.pending == 0
+            assert ready == 0
+            assert r.pending == 0
         if r.status is LookupStatus.HIT:
-            assert ready > 0 and r.pending == 0
+            assert ready > 0
+            assert r.pending == 0
         self._take_jobs()
 
     @rule(keys=key_lists)

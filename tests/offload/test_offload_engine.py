@@ -93,7 +93,7 @@ def test_corrupt_and_truncated_disk_entries_are_misses_and_removed(tmp_path: Pat
         assert ext == 0
         assert computed == computed1
         e2.check_no_leaks()
-        events = e2.connector_scheduler.take_events() if e2.connector_scheduler else ()
+        events = e2.take_events()
         assert any(ev.kind == "offload.removed" and ev.data["reason"] == "corrupt" for ev in events)
     # The bad files were removed, and the request's blocks were stored again, intact.
     with _engine(kv) as e3:
@@ -154,8 +154,7 @@ def test_full_disk_degrades_to_cpu_only_with_a_warning(tmp_path: Path) -> None:
     )
     with _engine(kv, _HOST) as e:
         first, _, _ = _run(e, PROMPT)
-        assert e.connector_scheduler is not None
-        events = e.connector_scheduler.take_events()
+        events = e.take_events()
         assert [ev.data["tier"] for ev in events if ev.kind == "offload.tier_disabled"] == [1]
         again, ext, _ = _run(e, PROMPT)  # still served from the CPU tier
         assert (again, ext) == (first, 64)
