@@ -63,6 +63,7 @@ __all__ = [
     "expected_after",
     "make_layout",
     "make_pair",
+    "pair_factory",
 ]
 
 #: Block length of each region of the kit's layout (deliberately different per region).
@@ -300,6 +301,9 @@ class TransportConformance:
 
     # -- identity, registration, metadata ---------------------------------------------------
     def test_capability_card_is_consistent(self, kvframe_pair: Pair) -> None:
+        """The card is a TransportCapabilities with HOST memory; the notification limit is 0
+        exactly when notifications are off.
+        """
         caps = kvframe_pair.caps
         assert isinstance(caps, TransportCapabilities)
         assert MemoryKind.HOST in caps.memory_kinds, "the kit needs HOST memory support"
@@ -311,6 +315,7 @@ class TransportConformance:
         assert kvframe_pair.a.transport.name == kvframe_pair.a.name
 
     def test_metadata_names_the_peer_and_add_peer_is_idempotent(self, kvframe_pair: Pair) -> None:
+        """add_peer returns the peer's endpoint name; adding the same metadata again is a no-op."""
         p = kvframe_pair
         meta = p.b.metadata()
         assert isinstance(meta, bytes)
@@ -323,6 +328,7 @@ class TransportConformance:
     def test_garbage_metadata_is_rejected_and_transport_stays_usable(
         self, kvframe_pair: Pair
     ) -> None:
+        """Undecodable metadata raises PeerUnreachableError and leaves the transport usable."""
         p = kvframe_pair
         with pytest.raises(PeerUnreachableError):
             p.a.add_peer(b"\x00 this is not metadata \xff")
@@ -371,6 +377,9 @@ class TransportConformance:
     def test_transfer_moves_exactly_the_selected_blocks(
         self, kvframe_pair: Pair, op: Op, seed: int
     ) -> None:
+        """READ/WRITE of random blocks and region subsets: exactly the selected destination blocks
+        change, to the paired source bytes; the source is untouched.
+        """
         p = kvframe_pair
         self._require_op(p, op)
         rng = random.Random(seed)
@@ -381,11 +390,13 @@ class TransportConformance:
             )
 
     def test_empty_transfer_completes(self, kvframe_pair: Pair) -> None:
+        """A transfer of zero blocks completes DONE."""
         p = kvframe_pair
         op = Op.READ if p.caps.read else Op.WRITE
         self._check_transfer(p, op, [], [], None)
 
     def test_peer_can_post_back(self, kvframe_pair: Pair) -> None:
+        """The other endpoint can post too (both directions work)."""
         p = kvframe_pair
         op = Op.READ if p.caps.read else Op.WRITE
         before_a, before_b = p.read_a(), p.read_b()
@@ -400,6 +411,9 @@ class TransportConformance:
             np.testing.assert_array_equal(p.read_a(), want)
 
     def test_poll_states_and_release_twice(self, kvframe_pair: Pair) -> None:
+        """PENDING then DONE, DONE stays DONE, handle fields, release twice, poll after release
+        raises TransportClosedError.
+        """
         p = kvframe_pair
         op = Op.READ if p.caps.read else Op.WRITE
         xid = p.a.post(op, p.a_local, [0], p.a_remote, [1])
@@ -418,6 +432,7 @@ class TransportConformance:
             p.a.poll(xid)
 
     def test_release_while_pending_stops_the_transfer(self, kvframe_pair: Pair) -> None:
+        """Releasing a pending transfer works and leaves the transport usable."""
         p = kvframe_pair
         op = Op.READ if p.caps.read else Op.WRITE
         xid = p.a.post(op, p.a_local, list(range(NUM_BLOCKS)), p.a_remote, list(range(16)))
@@ -446,6 +461,9 @@ class TransportConformance:
         regions: list[int] | None,
         why: str,
     ) -> None:
+        """Bad block or region indices and mismatched lists raise ValueError; no byte changes on
+        either side.
+        """
         p = kvframe_pair
         before_a, before_b = p.read_a(), p.read_b()
         for op in (Op.READ, Op.WRITE):
@@ -458,6 +476,9 @@ class TransportConformance:
         np.testing.assert_array_equal(p.read_b(), before_b, err_msg=why)
 
     def test_unsupported_operations_raise_capabilityerror(self, kvframe_pair: Pair) -> None:
+        """Whatever the card leaves out (an op, notifications, DEVICE memory) raises
+        CapabilityError.
+        """
         p = kvframe_pair
         checked = 0
         for op in (Op.READ, Op.WRITE):
@@ -483,6 +504,9 @@ class TransportConformance:
             pytest.skip("the transport does not support notifications")
 
     def test_notifications_arrive_in_order_both_ways(self, kvframe_pair: Pair) -> None:
+        """Notifications arrive with the right sender, in order when the card promises it, both
+        ways.
+        """
         p = kvframe_pair
         self._require_notifications(p)
         sent = [f"n{i}".encode() for i in range(20)]
@@ -498,6 +522,9 @@ class TransportConformance:
         assert p.wait_notifications(p.a, 1) == [Notification(sender=p.peer_b, payload=b"back")]
 
     def test_notification_size_limit(self, kvframe_pair: Pair) -> None:
+        """A payload of exactly the limit arrives; one byte more raises CapabilityError (also in
+        post).
+        """
         p = kvframe_pair
         self._require_notifications(p)
         limit = p.caps.max_notification_bytes
@@ -513,6 +540,7 @@ class TransportConformance:
 
     @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
     def test_post_with_notification(self, kvframe_pair: Pair, op: Op) -> None:
+        """A post's notification arrives at the peer after the transfer's bytes."""
         p = kvframe_pair
         self._require_op(p, op)
         self._require_notifications(p)
@@ -522,6 +550,7 @@ class TransportConformance:
 
     # -- peers ------------------------------------------------------------------------------
     def test_remove_peer_stops_transfers_and_readd_works(self, kvframe_pair: Pair) -> None:
+        """remove_peer stops pending transfers; the peer is then unreachable until re-added."""
         p = kvframe_pair
         op = Op.READ if p.caps.read else Op.WRITE
         before_a, before_b = p.read_a(), p.read_b()
@@ -553,6 +582,9 @@ class TransportConformance:
         self._check_transfer(p, op, [5], [6], None)
 
     def test_dead_peer_process_fails_transfers_within_bound(self, kvframe_pair: Pair) -> None:
+        """Cross-process only: after the peer process is killed, transfers with it stop and fail
+        with PeerUnreachableError within the timeout.
+        """
         p = kvframe_pair
         if not isinstance(p.b, ChildEndpoint):
             pytest.skip("the transport is not cross-process; there is no peer process to kill")
@@ -579,6 +611,7 @@ class TransportConformance:
 
     # -- lifetime ---------------------------------------------------------------------------
     def test_close_twice_and_use_after_close(self, kvframe_pair: Pair) -> None:
+        """close() twice is a no-op; every other method raises TransportClosedError afterwards."""
         p = kvframe_pair
         t = p.a.transport
         op = Op.READ if p.caps.read else Op.WRITE
@@ -611,6 +644,7 @@ class TransportConformance:
         return t.post(op, local, [0], remote, [0])
 
     def test_state_machine(self, kvframe_pair_factory: PairFactory) -> None:
+        """The Hypothesis state machine (kvframe.testing.stateful) on fresh pairs."""
         from kvframe.testing.stateful import run_transport_state_machine
 
         run_transport_state_machine(kvframe_pair_factory)

@@ -17,6 +17,7 @@ millisecond for the same reason.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import ctypes
 import hashlib
@@ -227,7 +228,7 @@ def _error_from_wire(v: Mapping[str, Any]) -> BaseException:
 # -- the endpoint interface -----------------------------------------------------------------
 
 
-class Endpoint:
+class Endpoint(abc.ABC):
     """The command set the conformance kit drives; see :class:`LocalEndpoint` for contracts.
 
     Layouts and transfers are named by integer ids local to the endpoint, so the same test
@@ -237,46 +238,47 @@ class Endpoint:
     name: str
     capabilities: TransportCapabilities
 
+    @abc.abstractmethod
     def alloc(self, nbytes: int) -> MemoryRegion:
         """A zeroed host buffer of ``nbytes`` owned by the endpoint (64-byte aligned)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def write(self, addr: int, data: bytes) -> None:
         """Copy ``data`` into an allocated buffer at ``addr``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self, addr: int, length: int) -> bytes:
         """Copy ``length`` bytes out of an allocated buffer at ``addr``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def checksum(self, addr: int, length: int) -> str:
         """sha256 hex digest of ``length`` bytes of an allocated buffer at ``addr``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         """``transport.register_memory(regions)``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def metadata(self) -> bytes:
         """``transport.local_metadata()``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def add_peer(self, metadata: bytes) -> str:
         """``transport.add_peer(metadata)``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def remove_peer(self, peer: str) -> None:
         """``transport.remove_peer(peer)``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def prepare_local(self, layout: BlockLayout) -> int:
         """``transport.prepare_local(layout)``; returns a layout id."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def prepare_remote(self, peer: str, layout: BlockLayout) -> int:
         """``transport.prepare_remote(peer, layout)``; returns a layout id."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def post(
         self,
         op: Op,
@@ -289,35 +291,34 @@ class Endpoint:
         notification: bytes | None = None,
     ) -> int:
         """``transport.post(...)`` with layout ids; returns a transfer id."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def poll(self, xfer: int) -> XferStatus:
         """``transport.poll(handle)`` and the handle's error."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def release(self, xfer: int) -> None:
         """``transport.release(handle)``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def notify(self, peer: str, payload: bytes) -> None:
         """``transport.send_notification(peer, payload)``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def drain(self) -> list[Notification]:
         """Every notification received so far and not yet returned, oldest first."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def pump(self) -> None:
         """Make progress (drain and keep notifications for :meth:`drain`)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self) -> None:
         """``transport.close()``; buffers stay allocated until :meth:`shutdown`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def shutdown(self) -> None:
         """Close the transport (if open) and free everything. Idempotent."""
-        raise NotImplementedError
 
 
 class LocalEndpoint(Endpoint):
@@ -340,6 +341,7 @@ class LocalEndpoint(Endpoint):
         self._closed = False
 
     def alloc(self, nbytes: int) -> MemoryRegion:
+        """See :meth:`Endpoint.alloc`; runs on the wrapped transport in this process."""
         if nbytes <= 0:
             raise ValueError(f"alloc({nbytes}): give a positive size")
         raw = np.zeros(nbytes + 64, dtype=np.uint8)
@@ -356,34 +358,43 @@ class LocalEndpoint(Endpoint):
         raise ValueError(f"[{addr:#x}, +{length}) is not inside a buffer of endpoint {self.name}")
 
     def write(self, addr: int, data: bytes) -> None:
+        """See :meth:`Endpoint.write`; runs on the wrapped transport in this process."""
         self._check_range(addr, len(data))
         ctypes.memmove(addr, bytes(data), len(data))
 
     def read(self, addr: int, length: int) -> bytes:
+        """See :meth:`Endpoint.read`; runs on the wrapped transport in this process."""
         self._check_range(addr, length)
         return ctypes.string_at(addr, length)
 
     def checksum(self, addr: int, length: int) -> str:
+        """See :meth:`Endpoint.checksum`; runs on the wrapped transport in this process."""
         return hashlib.sha256(self.read(addr, length)).hexdigest()
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """See :meth:`Endpoint.register`; runs on the wrapped transport in this process."""
         self.transport.register_memory(list(regions))
 
     def metadata(self) -> bytes:
+        """See :meth:`Endpoint.metadata`; runs on the wrapped transport in this process."""
         return self.transport.local_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
+        """See :meth:`Endpoint.add_peer`; runs on the wrapped transport in this process."""
         return self.transport.add_peer(metadata)
 
     def remove_peer(self, peer: str) -> None:
+        """See :meth:`Endpoint.remove_peer`; runs on the wrapped transport in this process."""
         self.transport.remove_peer(peer)
 
     def prepare_local(self, layout: BlockLayout) -> int:
+        """See :meth:`Endpoint.prepare_local`; runs on the wrapped transport in this process."""
         lid = next(self._ids)
         self._layouts[lid] = self.transport.prepare_local(layout)
         return lid
 
     def prepare_remote(self, peer: str, layout: BlockLayout) -> int:
+        """See :meth:`Endpoint.prepare_remote`; runs on the wrapped transport in this process."""
         lid = next(self._ids)
         self._layouts[lid] = self.transport.prepare_remote(peer, layout)
         return lid
@@ -403,6 +414,7 @@ class LocalEndpoint(Endpoint):
         regions: Sequence[int] | None = None,
         notification: bytes | None = None,
     ) -> int:
+        """See :meth:`Endpoint.post`; runs on the wrapped transport in this process."""
         handle = self.transport.post(
             op,
             self._layouts[local],
@@ -421,31 +433,38 @@ class LocalEndpoint(Endpoint):
         return self._xfers[xfer]
 
     def poll(self, xfer: int) -> XferStatus:
+        """See :meth:`Endpoint.poll`; runs on the wrapped transport in this process."""
         handle = self._xfers[xfer]
         state = self.transport.poll(handle)
         return XferStatus(state=state, error=handle.error if state is XferState.FAILED else None)
 
     def release(self, xfer: int) -> None:
+        """See :meth:`Endpoint.release`; runs on the wrapped transport in this process."""
         self.transport.release(self._xfers[xfer])
 
     def notify(self, peer: str, payload: bytes) -> None:
+        """See :meth:`Endpoint.notify`; runs on the wrapped transport in this process."""
         self.transport.send_notification(peer, payload)
 
     def drain(self) -> list[Notification]:
+        """See :meth:`Endpoint.drain`; runs on the wrapped transport in this process."""
         if not self._closed:
             self._inbox.extend(self.transport.drain_notifications())
         out, self._inbox = self._inbox, []
         return out
 
     def pump(self) -> None:
+        """See :meth:`Endpoint.pump`; runs on the wrapped transport in this process."""
         if not self._closed:
             self._inbox.extend(self.transport.drain_notifications())
 
     def close(self) -> None:
+        """See :meth:`Endpoint.close`; runs on the wrapped transport in this process."""
         self._closed = True
         self.transport.close()
 
     def shutdown(self) -> None:
+        """See :meth:`Endpoint.shutdown`; runs on the wrapped transport in this process."""
         with contextlib.suppress(Exception):
             self.close()
         # only now, with the transport closed, can no transfer touch the buffers any more
@@ -589,38 +608,48 @@ class ChildEndpoint(Endpoint):
         return reply["result"]
 
     def alloc(self, nbytes: int) -> MemoryRegion:
+        """See :meth:`Endpoint.alloc`; runs in the child process."""
         return _region_from_wire(self._call("alloc", nbytes=nbytes))
 
     def write(self, addr: int, data: bytes) -> None:
+        """See :meth:`Endpoint.write`; runs in the child process."""
         self._call("write", addr=addr, data=bytes(data))
 
     def read(self, addr: int, length: int) -> bytes:
+        """See :meth:`Endpoint.read`; runs in the child process."""
         data: bytes = self._call("read", addr=addr, length=length)
         return data
 
     def checksum(self, addr: int, length: int) -> str:
+        """See :meth:`Endpoint.checksum`; runs in the child process."""
         digest: str = self._call("checksum", addr=addr, length=length)
         return digest
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """See :meth:`Endpoint.register`; runs in the child process."""
         self._call("register", regions=[_region_to_wire(r) for r in regions])
 
     def metadata(self) -> bytes:
+        """See :meth:`Endpoint.metadata`; runs in the child process."""
         blob: bytes = self._call("metadata")
         return blob
 
     def add_peer(self, metadata: bytes) -> str:
+        """See :meth:`Endpoint.add_peer`; runs in the child process."""
         name: str = self._call("add_peer", metadata=metadata)
         return name
 
     def remove_peer(self, peer: str) -> None:
+        """See :meth:`Endpoint.remove_peer`; runs in the child process."""
         self._call("remove_peer", peer=peer)
 
     def prepare_local(self, layout: BlockLayout) -> int:
+        """See :meth:`Endpoint.prepare_local`; runs in the child process."""
         lid: int = self._call("prepare_local", layout=_layout_to_wire(layout))
         return lid
 
     def prepare_remote(self, peer: str, layout: BlockLayout) -> int:
+        """See :meth:`Endpoint.prepare_remote`; runs in the child process."""
         lid: int = self._call("prepare_remote", peer=peer, layout=_layout_to_wire(layout))
         return lid
 
@@ -635,6 +664,7 @@ class ChildEndpoint(Endpoint):
         regions: Sequence[int] | None = None,
         notification: bytes | None = None,
     ) -> int:
+        """See :meth:`Endpoint.post`; runs in the child process."""
         xid: int = self._call(
             "post",
             op=op.value,
@@ -648,26 +678,32 @@ class ChildEndpoint(Endpoint):
         return xid
 
     def poll(self, xfer: int) -> XferStatus:
+        """See :meth:`Endpoint.poll`; runs in the child process."""
         result = self._call("poll", xfer=xfer)
         error = None if result["error"] is None else _error_from_wire(result["error"])
         return XferStatus(state=XferState(result["state"]), error=error)
 
     def release(self, xfer: int) -> None:
+        """See :meth:`Endpoint.release`; runs in the child process."""
         self._call("release", xfer=xfer)
 
     def notify(self, peer: str, payload: bytes) -> None:
+        """See :meth:`Endpoint.notify`; runs in the child process."""
         self._call("notify", peer=peer, payload=bytes(payload))
 
     def drain(self) -> list[Notification]:
+        """See :meth:`Endpoint.drain`; runs in the child process."""
         return [Notification(sender=s, payload=p) for s, p in self._call("drain")]
 
     def pump(self) -> None:
         """Nothing to do: the child makes progress by itself every millisecond."""
 
     def close(self) -> None:
+        """See :meth:`Endpoint.close`; runs in the child process."""
         self._call("close")
 
     def shutdown(self) -> None:
+        """See :meth:`Endpoint.shutdown`; runs in the child process."""
         if self._proc.poll() is None and self._sock.fileno() >= 0:
             with contextlib.suppress(Exception):
                 self._call("exit")

@@ -153,6 +153,7 @@ class TransportStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule(data=st.data())
     def scribble(self, data: st.DataObject) -> None:
+        """Write fresh random bytes into an idle block of either side (the model follows)."""
         side = data.draw(st.sampled_from(_SIDES))
         free = np.argwhere(~self.busy[side])
         if len(free) == 0:
@@ -170,6 +171,7 @@ class TransportStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule(data=st.data())
     def post(self, data: st.DataObject) -> None:
+        """Post READ or WRITE of random idle blocks and regions, maybe with a notification."""
         p = self.p
         op = data.draw(st.sampled_from(self.ops))
         all_regions = data.draw(st.booleans())
@@ -235,15 +237,26 @@ class TransportStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed and bool(self.pending))
     @rule(data=st.data())
     def poll(self, data: st.DataObject) -> None:
+        """Poll a pending transfer; when it stops it must be DONE, and the model lands its bytes."""
         posted = data.draw(st.sampled_from(self.pending))
         status = self.p.a.poll(posted.xid)
         if status.state is not XferState.PENDING:
             self._stopped(posted, status)
 
+    @precondition(lambda self: not self.closed and bool(self.pending))
+    @rule(data=st.data())
+    def release_pending(self, data: st.DataObject) -> None:
+        """Release a transfer the model still thinks pending (the interesting case)."""
+        self._release(data.draw(st.sampled_from(self.pending)))
+
     @precondition(lambda self: not self.closed and bool(self.pending or self.finished))
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        posted = data.draw(st.sampled_from(self.pending + self.finished))
+        """Release any transfer (twice); a pending one's destination is reused at once and
+        checked."""
+        self._release(data.draw(st.sampled_from(self.pending + self.finished)))
+
+    def _release(self, posted: _Posted) -> None:
         self.p.a.release(posted.xid)
         self.p.a.release(posted.xid)  # twice: a no-op
         if posted in self.pending:
@@ -280,24 +293,29 @@ class TransportStateMachine(RuleBasedStateMachine):
         self.check_buffers()
 
     @precondition(lambda self: not self.closed and self.p.caps.notifications)
-    @rule(to_b=st.booleans())
-    def notify(self, to_b: bool) -> None:
-        payload = f"note-{next(self.counter)}".encode()
-        if to_b:
-            self.p.a.notify(self.p.peer_b, payload)
-            self.ordered["b"].append(payload)
-        else:
-            self.p.b.notify(self.p.peer_a, payload)
-            self.ordered["a"].append(payload)
+    @rule(to_b=st.booleans(), count=st.integers(1, 3))
+    def notify(self, to_b: bool, count: int) -> None:
+        """Send a burst of notifications one way or the other; they must arrive, in order if
+        promised (bursts make reordering bugs show up in short runs)."""
+        for _ in range(count):
+            payload = f"note-{next(self.counter)}".encode()
+            if to_b:
+                self.p.a.notify(self.p.peer_b, payload)
+                self.ordered["b"].append(payload)
+            else:
+                self.p.b.notify(self.p.peer_a, payload)
+                self.ordered["a"].append(payload)
 
     @precondition(lambda self: not self.closed)
     @rule(side=st.sampled_from(_SIDES))
     def drain(self, side: str) -> None:
+        """Drain one side and match what arrived against the model."""
         self._receive(side)
 
     @precondition(lambda self: not self.closed)
     @rule()
     def check_buffers(self) -> None:
+        """Every known, idle block of both buffers holds exactly the model's bytes."""
         actual = {"a": self.p.read_a(), "b": self.p.read_b()}
         for side in _SIDES:
             for r in range(len(BLOCK_LENS)):
@@ -313,6 +331,7 @@ class TransportStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule()
     def close(self) -> None:
+        """Close ``a``; pending handles and later calls raise TransportClosedError."""
         handles = [self.p.a.handle(x.xid) for x in self.pending]
         self.p.a.close()
         self.p.a.transport.close()
@@ -333,6 +352,7 @@ class TransportStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.closed)
     @rule()
     def closed_stays_closed(self) -> None:
+        """After close, close is a no-op and other calls raise TransportClosedError."""
         t = self.p.a.transport
         t.close()  # a no-op
         for call in (t.local_metadata, t.drain_notifications, lambda: t.remove_peer("x")):
@@ -344,11 +364,13 @@ class TransportStateMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_busy_without_a_pending_transfer(self) -> None:
+        """Invariant: blocks are busy only while a transfer is pending."""
         if not self.pending:
             assert not self.busy["a"].any()
             assert not self.busy["b"].any()
 
     def teardown(self) -> None:
+        """Finish pending transfers, check buffers and notifications, shut the pair down."""
         try:
             if not self.closed:
                 for posted in list(self.pending):
