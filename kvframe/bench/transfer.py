@@ -190,11 +190,14 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
         },
     )
     unpacker = msgpack.Unpacker(raw=False)
+    pd: _PDEngine | None = None
     try:
         while True:
             ready, _, _ = select.select([0], [], [], 0.0005)
             t.progress()
             raw.get_new_notifs()
+            if pd is not None:
+                pd.step()
             if not ready:
                 continue
             data = os.read(0, 1 << 16)
@@ -206,10 +209,20 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
                     _send(reply_fd, t.add_peer(cmd["meta"]))
                 elif cmd["op"] == "add_raw":
                     _send(reply_fd, _as_str(raw.add_remote_agent(cmd["meta"])))
+                elif cmd["op"] == "pd_setup":
+                    if pd is not None:
+                        pd.close()
+                    pd = _PDEngine("kv_producer", pool, cmd["block_size"], cmd["num_blocks"])
+                    _send(reply_fd, None)
+                elif cmd["op"] == "pd_grant":
+                    assert pd is not None
+                    _send(reply_fd, pd.grant(cmd["rid"], cmd["blocks"]))
                 elif cmd["op"] == "exit":
                     _send(reply_fd, None)
                     return
     finally:
+        if pd is not None:
+            pd.close()
         t.close()
 
 
@@ -436,6 +449,153 @@ class _MemcpyMethod:
         pass
 
 
+class _PDEngine:
+    """A minimal engine around :class:`~kvframe.connectors.pd.PDConnector` over a byte pool:
+    one region, ``block_size``-byte blocks, one token per block. Metadata and outputs cross
+    between its scheduler and worker halves as codec bytes, as in a real engine."""
+
+    def __init__(
+        self, role: str, pool: npt.NDArray[np.uint8], block_size: int, num_blocks: int
+    ) -> None:
+        import torch
+
+        from kvframe.config import KVTransferConfig
+        from kvframe.connectors.pd import PDConnector
+        from kvframe.connectors.pd.metadata import PD_CODEC
+        from kvframe.runtime.plugins import PluginHost
+        from kvframe.spi.connector import EngineInfo
+
+        self.codec = PD_CODEC
+        config = KVTransferConfig.from_dict(
+            {
+                "kv_connector": "PDConnector",
+                "kv_role": role,
+                "engine_id": f"bench-{role}-{os.getpid()}-{block_size}",
+                "kv_connector_extra_config": {"transport": "nixl"},
+            }
+        )
+        info = EngineInfo(block_size=1, model="bench")
+        host = PluginHost()
+        host.load()
+        self.sched = PDConnector.build_scheduler(config, info)
+        self.worker = PDConnector.build_worker(config, info, 0, host=host)
+        kv = torch.from_numpy(pool[: block_size * num_blocks]).view(num_blocks, block_size)
+        self.worker.register_kv_caches({"pool": kv})
+        blob = self.worker.get_handshake_metadata()
+        if blob is not None:
+            self.sched.set_xfer_handshake_metadata({0: blob})
+        self.n = 0
+        self.finished_recving: set[str] = set()
+        self.failures: dict[str, str] = {}
+
+    def step(self, timed: bool = False) -> float:
+        """One engine step; returns the seconds ``start_load_kv`` took (the launch cost)."""
+        from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
+        from kvframe.spi.connector import SchedulerStep
+
+        meta = self.sched.build_connector_meta(SchedulerStep(step=self.n, now=time.monotonic()))
+        self.n += 1
+        self.worker.bind_connector_metadata(
+            self.codec.decode_as(self.codec.encode(meta), ConnectorMetadata)
+        )
+        t0 = time.perf_counter()
+        self.worker.start_load_kv(None)
+        launch = time.perf_counter() - t0
+        out = self.worker.build_connector_worker_output()
+        self.worker.clear_connector_metadata()
+        out = self.codec.decode_as(self.codec.encode(out), ConnectorOutput)
+        self.sched.update_connector_output(out)
+        self.finished_recving |= out.finished_recving
+        self.failures.update(out.failures)
+        return launch
+
+    def grant(self, rid: str, blocks: list[int]) -> dict[str, Any]:
+        from kvframe.spi.request import RequestView
+
+        view = RequestView(
+            request_id=rid,
+            num_prompt_tokens=len(blocks) + 1,
+            kv_transfer_params={"do_remote_decode": True},
+            finish_reason="length",
+        )
+        _, params = self.sched.request_finished(view, (tuple(blocks),))
+        assert params is not None
+        return params
+
+    def schedule(self, rid: str, params: dict[str, Any], blocks: list[int]) -> None:
+        from kvframe.spi.request import RequestView
+
+        view = RequestView(
+            request_id=rid,
+            num_prompt_tokens=len(blocks) + 1,
+            kv_transfer_params=params,
+            arrival_time=time.monotonic(),
+        )
+        self.sched.on_new_request(view)
+        n, _ = self.sched.get_num_new_matched_tokens(view, 0)
+        self.sched.update_state_after_alloc(view, (tuple(blocks),), n or 0)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+class _PDConnectorMethod:
+    """Through the P/D connector: P grants a lease (outside the timing, as when prefill ends),
+    then D's scheduler plans the load, its worker checks the lease, posts one READ with the
+    completion notice, polls it and reports the request received."""
+
+    name = "pd_connector"
+
+    def __init__(self, env: BenchEnv) -> None:
+        self.env = env
+        self.engine: _PDEngine | None = None
+        self.params: dict[str, Any] | None = None
+        self.ids = 0
+
+    def setup(self, block_size: int, num_blocks: int) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.env.child.call(None, "pd_setup", block_size=block_size, num_blocks=num_blocks)
+        self.engine = _PDEngine("kv_consumer", self.env.pool, block_size, num_blocks)
+
+    def prepare(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
+        """Untimed: P finishes a request and grants its lease."""
+        assert self.engine is not None
+        self.ids += 1
+        self.rid = f"r{self.ids}"
+        self.params = self.env.child.call(
+            self.engine.step, "pd_grant", rid=self.rid, blocks=src.tolist()
+        )
+
+    def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
+        self._load(dst)
+
+    def _load(self, dst: npt.NDArray[np.int64]) -> float:
+        assert self.engine is not None
+        assert self.params is not None
+        rid = f"d{self.ids}"
+        self.engine.schedule(rid, self.params, dst.tolist())
+        launch = 0.0
+        deadline = time.monotonic() + 30
+        while rid not in self.engine.finished_recving:
+            launch = max(launch, self.engine.step())
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"P/D connector load {rid} did not finish in 30 s")
+        if rid in self.engine.failures:
+            raise RuntimeError(f"P/D connector load failed: {self.engine.failures[rid]}")
+        return launch
+
+    def launch_us(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> float:
+        """Microseconds from ``start_load_kv`` to the READ posted (the step that posts it)."""
+        self.prepare(dst, src)
+        return self._load(dst) * 1e6
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
 def _kvframe_inline(env: BenchEnv) -> _KvframeMethod:
     return _KvframeMethod(env, name="kvframe_inline", options={"post_thread": False})
 
@@ -447,6 +607,7 @@ METHOD_FACTORIES: list[Callable[[BenchEnv], Method]] = [
     _kvframe_inline,
     _RawNixlMethod,
     _MemcpyMethod,
+    _PDConnectorMethod,
 ]
 
 
@@ -488,6 +649,9 @@ def _throughput(
                 dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
                 src = rng.permutation(pool_blocks)[:n].astype(np.int64)
                 for _, m in order:
+                    prepare = getattr(m, "prepare", None)
+                    if prepare is not None:
+                        prepare(dst, src)  # untimed set-up (the P/D method's lease grant)
                     scrub()
                     t0 = time.perf_counter()
                     m.run_once(dst, src)
@@ -502,6 +666,14 @@ def _throughput(
                 f"{first}/{m.name}": results[first]["gbps"] / results[m.name]["gbps"]
                 for m in methods[1:]
             }
+            if "pd_connector" in results:
+                # The whole connector path (scheduler plan, metadata codec, lease check, READ,
+                # completion) against the bare transfer and the copy ceiling.
+                for other in ("raw_nixl", "memcpy"):
+                    if other in results:
+                        ratios[f"pd_connector/{other}"] = (
+                            results["pd_connector"]["gbps"] / results[other]["gbps"]
+                        )
             rows.append(
                 {
                     "block_bytes": bs,
@@ -521,11 +693,14 @@ def _post_cost(
     config: BenchConfig,
     rng: np.random.Generator,
     scrub: _Scrub,
+    pd: _PDConnectorMethod | None = None,
 ) -> list[dict[str, Any]]:
     bs = 16 * KiB
     pool_blocks = config.pool_bytes // bs
     for m in (inline, threaded, raw):
         m.setup(bs, pool_blocks)
+    if pd is not None:
+        pd.setup(bs, pool_blocks)
     rows = []
     for n in config.descriptor_counts:
         samples: dict[str, list[float]] = {
@@ -561,6 +736,14 @@ def _post_cost(
                 xh.release()
                 samples["raw_make_us"].append((t1 - t0) * 1e6)
                 samples["raw_make_transfer_us"].append((t2 - t0) * 1e6)
+        if pd is not None:
+            launches = []
+            for _ in range(config.repeats + 1):
+                dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
+                src = rng.permutation(pool_blocks)[:n].astype(np.int64)
+                scrub()
+                launches.append(pd.launch_us(dst, src))
+            samples["pd_connector_launch_us"] = launches
         row: dict[str, Any] = {"descriptors": n}
         row.update({k: statistics.median(v[1:]) for k, v in samples.items()})
         rows.append(row)
@@ -632,7 +815,8 @@ def measure(config: BenchConfig, *, seed: int = 0) -> dict[str, Any]:
         kv = {m.name: m for m in methods if isinstance(m, _KvframeMethod)}
         inline, threaded = kv["kvframe_inline"], kv["kvframe"]
         raw = next(m for m in methods if isinstance(m, _RawNixlMethod))
-        post_cost = _post_cost(inline, threaded, raw, config, rng, scrub)
+        pd = next((m for m in methods if isinstance(m, _PDConnectorMethod)), None)
+        post_cost = _post_cost(inline, threaded, raw, config, rng, scrub, pd)
         overlap = _overlap(inline, threaded, config, rng)
     finally:
         for m in methods:
@@ -689,14 +873,17 @@ def format_report(report: dict[str, Any]) -> str:
         "Per-request post cost (µs, 16 KiB blocks) against descriptors",
         "",
         "| descriptors | kvframe post (inline) | kvframe post (post_thread) "
-        "| raw make_prepped_xfer | raw make + transfer |",
-        "|---|---|---|---|---|",
+        "| raw make_prepped_xfer | raw make + transfer | P/D connector launch |",
+        "|---|---|---|---|---|---|",
     ]
     for row in report["post_cost"]:
+        launch = row.get("pd_connector_launch_us")
         lines.append(
             f"| {row['descriptors']} | {row['kvframe_inline_post_us']:.1f} | "
             f"{row['kvframe_post_thread_us']:.1f} | {row['raw_make_us']:.1f} | "
-            f"{row['raw_make_transfer_us']:.1f} |"
+            f"{row['raw_make_transfer_us']:.1f} | "
+            + (f"{launch:.1f}" if launch is not None else "-")
+            + " |"
         )
     ov = report["overlap"]
     lines += [
@@ -720,7 +907,8 @@ def run(args: argparse.Namespace) -> int:
                          "results": {method: {"median_s", "gbps"}},
                          "ratios": {"kvframe/<method>": float}}],
          "post_cost": [{"descriptors", "kvframe_inline_post_us", "kvframe_post_thread_us",
-                        "raw_make_us", "raw_make_transfer_us"}],
+                        "raw_make_us", "raw_make_transfer_us",
+                        "pd_connector_launch_us"}],
          "overlap": {"bytes", "transfer_s", "work_s",
                      "inline": {"post_s", "step_s"}, "post_thread": {"post_s", "step_s"}}}
 

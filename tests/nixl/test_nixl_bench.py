@@ -34,7 +34,10 @@ def test_quick_json_shape() -> None:
         for cell in row["results"].values():
             assert cell["median_s"] > 0
             assert cell["gbps"] > 0
-        assert set(row["ratios"]) == {f"kvframe/{m}" for m in report["methods"][1:]}
+        assert set(row["ratios"]) == {f"kvframe/{m}" for m in report["methods"][1:]} | {
+            "pd_connector/raw_nixl",
+            "pd_connector/memcpy",
+        }
     assert [r["descriptors"] for r in report["post_cost"]] == cfg["descriptor_counts"]
     for row in report["post_cost"]:
         assert set(row) == {
@@ -43,6 +46,7 @@ def test_quick_json_shape() -> None:
             "kvframe_post_thread_us",
             "raw_make_us",
             "raw_make_transfer_us",
+            "pd_connector_launch_us",
         }
         assert all(v > 0 for v in row.values())
     overlap = report["overlap"]
