@@ -434,12 +434,13 @@ class MultiConnectorWorker(KVConnectorWorker):
             counters.update(c)
             gauges.update(g)
             events.extend(_prefixed_events(label, out.events))
-            events.append(
-                KVEvent(
-                    kind=CHILD_EVENT,
-                    data={"child": i, "rank": self._rank, "output": DEFAULT_CODEC.encode(out)},
+            if not out.is_empty:  # nothing to give back: spare the engine an event per step
+                events.append(
+                    KVEvent(
+                        kind=CHILD_EVENT,
+                        data={"child": i, "rank": self._rank, "output": DEFAULT_CODEC.encode(out)},
+                    )
                 )
-            )
         counters.update(self._counters)
         self._counters.clear()
         return ConnectorOutput(

@@ -258,3 +258,50 @@ def test_offload_keys_are_deterministic_across_processes() -> None:
         for _ in range(2)
     }
     assert len(outs) == 1
+
+
+def test_failed_store_is_a_miss_and_its_room_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvframe.connectors.offload.worker import OffloadingWorker
+
+    def broken(self: Any, name: str, job: Any) -> None:
+        raise RuntimeError("copy-out failed")
+
+    monkeypatch.setattr(OffloadingWorker, "_store_layer", broken)
+    with _engine(_config(None)) as e:
+        first, _, computed1 = _run(e, PROMPT)
+        sched = e.connector_scheduler
+        assert sched is not None
+        manager = sched.manager  # type: ignore[attr-defined]
+        assert manager.tier_usage(0) == (0, manager.tier_usage(0)[1])
+        again, ext, computed2 = _run(e, PROMPT)
+        assert (again, ext, computed2) == (first, 0, computed1)
+        e.check_no_leaks()  # the blocks kept for the copy-out were released anyway
+
+
+def test_failed_load_is_recomputed_with_equal_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvframe.connectors.offload.worker import OffloadingWorker
+
+    with _engine(_config(None)) as e:
+        first, _, _ = _run(e, PROMPT)
+        real = OffloadingWorker._load_layer
+
+        def flaky(self: Any, name: str, loads: Any) -> None:
+            real(self, name, loads)
+            if name == "layers.2":
+                raise RuntimeError("copy-in failed")
+
+        monkeypatch.setattr(OffloadingWorker, "_load_layer", flaky)
+        again, _, _ = _run(e, PROMPT)
+        assert again == first
+        assert e.scheduler.counters["load_failures"] == 1
+        e.check_no_leaks()
+
+
+def test_requires_piecewise_for_per_layer_loads() -> None:
+    from kvframe.connectors.multi import MultiConnector
+
+    assert OffloadingConnector.requires_piecewise_for_cudagraph({}) is True
+    pd_only = {"connectors": [{"kv_connector": "PDConnector", "kv_role": "kv_consumer"}]}
+    assert MultiConnector.requires_piecewise_for_cudagraph(pd_only) is False
+    both = {"connectors": [*pd_only["connectors"], {"kv_connector": "OffloadingConnector"}]}
+    assert MultiConnector.requires_piecewise_for_cudagraph(both) is True
