@@ -707,10 +707,15 @@ class InProcessTransport(Transport):
         lids = descriptor_ids(local.layout, local_blocks, regions)
         rids = descriptor_ids(remote.layout, remote_blocks, regions)
         if lids.size != rids.size:
+            n_local, n_remote = np.size(local_blocks), np.size(remote_blocks)
+            if n_local != n_remote:
+                raise ValueError(
+                    f"local_blocks has {n_local} entries but remote_blocks has {n_remote}; "
+                    "they pair one to one"
+                )
             raise ValueError(
-                f"local_blocks has {lids.size // max(1, self._nregions(local, regions))} "
-                f"entries but remote_blocks has "
-                f"{rids.size // max(1, self._nregions(remote, regions))}; they pair one to one"
+                f"the local layout has {local.layout.num_regions} regions and the remote one "
+                f"{remote.layout.num_regions}; pass regions= to select regions both have"
             )
         lens = lp.lens[lids]
         if not np.array_equal(lens, rp.lens[rids]):
@@ -862,10 +867,6 @@ class InProcessTransport(Transport):
         if not local and handle.peer is None:
             raise ValueError("the remote layout handle came from prepare_local")
         return prep
-
-    @staticmethod
-    def _nregions(handle: LayoutHandle, regions: Sequence[int] | None) -> int:
-        return handle.layout.num_regions if regions is None else len(list(regions))
 
     @staticmethod
     def _check_inside(layout: BlockLayout, registered: Sequence[MemoryRegion], who: str) -> None:

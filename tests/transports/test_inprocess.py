@@ -447,3 +447,19 @@ def test_device_copies(fabric: InProcessFabric) -> None:  # pragma: no cover - G
     assert torch.equal(dst.reshape(4, 256)[:2], src[[3, 2]].cpu())
     a.close()
     b.close()
+
+
+def test_mismatched_requests_say_what_is_wrong(link: Link, fabric: InProcessFabric) -> None:
+    with pytest.raises(ValueError, match="2 entries but remote_blocks has 1"):
+        link.read([0, 1], [0])
+    one_region = BlockLayout(regions=link.p.layout.regions[:1], block_lens=[BL], num_blocks=NB)
+    remote = link.d.t.prepare_remote("P", one_region)
+    with pytest.raises(ValueError, match="pass regions="):
+        link.d.t.post(Op.READ, link.d.local, [0], remote, [0])
+    h = link.d.t.post(Op.READ, link.d.local, [0], remote, [1], regions=[0])
+    assert link.run(h) is XferState.DONE
+    assert link.d.block(0, 0) == link.p.block(0, 1)
+    narrow = BlockLayout(regions=link.p.layout.regions[:1], block_lens=[BL // 2], num_blocks=NB)
+    narrow_remote = link.d.t.prepare_remote("P", narrow)
+    with pytest.raises(ValueError, match="block lengths differ"):
+        link.d.t.post(Op.READ, link.d.local, [0], narrow_remote, [0], regions=[0])
