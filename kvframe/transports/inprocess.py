@@ -411,6 +411,7 @@ class InProcessFabric:
         """The fault rules applied to every endpoint of this fabric."""
         self._endpoints: dict[str, InProcessTransport] = {}
         self._incarnations = itertools.count(1)
+        self._notification_seq = itertools.count()  # orders one drain across senders
 
     def create(self, params: TransportParams) -> InProcessTransport:
         """A :class:`~kvframe.spi.transport.TransportFactory` bound to this fabric.
@@ -561,7 +562,6 @@ class InProcessTransport(Transport):
         self._peers: dict[str, InProcessTransport] = {}
         self._pending: list[_Transfer] = []
         self._inbox: dict[str, deque[_Incoming]] = {}
-        self._seq = itertools.count()
         self._stats: dict[str, float] = dict.fromkeys(
             (
                 "bytes_read",
@@ -659,8 +659,8 @@ class InProcessTransport(Transport):
         self._check_open()
         old = self._peers.pop(peer, None)
         if old is not None:
+            # notifications it sent before the removal arrived already; they stay drainable
             self._fail_peer_transfers(old, f"peer {peer!r} was removed")
-            self._inbox.pop(peer, None)
 
     def prepare_local(self, layout: BlockLayout) -> LayoutHandle:
         """Descriptors for a layout of this endpoint's registered memory.
@@ -993,11 +993,13 @@ class InProcessTransport(Transport):
         if queue:
             ready_at = max(ready_at, queue[-1].ready_at)
         queue.append(
-            _Incoming(seq=next(_NOTIFICATION_SEQ), sender=self, payload=payload, ready_at=ready_at)
+            _Incoming(
+                seq=next(self._fabric._notification_seq),
+                sender=self,
+                payload=payload,
+                ready_at=ready_at,
+            )
         )
-
-
-_NOTIFICATION_SEQ = itertools.count()
 
 
 class _CudaPointer:
