@@ -99,19 +99,19 @@ class MultiMetadata(ConnectorMetadata):
 MULTI_CODEC = DEFAULT_CODEC.with_types({"multi.metadata": MultiMetadata})
 
 
-def codec_of(connector: type[KVConnector]) -> Codec:
-    """The codec a connector's metadata is encoded with: its ``codec`` class attribute when it
-    has one (the convention), else the default codec. The P/D connector predates the
-    convention and is looked up by class."""
-    codec = getattr(connector, "codec", None)
-    if isinstance(codec, Codec):
-        return codec
-    from kvframe.connectors.pd import PDConnector
-    from kvframe.connectors.pd.metadata import PD_CODEC
+def codec_of(connector: type[KVConnector], config: KVTransferConfig) -> Codec:
+    """The codec a child's metadata is encoded with: the default codec plus the child's own
+    :meth:`~kvframe.spi.connector.KVConnector.metadata_types` for its configuration.
 
-    if issubclass(connector, PDConnector):
-        return PD_CODEC
-    return DEFAULT_CODEC
+    Raises :class:`~kvframe.errors.ConfigError` naming the connector when its types cannot
+    be registered (a malformed tag, a class the codec cannot carry)."""
+    try:
+        return DEFAULT_CODEC.with_types(connector.metadata_types(config))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"connector {config.kv_connector!r}: its metadata_types() cannot be registered "
+            f"with the codec: {exc}"
+        ) from exc
 
 
 def _label(index: int, config: KVTransferConfig) -> str:
@@ -505,7 +505,15 @@ class MultiConnector(KVConnector):
     metadata with :attr:`codec`."""
 
     codec: ClassVar[Codec] = MULTI_CODEC
-    """The codec the engine uses for this connector's metadata."""
+    """The codec the engine uses for this connector's metadata (what
+    ``DEFAULT_CODEC.with_types(MultiConnector.metadata_types(config))`` gives)."""
+
+    @classmethod
+    def metadata_types(cls, config: KVTransferConfig) -> Mapping[str, type[Any]]:
+        """Only ``multi.metadata``: the children's metadata travel inside it as bytes encoded
+        with each child's own codec, so their types never meet in one codec (two children
+        may even use the same tag for different classes)."""
+        return {"multi.metadata": MultiMetadata}
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Mapping[str, Any]) -> bool:
@@ -557,7 +565,7 @@ class MultiConnector(KVConnector):
         return MultiConnectorScheduler(
             [_label(i, sub) for i, (sub, _) in enumerate(children)],
             built,
-            [codec_of(c) for _, c in children],
+            [codec_of(c, sub) for sub, c in children],
             engine.world_size,
         )
 
@@ -579,7 +587,7 @@ class MultiConnector(KVConnector):
         return MultiConnectorWorker(
             [_label(i, sub) for i, (sub, _) in enumerate(children)],
             built,
-            [codec_of(c) for _, c in children],
+            [codec_of(c, sub) for sub, c in children],
             rank,
         )
 

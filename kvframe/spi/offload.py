@@ -235,6 +235,13 @@ class MemoryTier(OffloadTier):
         writes land in the tier). Valid between :meth:`open` and :meth:`close`. Raises
         ``IndexError`` for a slot outside ``0 .. capacity_blocks - 1``."""
 
+    def contiguous_array(self) -> ByteArray | None:
+        """The whole tier as one writable ``[capacity_blocks, block_bytes]`` uint8 array when
+        its slots are one contiguous allocation (slot ``i`` is row ``i``), else ``None``. With
+        it the connector copies runs of consecutive slots in one call. Valid between
+        :meth:`open` and :meth:`close`. Default: ``None``."""
+        return None
+
     def write(self, key: bytes, slot: int, data: ByteArray) -> None:
         """Copy ``data`` into the slot."""
         np.copyto(self.slot_array(slot), data)

@@ -55,7 +55,13 @@ class OffloadingConnector(KVConnector):
     layer. The engine encodes its metadata with :attr:`codec`."""
 
     codec: ClassVar[Codec] = OFFLOAD_CODEC
-    """The codec that knows :class:`~kvframe.connectors.offload.metadata.OffloadMetadata`."""
+    """The codec that knows :class:`~kvframe.connectors.offload.metadata.OffloadMetadata`
+    (what ``DEFAULT_CODEC.with_types(OffloadingConnector.metadata_types(config))`` gives)."""
+
+    @classmethod
+    def metadata_types(cls, config: KVTransferConfig) -> Mapping[str, type[Any]]:
+        """The offloading step metadata (tag ``offload.metadata``)."""
+        return {"offload.metadata": OffloadMetadata}
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Mapping[str, Any]) -> bool:

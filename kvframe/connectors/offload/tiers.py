@@ -118,6 +118,9 @@ class CPUTier(MemoryTier):
         out: ByteArray = self._buffer[slot]
         return out
 
+    def contiguous_array(self) -> ByteArray | None:
+        return self._buffer
+
     def close(self) -> None:
         self._buffer = None
         self._tensor = None
