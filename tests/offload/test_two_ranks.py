@@ -1,0 +1,92 @@
+"""Two worker ranks under one offloading scheduler: each rank keeps its slice of every block,
+and a job counts as done only when both ranks reported it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvframe.config import KVTransferConfig
+from kvframe.connectors.offload import OFFLOAD_CODEC, OffloadingConnector
+from kvframe.protocol.aggregate import OutputAggregator
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
+from kvframe.spi.connector import EngineInfo, SchedulerStep
+from kvframe.spi.request import RequestView, block_hashes
+
+BS = 16
+
+
+def test_store_waits_for_both_ranks_then_loads_each_slice() -> None:
+    cfg = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"tiers": [{"tier": "cpu", "capacity_bytes": 1 << 18}]},
+        }
+    )
+    info = EngineInfo(block_size=BS, world_size=2)
+    sched = OffloadingConnector.build_scheduler(cfg, info)
+    workers = [OffloadingConnector.build_worker(cfg, info, r) for r in range(2)]
+    kvs = [{f"l{i}": torch.rand((16, 2, BS, 1, 8)) for i in range(2)} for _ in range(2)]
+    for w, kv in zip(workers, kvs, strict=True):
+        w.register_kv_caches(kv)
+    sched.set_xfer_handshake_metadata(
+        {r: w.get_handshake_metadata() or b"" for r, w in enumerate(workers)}
+    )
+    agg = OutputAggregator(2)
+    step_no = 0
+
+    def build() -> bytes:
+        nonlocal step_no
+        meta = sched.build_connector_meta(SchedulerStep(step=step_no, now=time.monotonic()))
+        step_no += 1
+        return OFFLOAD_CODEC.encode(meta)
+
+    def run(blob: bytes, ranks: tuple[int, ...] = (0, 1)) -> ConnectorOutput:
+        for r in ranks:
+            w, kv = workers[r], kvs[r]
+            w.bind_connector_metadata(OFFLOAD_CODEC.decode_as(blob, ConnectorMetadata))
+            w.start_load_kv(None)
+            for name, t in kv.items():
+                w.wait_for_layer_load(name)
+                w.save_kv_layer(name, t, None)
+            w.wait_for_save()
+            w.wait_idle()
+            out = w.build_connector_worker_output()
+            agg.add(r, OFFLOAD_CODEC.decode_as(OFFLOAD_CODEC.encode(out), ConnectorOutput))
+            w.clear_connector_metadata()
+        out = agg.take()
+        sched.update_connector_output(out)
+        return out
+
+    try:
+        hashes = block_hashes(list(range(64)), BS)
+        done = RequestView(
+            request_id="a",
+            num_prompt_tokens=64,
+            num_computed_tokens=64,
+            block_hashes=hashes,
+            finish_reason="stop",
+        )
+        assert sched.request_finished(done, ((1, 2, 3, 4),)) == (True, None)
+        expected = [{n: t[[1, 2, 3]].clone() for n, t in kv.items()} for kv in kvs]
+        blob = build()
+        out = run(blob, ranks=(0,))  # rank 1 has not run this step yet
+        assert "a" not in out.finished_sending
+        assert sched.manager is not None
+        new = RequestView(request_id="b", num_prompt_tokens=64, block_hashes=hashes)
+        assert sched.get_num_new_matched_tokens(new, 0) == (None, False)  # still being stored
+        out = run(blob, ranks=(1,))
+        assert "a" in out.finished_sending
+        assert sched.get_num_new_matched_tokens(new, 0) == (48, False)
+        sched.update_state_after_alloc(new, ((9, 10, 11, 12),), 48)
+        run(build())
+        for kv, exp in zip(kvs, expected, strict=True):
+            for n, t in kv.items():
+                assert torch.equal(t[[9, 10, 11]], exp[n])
+        assert not sched.has_pending_work()
+    finally:
+        for w in workers:
+            w.shutdown()
+        sched.shutdown()
