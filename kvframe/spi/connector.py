@@ -418,6 +418,20 @@ class KVConnector(abc.ABC):
         return None
 
     @classmethod
+    def metadata_types(cls, config: KVTransferConfig) -> Mapping[str, type[Any]]:
+        """The connector's own message classes (subclasses of
+        :class:`~kvframe.protocol.messages.ConnectorMetadata`, usually) by codec tag, so an
+        engine can build the codec that carries them between scheduler and workers::
+
+            codec = DEFAULT_CODEC.with_types(connector_cls.metadata_types(config))
+
+        Tags follow :meth:`kvframe.protocol.codec.Codec.with_types` (dotted lowercase, not
+        starting with ``kvframe.``). ``config`` lets a composite connector (MultiConnector)
+        collect its children's types. Default: none (the connector uses the generic
+        messages only)."""
+        return {}
+
+    @classmethod
     @abc.abstractmethod
     def build_scheduler(cls, config: KVTransferConfig, engine: EngineInfo) -> KVConnectorScheduler:
         """Build the scheduler-side half, in the scheduler process, once at engine start.

@@ -302,14 +302,16 @@ def _kill_phase(
     def held() -> int:
         return int(_get(f"{base['prefill']}/stats")["connector"]["gauges"].get("leases_held", 0))
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(prompts))
+    # Twice the prompts, long generations: D (two at a time) keeps most of them queued.
+    batch = prompts * 2
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(batch))
     futs = [
         pool.submit(
-            post_json, f"{base['router']}/v1/completions", {"prompt": p, "max_tokens": 96}, 120
+            post_json, f"{base['router']}/v1/completions", {"prompt": p, "max_tokens": 160}, 120
         )
-        for p in prompts
+        for p in batch
     ]
-    got_leases = _wait_for(lambda: held() >= 3, 30, 0.02)
+    got_leases = _wait_for(lambda: held() >= 2, 30, 0.02)
     time.sleep(2 * interval)  # let heartbeats flow for a while
     n_held = held()
     log(f"  P holds {n_held} leases for requests queued on D; killing D (SIGKILL)")

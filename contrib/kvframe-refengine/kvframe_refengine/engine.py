@@ -99,8 +99,8 @@ class Engine:
         plugin_host: where to look the connector up; default a fresh, loaded
             :class:`~kvframe.runtime.plugins.PluginHost` (entry points and built-ins).
         codec: encodes the connector's metadata and output when ``config.encode_metadata``;
-            default :data:`~kvframe.protocol.codec.DEFAULT_CODEC`. A connector with its own
-            metadata class needs a codec that knows it (``Codec.with_types``).
+            default :data:`~kvframe.protocol.codec.DEFAULT_CODEC` extended with the connector's
+            own message classes (``KVConnector.metadata_types``).
         clock: the engine's monotonic clock in seconds (``SchedulerStep.now``, arrival times).
 
     Raises :class:`~kvframe.errors.PluginNotFoundError` for an unknown connector name,
@@ -119,7 +119,11 @@ class Engine:
     ) -> None:
         self.config = config
         self.kv_transfer_config = kv_transfer_config
-        self._codec = codec if codec is not None else DEFAULT_CODEC
+        if kv_transfer_config is not None and plugin_host is None:
+            plugin_host = PluginHost()
+        self._codec = (
+            codec if codec is not None else self._default_codec(kv_transfer_config, plugin_host)
+        )
         self._clock = clock
         self._closed = False
         if config.torch_threads is not None:
@@ -166,6 +170,16 @@ class Engine:
         configuration, so engines with different weights never exchange KV."""
         digest = hashlib.sha256(repr(self.config.model).encode()).hexdigest()[:16]
         return EngineInfo(block_size=self.config.block_size, model=f"refengine-tinylm-{digest}")
+
+    @staticmethod
+    def _default_codec(kv: KVTransferConfig | None, host: PluginHost | None) -> Codec:
+        # The connector names its own message classes (KVConnector.metadata_types).
+        if kv is None:
+            return DEFAULT_CODEC
+        if host is None:
+            host = PluginHost()
+        host.load()
+        return DEFAULT_CODEC.with_types(host.connector(kv.kv_connector).metadata_types(kv))
 
     def _build_connector(
         self, kv: KVTransferConfig | None, host: PluginHost | None

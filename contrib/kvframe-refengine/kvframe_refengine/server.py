@@ -297,8 +297,6 @@ def build_engine(
                 },
             }
         )
-    from kvframe.connectors.pd.metadata import PD_CODEC
-
     return Engine(
         EngineConfig(
             model=ModelConfig(seed=model_seed),
@@ -307,7 +305,6 @@ def build_engine(
             torch_threads=torch_threads,
         ),
         kv,
-        codec=PD_CODEC,
     )
 
 

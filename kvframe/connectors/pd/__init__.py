@@ -37,6 +37,13 @@ class PDConnector(KVConnector):
         return False
 
     @classmethod
+    def metadata_types(cls, config: KVTransferConfig) -> Mapping[str, type[Any]]:
+        """The P/D step metadata (tag ``pd.metadata``)."""
+        from kvframe.connectors.pd.metadata import PDMetadata
+
+        return {"pd.metadata": PDMetadata}
+
+    @classmethod
     def build_scheduler(cls, config: KVTransferConfig, engine: EngineInfo) -> PDConnectorScheduler:
         return PDConnectorScheduler(
             config, engine, PDOptions.from_extra(config.kv_connector_extra_config)
