@@ -99,8 +99,9 @@ def test_forged_and_malformed_notifications_are_rejected(producer: Node, consume
     forged = wire.LeaseDone(seq=7, sent_at=0.0, done=[("r999~deadbeef", wire.DoneReason.READ)])
     consumer.call("notify", peer=name, payload=wire.encode(forged))
     after = producer.wait(
-        lambda s: s["counters"].get("done_for_unknown_lease", 0)
-        > before.get("done_for_unknown_lease", 0)
+        lambda s: (
+            s["counters"].get("done_for_unknown_lease", 0) > before.get("done_for_unknown_lease", 0)
+        )
     )["counters"]
     assert after.get("notifications_rejected", 0) == before.get("notifications_rejected", 0) + 1
     # P is still healthy
