@@ -117,3 +117,21 @@ def test_a_third_party_policy_is_found_through_the_plugin_host() -> None:
     got = sched.manager.prepare_store([k(9)])  # full: FIFO evicts k(0)
     assert [key for key, _ in got] == [k(9)]
     assert k(0) not in sched.manager.keys(0)
+
+
+def test_without_the_workers_handshake_nothing_is_offloaded_and_it_says_so() -> None:
+    kv = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"tiers": [{"tier": "cpu", "capacity_bytes": 4096}]},
+        }
+    )
+    from kvframe.spi.request import RequestView
+
+    sched = OffloadingConnector.build_scheduler(kv, EngineInfo(block_size=16))
+    req = RequestView(request_id="r", num_prompt_tokens=40)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert [e.kind for e in sched.take_events()] == ["offload.inactive"]
+    assert sched.request_finished(req, ((1, 2),)) == (False, None)

@@ -148,6 +148,7 @@ class OffloadingScheduler(KVConnectorScheduler):
         self._reports: dict[int, list[JobReport]] = {}
         self._events: list[KVEvent] = []
         self._counters: dict[str, int] = {}
+        self._warned = False
 
     # -- start-up ----------------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, bytes]) -> None:
@@ -227,6 +228,19 @@ class OffloadingScheduler(KVConnectorScheduler):
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if self.manager is None:
+            if not self._warned:
+                # Without the workers' handshake the block size in bytes is unknown: say so
+                # once instead of silently offloading nothing.
+                self._warned = True
+                self._events.append(
+                    KVEvent(
+                        kind="offload.inactive",
+                        data={
+                            "reason": "the engine never called set_xfer_handshake_metadata() "
+                            "with the workers' get_handshake_metadata(); nothing is offloaded"
+                        },
+                    )
+                )
             return 0, False
         bs = self._engine.block_size
         keys = self._keys(request)
