@@ -20,6 +20,10 @@ __all__ = ["main"]
 
 #: Benchmarks: name -> (module, one-line help).
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "pipeline": (
+        "kvframe.bench.pipeline",
+        "decode-side KV loads layer by layer vs whole transfer before compute, vs max(c, t)",
+    ),
     "transfer": (
         "kvframe.bench.transfer",
         "cross-process READ: kvframe NIXL transport vs raw NIXL vs memcpy, and post cost",
