@@ -210,40 +210,7 @@ def _surface_problems(module: str, path: Path | None = None) -> list[str]:
 # Gaps in other engineers' modules that existed when this test was written, with their owners
 # noted in the lead's tracker. The list may only shrink: an entry that no longer fails must be
 # removed (test_known_surface_gaps_still_exist), so a fixed module cannot regress unnoticed.
-KNOWN_SURFACE_GAPS: dict[str, set[str]] = {
-    "kvframe.bench": {
-        "no __all__",
-    },
-    "kvframe.bench.lease": {
-        "measure looks public but is not in __all__ (add it or prefix _)",
-    },
-    "kvframe.connectors": {
-        "no module docstring",
-        "no __all__",
-    },
-    "kvframe.connectors.pd.handshake": {
-        "ClockSample.rtt has no docstring",
-        "HANDSHAKE_VERSION is undocumented (add a #: comment or a docstring below)",
-        "MAX_PAYLOAD is undocumented (add a #: comment or a docstring below)",
-    },
-    "kvframe.connectors.pd.peers": {
-        "PeerState has no docstring",
-        "RemoteEngines.by_peer has no docstring",
-        "RemoteEngines.compat has no docstring",
-        "RemoteEngines.entries has no docstring",
-        "RemoteEngines.get has no docstring",
-        "RemoteEngines.touch has no docstring",
-    },
-    "kvframe.spi": {
-        "no __all__",
-    },
-    "kvframe.spi.transport": {
-        "BlockLayout.num_regions has no docstring",
-    },
-    "kvframe.testing.conformance": {
-        "pair_factory looks public but is not in __all__ (add it or prefix _)",
-    },
-}
+KNOWN_SURFACE_GAPS: dict[str, set[str]] = {}
 
 
 @pytest.mark.parametrize("module", _public_modules())

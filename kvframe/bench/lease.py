@@ -48,7 +48,7 @@ import msgpack
 from kvframe.core import wire
 from kvframe.core.lease import LeasePolicy, LeaseTable
 
-__all__ = ["NaiveLeases", "add_arguments", "run"]
+__all__ = ["NaiveLeases", "add_arguments", "measure", "run"]
 
 _POLICY = LeasePolicy.from_duration(30.0)  # interval 5, extension 20
 # Timeline (seconds): the leases to reclaim are granted at 0 (expiry 30), the rest at 10

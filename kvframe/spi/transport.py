@@ -207,6 +207,7 @@ class BlockLayout:
 
     @property
     def num_regions(self) -> int:
+        """The number of regions (a connector's layer count, typically)."""
         return len(self.regions)
 
     @property

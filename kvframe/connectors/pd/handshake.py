@@ -62,7 +62,10 @@ __all__ = [
     "layout_to_wire",
 ]
 
+#: The side-channel protocol version; a peer speaking another one is refused before its
+#: payload is decoded.
 HANDSHAKE_VERSION = 1
+#: The largest payload (bytes) either side accepts.
 MAX_PAYLOAD = 1 << 20
 _MAGIC = b"KVFH"
 _HEADER = struct.Struct("!4sBB16s")
@@ -138,6 +141,7 @@ class ClockSample:
 
     @property
     def rtt(self) -> float:
+        """The round trip, in seconds on the client's clock."""
         return self.t_recv - self.t_send
 
     @property

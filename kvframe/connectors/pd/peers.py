@@ -37,6 +37,8 @@ __all__ = ["PeerState", "RemoteEngine", "RemoteEngines"]
 
 
 class PeerState(enum.Enum):
+    """Where a remote engine rank is: handshake under way, usable, or failed."""
+
     CONNECTING = "connecting"
     READY = "ready"
     FAILED = "failed"
@@ -110,6 +112,7 @@ class RemoteEngines:
 
     @staticmethod
     def compat(**facts: Any) -> bytes:
+        """The compatibility hash of ``facts`` (see :func:`~.handshake.compat_hash`)."""
         return compat_hash(**facts)
 
     def _work(self) -> None:
@@ -153,15 +156,18 @@ class RemoteEngines:
         return entry
 
     def get(self, engine_id: str, rank: int) -> RemoteEngine | None:
+        """The entry for ``(engine_id, rank)``, or ``None``."""
         return self._engines.get((engine_id, rank))
 
     def by_peer(self, peer: str) -> RemoteEngine | None:
+        """The entry whose transport peer is ``peer``, or ``None``."""
         for e in self._engines.values():
             if e.peer == peer:
                 return e
         return None
 
     def touch(self, entry: RemoteEngine, now: float) -> None:
+        """Mark ``entry`` used at ``now`` (postpones its idle eviction)."""
         entry.last_used = now
 
     def poll(self, now: float, busy: Callable[[str], bool]) -> list[RemoteEngine]:
@@ -237,6 +243,7 @@ class RemoteEngines:
         return len(self._engines)
 
     def entries(self) -> list[RemoteEngine]:
+        """Every known remote engine rank."""
         return list(self._engines.values())
 
     def close(self) -> None:
