@@ -277,6 +277,10 @@ class XferHandle:
     state: XferState = XferState.PENDING
     error: TransportError | None = None
     """Why it failed, once ``state`` is ``FAILED``."""
+    transfer_seconds: float | None = None
+    """How long the data movement itself took, once ``DONE``, when the transport knows it (a
+    backend's telemetry or its own timing); ``None`` otherwise. Unlike the time from ``post``
+    to the ``poll`` that saw ``DONE``, it does not depend on how often the caller polls."""
     released: bool = False
 
 

@@ -612,7 +612,10 @@ class PDConnectorWorker(KVConnectorWorker):
             )
             return
         self._count("bytes_read", load.handle.nbytes, engine=load.spec.remote.engine_id)
-        self._count("transfer_seconds", t_done - load.posted_at)
+        # The movement itself when the transport knows it; the wait as the engine saw it.
+        moved = load.handle.transfer_seconds
+        self._count("transfer_seconds", moved if moved is not None else t_done - load.posted_at)
+        self._count("load_wait_seconds", t_done - load.posted_at)
         self._count("loads_done", engine=load.spec.remote.engine_id)
         self._complete(load, now)
 

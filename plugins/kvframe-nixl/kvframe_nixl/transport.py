@@ -1003,6 +1003,7 @@ class NixlTransport(Transport):
         if rec.telemetry is not None:
             self._stats["nixl_post_us"] += rec.telemetry[0]
             self._stats["nixl_xfer_us"] += rec.telemetry[1]
+            handle.transfer_seconds = rec.telemetry[1] / 1e6
         if rec.empty_notification and handle.peer in self._peers:
             with contextlib.suppress(TransportError):
                 self.send_notification(handle.peer, b"")
