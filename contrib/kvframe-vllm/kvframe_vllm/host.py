@@ -228,7 +228,9 @@ class _Host:
             ],
         }
 
-    def submit(self, prompt: Sequence[int], max_tokens: int, params: Any, steps: int) -> Any:
+    def submit(
+        self, prompt: Sequence[int], max_tokens: int, params: Any, steps: int, die: bool
+    ) -> Any:
         from vllm.inputs import TokensPrompt
 
         self.ids += 1
@@ -238,6 +240,9 @@ class _Host:
         )
         for _ in range(steps):
             self.engine.step()
+        if die:
+            # A crash with the request accepted (the connector saw it) and nothing cleaned up.
+            os.kill(os.getpid(), signal.SIGKILL)
         return {"request_id": rid}
 
     def pump(self) -> None:
@@ -291,7 +296,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif op == "generate":
                 reply = host.generate(req["prompts"], req["max_tokens"], req["params"])
             elif op == "submit":
-                reply = host.submit(req["prompt"], req["max_tokens"], req["params"], req["steps"])
+                reply = host.submit(
+                    req["prompt"],
+                    req["max_tokens"],
+                    req["params"],
+                    req.get("steps", 0),
+                    req.get("die", False),
+                )
             elif op == "state":
                 reply = host.state()
             elif op == "exit":

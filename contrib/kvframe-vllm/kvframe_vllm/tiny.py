@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["SENTENCES", "build_tiny_llama", "prompt_ids"]
+__all__ = ["SENTENCES", "build_in_subprocess", "build_tiny_llama", "main", "prompt_ids"]
 
 SENTENCES = (
     "the quick brown fox jumps over the lazy dog",
@@ -93,9 +93,41 @@ def build_tiny_llama(
     return out
 
 
+def build_in_subprocess(directory: str | Path, *, seed: int = 0, python: str | None = None) -> Path:
+    """:func:`build_tiny_llama` in a child interpreter (torch and transformers stay out of
+    the caller). Raises ``subprocess.CalledProcessError`` with the child's output on failure.
+    """
+    import subprocess
+    import sys
+
+    subprocess.run(
+        [python or sys.executable, "-m", "kvframe_vllm.tiny", str(directory), "--seed", str(seed)],
+        check=True,
+        capture_output=True,
+    )
+    return Path(directory)
+
+
 def prompt_ids(index: int, num_tokens: int, vocab_size: int = 384) -> list[int]:
     """A deterministic prompt of exactly ``num_tokens`` token ids (distinct per ``index``),
     avoiding the two special tokens. Raises ``ValueError`` for ``num_tokens < 1``."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens = {num_tokens}; a prompt needs at least one token")
     return [2 + (index * 7919 + i * 104729) % (vocab_size - 2) for i in range(num_tokens)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvframe_vllm.tiny DIR [--seed N]``: build a model (in its own process, so
+    that a caller need not import torch). Returns the exit status."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvframe_vllm.tiny")
+    ap.add_argument("directory")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    build_tiny_llama(args.directory, seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
