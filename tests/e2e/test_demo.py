@@ -26,7 +26,7 @@ def test_demo_passes_every_check() -> None:
     )
     result = json.loads(proc.stdout)
     failed = [name for name, ok in result["checks"].items() if not ok]
-    assert not failed, failed
+    assert not failed, json.dumps(result, indent=1)
     assert proc.returncode == 0
     p1 = result["phase1"]
     assert p1["equal_outputs"] == p1["requests"] == 6
