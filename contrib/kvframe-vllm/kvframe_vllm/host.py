@@ -15,6 +15,7 @@ pickle).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import signal
@@ -173,6 +174,20 @@ class _Host:
         core = self.engine.engine_core.engine_core
         self.scheduler = core.scheduler
         self.ids = 0
+        self.stats_log: list[Any] = []
+        conn = self.worker_connector()
+        if conn is not None:
+            # Keep a copy of every stats report the model runner collects (any connector,
+            # vLLM's own included), for the benchmark; vLLM still gets the original.
+            original = conn.get_kv_connector_stats
+
+            def recorded() -> Any:
+                stats = original()
+                if stats is not None and not stats.is_empty():
+                    self.stats_log.append(copy.deepcopy(stats.data))
+                return stats
+
+            conn.get_kv_connector_stats = recorded
 
     def pool(self) -> Any:
         return self.scheduler.kv_cache_manager.block_pool
@@ -303,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     req.get("steps", 0),
                     req.get("die", False),
                 )
+            elif op == "take_stats":
+                reply = {"reports": host.stats_log}
+                host.stats_log = []
             elif op == "state":
                 reply = host.state()
             elif op == "exit":
