@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from kvframe_vllm.host import EngineProcess
 from kvframe_vllm.tiny import build_in_subprocess
 

@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import pytest
-
 from kvframe_vllm.host import EngineError, EngineProcess
 from kvframe_vllm.tiny import prompt_ids
 

@@ -38,6 +38,7 @@ decode engine (D, core 1) start as separate processes on the tiny local Llama, t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -167,10 +168,9 @@ def run_pair(connector: str, model: Path, logs: Path, args: argparse.Namespace) 
         params, _ = prefill(victim)
         held = base - int(p.call("state")["free_blocks"])
         t_grant = time.monotonic()
-        try:
+        # The engine kills itself once the request is accepted, so the call fails.
+        with contextlib.suppress(EngineError):
             d.call("submit", prompt=victim[0], max_tokens=dtok, params=params[0], die=True)
-        except EngineError:
-            pass  # the engine killed itself, as asked
         reclaimed_at: float | None = None
         while time.monotonic() - t_grant < lease + 20:
             if int(p.call("state")["free_blocks"]) >= base:
@@ -223,9 +223,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="kvframe-bench-vllm-"))
     print(f"kvframe bench vllm: engine logs in {logs}", file=sys.stderr)
     model = build_in_subprocess(logs / "model", seed=0)
-    results = {
-        c: run_pair(c, model, logs, args) for c in CONNECTORS if args.only in (None, c)
-    }
+    results = {c: run_pair(c, model, logs, args) for c in CONNECTORS if args.only in (None, c)}
     ratios: dict[str, float] = {}
     if len(results) == 2:
         k, v = results["kvframe"], results["nixl"]
@@ -264,7 +262,8 @@ def render(report: dict[str, Any]) -> str:
     for label, key in rows:
         lines.append(f"{label:34}" + "".join(f"{_fmt(res[n][key]):>16}" for n in names))
     death = "".join(
-        f"{_fmt(res[n]['decode_death']['seconds']) + ' s':>16}" if res[n]["decode_death"]["reclaimed"]
+        f"{_fmt(res[n]['decode_death']['seconds']) + ' s':>16}"
+        if res[n]["decode_death"]["reclaimed"]
         else f"{'not reclaimed':>16}"
         for n in names
     )
@@ -293,12 +292,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.requests < 1 or args.decode_tokens < 1 or args.lease <= 0:
-        print("kvframe bench vllm: --requests, --decode-tokens and --lease must be > 0",
-              file=sys.stderr)
+        print(
+            "kvframe bench vllm: --requests, --decode-tokens and --lease must be > 0",
+            file=sys.stderr,
+        )
         return 2
     if not 32 <= args.prompt_tokens <= 400:
-        print("kvframe bench vllm: --prompt-tokens must be 32..400 (at least one 32-token "
-              "block; the engines allow 512 tokens)", file=sys.stderr)
+        print(
+            "kvframe bench vllm: --prompt-tokens must be 32..400 (at least one 32-token "
+            "block; the engines allow 512 tokens)",
+            file=sys.stderr,
+        )
         return 2
     report = measure(args)
     print(json.dumps(report, indent=2) if args.json else render(report))

@@ -301,9 +301,7 @@ class KVFrameConnector(KVConnectorBase_V1):
         """The step's kvframe metadata, encoded with the connector's codec."""
         counts: Mapping[str, int] = scheduler_output.num_scheduled_tokens
         new = {r.req_id: counts.get(r.req_id, 0) for r in scheduler_output.scheduled_new_reqs}
-        cached = {
-            rid: counts.get(rid, 0) for rid in scheduler_output.scheduled_cached_reqs.req_ids
-        }
+        cached = {rid: counts.get(rid, 0) for rid in scheduler_output.scheduled_cached_reqs.req_ids}
         step = SchedulerStep(
             step=self._step,
             new_requests=new,

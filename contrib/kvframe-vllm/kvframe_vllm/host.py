@@ -208,7 +208,10 @@ class _Host:
             "has_requests": bool(self.scheduler.has_requests()),
             "requests": len(self.scheduler.requests),
         }
-        for key, conn in (("scheduler", self.sched_connector()), ("worker", self.worker_connector())):
+        for key, conn in (
+            ("scheduler", self.sched_connector()),
+            ("worker", self.worker_connector()),
+        ):
             totals = getattr(conn, "totals", None)
             out[key] = totals() if callable(totals) else {}
         return out

@@ -39,7 +39,7 @@ class KVFrameStats(KVConnectorStats):
 
     def reset(self) -> None:
         """Forget everything."""
-        self.data = {"counters": {}, "gauges": {}}
+        self.data: dict[str, Any] = {"counters": {}, "gauges": {}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Counters add, gauges take the maximum. Returns ``self`` (updated)."""

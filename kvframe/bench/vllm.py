@@ -1,0 +1,66 @@
+"""``kvframe bench vllm``: kvframe's P/D connector beside vLLM's own ``NixlConnector`` in real
+vLLM engines — a thin launcher.
+
+vLLM lives in its own virtualenv (``.venv-vllm``, made by ``./dev vllm-setup``; it pins its own
+torch build), so this command runs ``python -m kvframe_vllm.bench`` with that venv's
+interpreter and passes the options through. ``KVFRAME_VLLM_PYTHON`` names another
+interpreter. What is measured and the JSON shape are documented in ``kvframe_vllm.bench``
+(``docs/vllm.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["add_arguments", "find_python", "run"]
+
+
+def find_python() -> Path | None:
+    """The vLLM venv's interpreter: ``$KVFRAME_VLLM_PYTHON``, else ``.venv-vllm/bin/python``
+    beside the kvframe checkout or in the current directory; ``None`` if none exists."""
+    env = os.environ.get("KVFRAME_VLLM_PYTHON")
+    if env:
+        return Path(env)
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        candidate = root / ".venv-vllm" / "bin" / "python"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options (passed through to ``kvframe_vllm.bench``)."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--requests", type=int, default=8, help="requests per phase (8)")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (256)")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded (32)")
+    parser.add_argument("--lease", type=float, default=5.0, help="kv_lease_duration s (5)")
+    parser.add_argument(
+        "--only", choices=("nixl", "kvframe"), default=None, help="run one connector only"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark in the vLLM venv; returns its exit status (2 when there is no such
+    venv, with a message saying how to make one)."""
+    python = find_python()
+    if python is None or not python.exists():
+        print(
+            "kvframe bench vllm: no vLLM virtualenv found (.venv-vllm/bin/python); create it "
+            "with `./dev vllm-setup` or set KVFRAME_VLLM_PYTHON to a Python that has vllm "
+            "and kvframe-vllm installed",
+            file=sys.stderr,
+        )
+        return 2
+    cmd = [str(python), "-m", "kvframe_vllm.bench"]
+    cmd += ["--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens)]
+    cmd += ["--decode-tokens", str(args.decode_tokens), "--lease", str(args.lease)]
+    if args.only:
+        cmd += ["--only", args.only]
+    if args.json:
+        cmd.append("--json")
+    return subprocess.run(cmd, check=False).returncode
