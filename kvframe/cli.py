@@ -36,6 +36,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvframe.bench.offload",
         "offload tiers vs memcpy and os.pwrite/pread, lookup cost, LRU vs ARC hit rates",
     ),
+    "vllm": (
+        "kvframe.bench.vllm",
+        "P/D inside real vLLM engines: vLLM's NixlConnector vs kvframe's PDConnector",
+    ),
 }
 
 
