@@ -223,20 +223,21 @@ class KVFrameConnector(KVConnectorBase_V1):
         return self._worker
 
     def totals(self) -> dict[str, float]:
-        """Counters summed since start and the latest gauges of this side's kvframe stats
-        (scheduler role: the scheduler half's and, through ``update_connector_output``, the
-        workers'; worker role: this rank's), plus ``free_blocks`` on the scheduler once vLLM
-        bound its block pool."""
+        """Counters summed since start and the latest gauges of this side's kvframe stats.
+
+        Worker role: this rank's. Scheduler role: the scheduler half's under their own names,
+        the workers' (aggregated over ranks, as ``update_connector_output`` received them)
+        prefixed ``workers.``, and ``free_blocks`` of vLLM's block pool once it is bound."""
         out = dict(self._totals)
         out.update(self._gauges)
         if self._block_pool is not None:
             out["free_blocks"] = float(self._block_pool.get_num_free_blocks())
         return out
 
-    def _absorb(self, stats: Stats) -> None:
+    def _absorb(self, stats: Stats, prefix: str = "") -> None:
         for k, v in stats.counters.items():
-            self._totals[k] = self._totals.get(k, 0.0) + float(v)
-        self._gauges.update({k: float(v) for k, v in stats.gauges.items()})
+            self._totals[prefix + k] = self._totals.get(prefix + k, 0.0) + float(v)
+        self._gauges.update({prefix + k: float(v) for k, v in stats.gauges.items()})
 
     # -- class-level requirements ----------------------------------------------------------
     @classmethod
@@ -326,7 +327,7 @@ class KVFrameConnector(KVConnectorBase_V1):
         raw = getattr(connector_output, "kv_connector_stats", None)
         if isinstance(raw, KVFrameStats):
             stats = raw.as_kvframe()
-            self._absorb(stats)
+            self._absorb(stats, "workers.")
         for ev in events:
             logger.info("kvframe event %s %s", ev.kind, dict(ev.data))
         out = ConnectorOutput(

@@ -321,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     req.get("steps", 0),
                     req.get("die", False),
                 )
+            elif op == "reset_prefix_cache":
+                reply = {"ok": bool(llm.reset_prefix_cache())}
             elif op == "take_stats":
                 reply = {"reports": host.stats_log}
                 host.stats_log = []
