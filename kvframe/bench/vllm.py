@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded (32)")
     parser.add_argument("--lease", type=float, default=5.0, help="kv_lease_duration s (5)")
     parser.add_argument(
+        "--repeat", type=int, default=3, help="repetitions of each phase; medians (3)"
+    )
+    parser.add_argument(
         "--only", choices=("nixl", "kvframe"), default=None, help="run one connector only"
     )
 
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     cmd = [str(python), "-m", "kvframe_vllm.bench"]
     cmd += ["--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens)]
     cmd += ["--decode-tokens", str(args.decode_tokens), "--lease", str(args.lease)]
+    cmd += ["--repeat", str(args.repeat)]
     if args.only:
         cmd += ["--only", args.only]
     if args.json:

@@ -6,15 +6,18 @@ Run it inside the vLLM virtualenv (``kvframe bench vllm`` does) as
 decode engine (D, core 1) start as separate processes on the tiny local Llama, then:
 
 - **warm-up**: one request end to end (handshakes, compile caches), not measured;
-- **TTFT on decode**: ``--requests`` requests one at a time: P prefills (``max_tokens=1``,
-  ``do_remote_decode``), then D generates one token with the returned ``kv_transfer_params``;
+- **TTFT on decode**: ``--requests`` × ``--repeat`` requests one at a time: P prefills
+  (``max_tokens=1``, ``do_remote_decode``), then D generates one token with the returned
+  ``kv_transfer_params``;
   the time of D's call is its time to first token (pull of the KV included). Median;
 - **KV transfer**: from the connector's own stats on D (vLLM's NIXL telemetry for
   ``NixlConnector``; kvframe's ``transfer_seconds``/``bytes_read`` counters): mean seconds per
   request and GB/s;
 - **throughput**: all requests prefilled in one batch on P, then decoded in one batch on D
   with ``--decode-tokens`` each: decode tokens per second on D, and requests per second end to
-  end (P batch + D batch);
+  end (P batch + D batch); beside it the same D serving a batch it prefills itself (no
+  transfer), which shows how much of the figure is the machine rather than the connector.
+  Medians over ``--repeat`` batches;
 - **correctness**: D's outputs equal P's own single-engine outputs for the same prompts;
 - **lease on decode death**: P prefills one more request, D accepts it and is SIGKILLed before
   reading; the seconds until P's free block count is back (both connectors run with
@@ -23,11 +26,13 @@ decode engine (D, core 1) start as separate processes on the tiny local Llama, t
 ``--json`` prints one object::
 
     {"benchmark": "vllm",
-     "params": {"requests": int, "prompt_tokens": int, "decode_tokens": int, "lease": float},
+     "params": {"requests": int, "prompt_tokens": int, "decode_tokens": int, "lease": float,
+                "repeat": int, "loadavg_1min": float},
      "results": {"nixl" | "kvframe": {
          "startup_s": float, "outputs_match_reference": bool,
          "ttft_decode_ms": float, "kv_transfer_ms": float | null, "kv_bytes_per_request": float,
          "kv_transfer_gbps": float | null, "decode_tokens_per_s": float,
+         "local_prefill_decode_tokens_per_s": float,
          "e2e_requests_per_s": float,
          "decode_death": {"reclaimed": bool, "seconds": float | null, "blocks": int}}},
      "ratios": {"ttft_decode": float, "decode_tokens_per_s": float}}
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -147,21 +153,33 @@ def run_pair(connector: str, model: Path, logs: Path, args: argparse.Namespace) 
         d.call("take_stats")
 
         ttft: list[float] = []
-        for i in range(n):
+        for i in range(n * args.repeat):
             prompt = [prompt_ids(i, plen)]
             params, _ = prefill(prompt)
             out = d.call("generate", prompts=prompt, max_tokens=1, params=params)
             ttft.append(float(out["seconds"]))
         xfer_s, xfer_b, xfer_n = _transfer(d.call("take_stats")["reports"])
 
-        batch = [prompt_ids(100 + i, plen) for i in range(n)]
-        reference = p.call("generate", prompts=batch, max_tokens=dtok, params=[None] * n)
-        params, p_seconds = prefill(batch)
-        out = d.call("generate", prompts=batch, max_tokens=dtok, params=params)
-        d_seconds = float(out["seconds"])
-        matches = [o["token_ids"] for o in out["outputs"]] == [
-            o["token_ids"] for o in reference["outputs"]
-        ]
+        matches = True
+        p_times: list[float] = []
+        d_times: list[float] = []
+        local_times: list[float] = []
+        for r in range(args.repeat):
+            batch = [prompt_ids(100 + 50 * r + i, plen) for i in range(n)]
+            reference = p.call("generate", prompts=batch, max_tokens=dtok, params=[None] * n)
+            params, p_seconds = prefill(batch)
+            out = d.call("generate", prompts=batch, max_tokens=dtok, params=params)
+            p_times.append(p_seconds)
+            d_times.append(float(out["seconds"]))
+            matches = matches and [o["token_ids"] for o in out["outputs"]] == [
+                o["token_ids"] for o in reference["outputs"]
+            ]
+            # The same engine prefilling locally: how fast this D is without any transfer.
+            local = [prompt_ids(700 + 50 * r + i, plen) for i in range(n)]
+            out = d.call("generate", prompts=local, max_tokens=dtok, params=[None] * n)
+            local_times.append(float(out["seconds"]))
+        p_seconds = statistics.median(p_times)
+        d_seconds = statistics.median(d_times)
 
         base = _wait_idle(p)
         victim = [prompt_ids(999, plen)]
@@ -185,6 +203,9 @@ def run_pair(connector: str, model: Path, logs: Path, args: argparse.Namespace) 
             "kv_bytes_per_request": xfer_b / xfer_n if xfer_n else 0.0,
             "kv_transfer_gbps": round(xfer_b / xfer_s / 1e9, 3) if xfer_s > 0 else None,
             "decode_tokens_per_s": round(n * dtok / d_seconds, 1),
+            "local_prefill_decode_tokens_per_s": round(
+                n * dtok / statistics.median(local_times), 1
+            ),
             "e2e_requests_per_s": round(n / (p_seconds + d_seconds), 2),
             "decode_death": {
                 "reclaimed": reclaimed_at is not None,
@@ -214,6 +235,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded (32)")
     parser.add_argument("--lease", type=float, default=5.0, help="kv_lease_duration s (5)")
     parser.add_argument(
+        "--repeat", type=int, default=3, help="repetitions of each phase; medians (3)"
+    )
+    parser.add_argument(
         "--only", choices=CONNECTORS, default=None, help="run one connector only (for tests)"
     )
 
@@ -238,6 +262,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "prompt_tokens": args.prompt_tokens,
             "decode_tokens": args.decode_tokens,
             "lease": args.lease,
+            "repeat": args.repeat,
+            # Other work on the machine moves every figure; this says how much there was.
+            "loadavg_1min": round(os.getloadavg()[0], 2),
         },
         "results": results,
         "ratios": ratios,
@@ -254,6 +281,7 @@ def render(report: dict[str, Any]) -> str:
         ("KV bytes per request", "kv_bytes_per_request"),
         ("KV transfer (GB/s)", "kv_transfer_gbps"),
         ("decode throughput (tokens/s)", "decode_tokens_per_s"),
+        ("  same D, local prefill (tokens/s)", "local_prefill_decode_tokens_per_s"),
         ("end to end (requests/s)", "e2e_requests_per_s"),
     ]
     res = report["results"]
@@ -271,7 +299,8 @@ def render(report: dict[str, Any]) -> str:
     p = report["params"]
     lines.append(
         f"({p['requests']} requests, {p['prompt_tokens']}-token prompts, {p['decode_tokens']} "
-        f"decode tokens, kv_lease_duration {p['lease']} s)"
+        f"decode tokens, kv_lease_duration {p['lease']} s, medians of {p['repeat']}, "
+        f"load average {p['loadavg_1min']})"
     )
     for k, v in report["ratios"].items():
         lines.append(f"kvframe / nixl {k}: {v}")
@@ -291,9 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvframe_vllm.bench")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.decode_tokens < 1 or args.lease <= 0:
+    if args.requests < 1 or args.decode_tokens < 1 or args.lease <= 0 or args.repeat < 1:
         print(
-            "kvframe bench vllm: --requests, --decode-tokens and --lease must be > 0",
+            "kvframe bench vllm: --requests, --decode-tokens, --lease and --repeat must be > 0",
             file=sys.stderr,
         )
         return 2
