@@ -131,3 +131,34 @@ def test_request_view_maps_a_vllm_request() -> None:
     cache.forget("r1")
     assert len(cache) == 0
     assert abs(monotonic_from_wall(time.time()) - time.monotonic()) < 0.1
+
+
+def test_kv_regions_keeps_block_major_and_splits_kv_first() -> None:
+    import torch
+    from kvframe_vllm.mapping import kv_regions
+
+    block_major = torch.zeros(8, 4, 64, 32)
+    kv_first = torch.zeros(2, 8, 32, 4, 32)
+    out = kv_regions({"l0": block_major, "l1": kv_first}, num_blocks=8)
+    assert list(out) == ["l0", "l1.k", "l1.v"]
+    assert out["l0"] is block_major
+    assert out["l1.k"].shape == (8, 32, 4, 32)
+    assert out["l1.v"].data_ptr() == kv_first[1].data_ptr()
+    with pytest.raises(ValueError, match=r"layer 'bad' has shape \(3, 8\)"):
+        kv_regions({"bad": torch.zeros(3, 8)}, num_blocks=8)
+    with pytest.raises(ValueError, match="not contiguous"):
+        kv_regions({"t": torch.zeros(4, 8).t()}, num_blocks=8)
+
+
+def test_bench_launcher_without_a_vllm_venv_says_how_to_make_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from kvframe.bench import vllm as launcher
+
+    monkeypatch.setenv("KVFRAME_VLLM_PYTHON", "/nonexistent/python")
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    assert launcher.run(parser.parse_args([])) == 2
+    assert "./dev vllm-setup" in capsys.readouterr().err
