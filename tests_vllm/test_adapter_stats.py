@@ -1,0 +1,85 @@
+"""The adapter's vLLM-facing values without an engine: stats aggregation and reduction, the
+Prometheus families, and the worker report that carries failures and events.
+
+vLLM is imported inside the tests: its import makes torch emit deprecation warnings that are
+not ours (warnings are errors in this suite), ignored here only.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from kvframe.protocol.messages import KVEvent, Stats
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_stats_add_counters_and_take_the_max_of_gauges() -> None:
+    from kvframe_vllm.stats import KVFrameStats
+
+    a = KVFrameStats.from_kvframe(Stats(counters={"loads_done": 2}, gauges={"leases_held": 1}))
+    b = KVFrameStats.from_kvframe(
+        Stats(counters={"loads_done": 3, "bytes_read": 10}, gauges={"leases_held": 4})
+    )
+    agg = a.aggregate(b)
+    assert agg.data == {
+        "counters": {"loads_done": 5, "bytes_read": 10},
+        "gauges": {"leases_held": 4},
+    }
+    assert agg.reduce() == {"loads_done": 5, "bytes_read": 10, "now.leases_held": 4}
+    assert not agg.is_empty()
+    assert agg.as_kvframe().counters["loads_done"] == 5
+    agg.reset()
+    assert agg.is_empty()
+
+
+def test_prometheus_families_carry_counters_and_gauges() -> None:
+    import prometheus_client
+    from kvframe_vllm.stats import KVFramePromMetrics
+    from prometheus_client import Counter, Gauge, Histogram
+
+    registry = prometheus_client.CollectorRegistry()
+
+    def make(cls: type) -> type:
+        class Registered(cls):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: object, **kwargs: object) -> None:
+                super().__init__(*args, registry=registry, **kwargs)
+
+        return Registered
+
+    prom = KVFramePromMetrics(
+        types.SimpleNamespace(kv_transfer_config=None),
+        {Gauge: make(Gauge), Counter: make(Counter), Histogram: make(Histogram)},
+        ["model_name", "engine"],
+        {0: ["tiny", "0"]},
+    )
+    prom.observe({"counters": {"loads_done": 3}, "gauges": {"leases_held": 2}}, 0)
+    prom.observe({"counters": {"loads_done": 1}, "gauges": {"leases_held": 0}}, 0)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'vllm:kvframe_counter_total{engine="0",model_name="tiny",name="loads_done"} 4.0' in text
+    assert 'vllm:kvframe_gauge{engine="0",model_name="tiny",name="leases_held"} 0.0' in text
+
+
+def test_worker_report_round_trips_and_aggregates_across_ranks() -> None:
+    from kvframe_vllm.connector import KVFrameWorkerMeta
+
+    r0 = KVFrameWorkerMeta(
+        reports=(KVFrameWorkerMeta.pack({"r1": "transfer failed"}, [KVEvent(kind="pd.x")]),)
+    )
+    r1 = KVFrameWorkerMeta(
+        reports=(
+            KVFrameWorkerMeta.pack({"r2": "lease lost"}, [KVEvent(kind="pd.y", data={"a": [1]})]),
+        )
+    )
+    both = r0.aggregate(r1)
+    assert isinstance(both, KVFrameWorkerMeta)
+    failures, events = both.unpack()
+    assert failures == {"r1": "transfer failed", "r2": "lease lost"}
+    assert [e.kind for e in events] == ["pd.x", "pd.y"]
+    assert events[1].data["a"] == (1,)
+    with pytest.raises(ValueError, match="malformed kvframe worker report"):
+        KVFrameWorkerMeta(reports=(b"\xc1",)).unpack()
+    with pytest.raises(TypeError, match="cannot aggregate"):
+        r0.aggregate(object())  # type: ignore[arg-type]
