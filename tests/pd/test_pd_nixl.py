@@ -1,8 +1,9 @@
 """P and D as separate processes on loopback, moving KV through real NIXL under leases.
 
 Each node process steps its engine every millisecond (an idle P keeps stepping because its
-connector reports pending work). Leases are short (1.2 s: heartbeat every 0.2 s, extension
-0.8 s) so that expiry paths run in seconds.
+connector reports pending work). Leases are short (2.4 s: heartbeat every 0.4 s, extension
+1.6 s) so that expiry paths run in seconds, yet long enough that a loaded 2-core CI machine
+that stalls a process for a few hundred milliseconds does not expire a lease that D renews.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ pytest.importorskip("nixl_cu12", reason="the NIXL transport needs nixl-cu12")
 
 from tests.pd.nodes import Node
 
-LEASE = 1.2
+LEASE = 2.4
 INTERVAL = LEASE / 6
 EXTENSION = LEASE * 2 / 3
 _n = itertools.count()
