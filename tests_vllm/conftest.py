@@ -37,6 +37,37 @@ def kv_config(engine_id: str, *, lease: float = LEASE_SECONDS) -> dict[str, Any]
     }
 
 
+def multi_kv_config(engine_id: str, *, lease: float = LEASE_SECONDS) -> dict[str, Any]:
+    """A decode engine's configuration: kvframe's MultiConnector with the P/D connector (loads
+    from prefill engines) and the offloading connector (keeps what was loaded in a CPU tier)."""
+    return {
+        "kv_connector": "KVFrameConnector",
+        "kv_connector_module_path": "kvframe_vllm",
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {
+            "kvframe_connector": "MultiConnector",
+            "kvframe": {
+                "kv_lease_duration": lease,
+                "kv_connector_extra_config": {
+                    "connectors": [
+                        {
+                            "kv_connector": "PDConnector",
+                            "kv_connector_extra_config": {"transport": "nixl"},
+                        },
+                        {
+                            "kv_connector": "OffloadingConnector",
+                            "kv_connector_extra_config": {
+                                "tiers": [{"tier": "cpu", "capacity_bytes": 64 << 20}]
+                            },
+                        },
+                    ]
+                },
+            },
+        },
+    }
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two tiny Llamas with one tokenizer: ``a`` (seed 0) and ``b`` (seed 1, other weights)."""
@@ -51,8 +82,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def engines(
     models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, EngineProcess]]:
-    """P (weights a), D (weights a) and P2 (weights b), started together; each on its own
-    core where possible. Closed (or killed) at the end of the module."""
+    """P (weights a), D (weights a; MultiConnector: P/D + offloading) and P2 (weights b),
+    started together; each on its own core where possible. Closed (or killed) at the end of
+    the module."""
     logs = tmp_path_factory.mktemp("engine-logs")
     specs = {
         "P": ("prefill-0", models["a"], 0),
@@ -62,8 +94,9 @@ def engines(
     procs: dict[str, EngineProcess] = {}
     try:
         for name, (eid, model, core) in specs.items():
+            config = multi_kv_config(eid) if name == "D" else kv_config(eid)
             procs[name] = EngineProcess(
-                name, model=model, kv_transfer_config=kv_config(eid), log_dir=logs, core=core
+                name, model=model, kv_transfer_config=config, log_dir=logs, core=core
             )
         with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
             for fut in [pool.submit(p.wait_ready, 300.0) for p in procs.values()]:

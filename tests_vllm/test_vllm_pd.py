@@ -1,7 +1,9 @@
 """kvframe's P/D connector inside real vLLM engines (CPU), over NIXL on loopback.
 
 One prefill engine (P), one decode engine (D) and a prefill engine with other weights (P2),
-each a separate process running ``vllm.LLM`` with ``KVFrameConnector``. Tests run in file
+each a separate process running ``vllm.LLM`` with ``KVFrameConnector``: P and P2 run the P/D
+connector, D runs kvframe's MultiConnector (the P/D connector, then the offloading connector
+keeping what D computed or loaded in a CPU tier), as a decode tier would. Tests run in file
 order and share the engines; the last one kills D.
 """
 
@@ -19,6 +21,8 @@ from .conftest import LEASE_SECONDS
 pytestmark = pytest.mark.timeout(600)
 
 MAX_TOKENS = 8
+PD = "0.PDConnector."  # D's counters come from MultiConnector children, prefixed by label
+OFF = "1.OffloadingConnector."
 
 
 # What vLLM's example disaggregation proxy sends to the prefill engine: kvframe must accept the
@@ -74,9 +78,9 @@ def test_decode_outputs_equal_single_engine_outputs(engines: dict[str, EnginePro
     decoded = generate(d, prompts, params)
     assert decoded == reference
     after = d.call("state")["worker"]
-    assert after.get("loads_done", 0) - before.get("loads_done", 0) == len(prompts)
-    assert after.get("loads_failed", 0) == before.get("loads_failed", 0)
-    assert after.get("bytes_read", 0) > before.get("bytes_read", 0)
+    assert after.get(PD + "loads_done", 0) - before.get(PD + "loads_done", 0) == len(prompts)
+    assert after.get(PD + "loads_failed", 0) == before.get(PD + "loads_failed", 0)
+    assert after.get(PD + "bytes_read", 0) > before.get(PD + "bytes_read", 0)
     # P learnt that D read: every lease consumed, not expired.
     st = wait_idle(p)
     assert st["scheduler"]["workers.leases_consumed"] >= len(prompts)
@@ -94,11 +98,32 @@ def test_decode_uses_the_pulled_kv_weight_swap(engines: dict[str, EngineProcess]
     before = d.call("state")["worker"]
     decoded = generate(d, prompts, prefill(p2, prompts))
     after = d.call("state")["worker"]
-    assert after.get("loads_done.prefill-1", 0) - before.get("loads_done.prefill-1", 0) == 3
+    key = PD + "loads_done.prefill-1"
+    assert after.get(key, 0) - before.get(key, 0) == 3
     for got, a in zip(decoded, with_a, strict=True):
         assert got != a
     # Not checked again with P's KV for these prompts: D's prefix cache now holds the blocks
     # it loaded from P2 (keyed by tokens, as vLLM does), so local hits would reuse them.
+
+
+def test_decode_tier_keeps_pulled_kv_in_its_offload_tier(
+    engines: dict[str, EngineProcess],
+) -> None:
+    # MultiConnector inside vLLM: the P/D child loads, the offloading child stores what the
+    # request held when it finished; with vLLM's prefix cache emptied, a repeat of the prompt
+    # on D alone is served from the CPU tier, and decodes to the same tokens.
+    p, d = engines["P"], engines["D"]
+    prompts = [prompt_ids(20 + i, 96) for i in range(2)]  # 3 full blocks each
+    reference = generate(p, prompts, [None] * len(prompts))
+    assert generate(d, prompts, prefill(p, prompts)) == reference
+    before = wait_idle(d)
+    assert before["worker"].get(OFF + "store_blocks", 0) >= 6, before
+    assert d.call("reset_prefix_cache")["ok"]
+    assert generate(d, prompts, [None] * len(prompts)) == reference
+    after = wait_idle(d)
+    hits = after["scheduler"].get("workers." + OFF + "load_blocks", 0)
+    assert hits - before["scheduler"].get("workers." + OFF + "load_blocks", 0) >= 4, after
+    assert after["worker"][PD + "loads_done"] == before["worker"][PD + "loads_done"]
 
 
 def test_no_leaks_after_normal_traffic(engines: dict[str, EngineProcess]) -> None:
@@ -108,9 +133,10 @@ def test_no_leaks_after_normal_traffic(engines: dict[str, EngineProcess]) -> Non
         assert st["requests"] == 0, (name, st)
         # Every block but vLLM's reserved null block is free (prefix-cached blocks count).
         assert st["free_blocks"] == st["total_blocks"] - 1, (name, st)
-        assert st["worker"]["leases_held"] == 0, (name, st)
-        assert st["scheduler"]["scheduler_leases_held"] == 0, (name, st)
-        assert st["worker"].get("loads_in_flight", 0) == 0, (name, st)
+        pd = PD if name == "D" else ""
+        assert st["worker"][pd + "leases_held"] == 0, (name, st)
+        assert st["scheduler"][pd + "scheduler_leases_held"] == 0, (name, st)
+        assert st["worker"].get(pd + "loads_in_flight", 0) == 0, (name, st)
 
 
 def test_decode_killed_mid_flight_prefill_reclaims_at_lease_expiry(
