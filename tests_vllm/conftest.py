@@ -39,12 +39,14 @@ def kv_config(engine_id: str, *, lease: float = LEASE_SECONDS) -> dict[str, Any]
 
 def multi_kv_config(engine_id: str, *, lease: float = LEASE_SECONDS) -> dict[str, Any]:
     """A decode engine's configuration: kvframe's MultiConnector with the P/D connector (loads
-    from prefill engines) and the offloading connector (keeps what was loaded in a CPU tier)."""
+    from prefill engines) and the offloading connector (keeps what was loaded in a CPU tier).
+    A failed load is recomputed locally (vLLM's own key, passed on to kvframe)."""
     return {
         "kv_connector": "KVFrameConnector",
         "kv_connector_module_path": "kvframe_vllm",
         "kv_role": "kv_both",
         "engine_id": engine_id,
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "kvframe_connector": "MultiConnector",
             "kvframe": {

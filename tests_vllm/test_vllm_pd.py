@@ -139,6 +139,28 @@ def test_no_leaks_after_normal_traffic(engines: dict[str, EngineProcess]) -> Non
         assert st["worker"].get(pd + "loads_in_flight", 0) == 0, (name, st)
 
 
+def test_prefill_engine_dies_before_the_read_decode_recomputes(
+    engines: dict[str, EngineProcess],
+) -> None:
+    # P2 (weights b) prefills and dies. D's read fails (the peer is gone), the blocks are
+    # reported invalid, and vLLM recomputes them with D's own weights (policy "recompute"):
+    # D's output is then weights a's reference, not what P2's KV would have produced.
+    p, p2, d = engines["P"], engines["P2"], engines["D"]
+    prompts = [prompt_ids(40, 96)]
+    reference = generate(p, prompts, [None])
+    params = prefill(p2, prompts)
+    p2.kill()
+    before = d.call("state")["worker"]
+    assert generate(d, prompts, params) == reference
+    after = d.call("state")["worker"]
+    # One attempt: once a load failed, the adapter never offers the same source again.
+    assert after.get(PD + "loads_failed", 0) - before.get(PD + "loads_failed", 0) == 1
+    assert after.get(PD + "loads_done", 0) == before.get(PD + "loads_done", 0)
+    st = wait_idle(d)
+    assert st["free_blocks"] == st["total_blocks"] - 1
+    assert st["worker"].get(PD + "loads_in_flight", 0) == 0
+
+
 def test_decode_killed_mid_flight_prefill_reclaims_at_lease_expiry(
     engines: dict[str, EngineProcess],
 ) -> None:

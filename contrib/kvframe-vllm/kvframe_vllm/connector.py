@@ -76,7 +76,16 @@ __all__ = [
     "connector_class",
 ]
 
-logger = logging.getLogger("kvframe_vllm")
+# A child of vLLM's logger, so that vLLM's logging configuration (handlers, level) applies.
+logger = logging.getLogger("vllm.kvframe_vllm")
+
+_TROUBLE = ("fail", "error", "bad", "lost", "reject")
+
+
+def _log_event(event: KVEvent) -> None:
+    # Failures are what an operator must see; the rest (job completions, ...) is chatter.
+    level = logging.WARNING if any(w in event.kind for w in _TROUBLE) else logging.DEBUG
+    logger.log(level, "kvframe event %s %s", event.kind, _thaw(event.data))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +202,9 @@ class KVFrameConnector(KVConnectorBase_V1):
         self._step = 0
         self._hashes = BlockHashCache(self._engine.block_size)
         self._local_hits: dict[str, int] = {}
+        # Requests whose remote load failed. vLLM recomputes them (policy "recompute") and
+        # asks the connector again; without this the same dead source would be tried again.
+        self._failed_loads: set[str] = set()
         self._block_pool: Any = None
         # worker side
         self._split: dict[str, tuple[str, str]] = {}
@@ -286,16 +298,29 @@ class KVFrameConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Forwarded; remembers ``num_computed_tokens`` for ``update_state_after_alloc``."""
+        """Forwarded; remembers ``num_computed_tokens`` for ``update_state_after_alloc``. A
+        request whose remote load already failed is shown without its ``kv_transfer_params``,
+        so it is computed locally rather than loaded again from the same source."""
         self._local_hits[request.request_id] = num_computed_tokens
-        view = request_view(request, hashes=self._hashes, num_computed_tokens=num_computed_tokens)
+        view = request_view(
+            request,
+            hashes=self._hashes,
+            num_computed_tokens=num_computed_tokens,
+            drop_params=request.request_id in self._failed_loads,
+        )
         return self._sched().get_num_new_matched_tokens(view, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Forwarded with the request's blocks per KV group."""
         ids = as_block_ids(blocks.get_block_ids())
         hits = self._local_hits.pop(request.request_id, request.num_computed_tokens)
-        view = request_view(request, hashes=self._hashes, num_computed_tokens=hits, block_ids=ids)
+        view = request_view(
+            request,
+            hashes=self._hashes,
+            num_computed_tokens=hits,
+            block_ids=ids,
+            drop_params=request.request_id in self._failed_loads,
+        )
         self._sched().update_state_after_alloc(view, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFrameMetadata:
@@ -329,7 +354,9 @@ class KVFrameConnector(KVConnectorBase_V1):
             stats = raw.as_kvframe()
             self._absorb(stats, "workers.")
         for ev in events:
-            logger.info("kvframe event %s %s", ev.kind, dict(ev.data))
+            _log_event(ev)
+        recving = frozenset(connector_output.finished_recving or ())
+        self._failed_loads.update(rid for rid in failures if rid in recving)
         out = ConnectorOutput(
             finished_sending=frozenset(connector_output.finished_sending or ()),
             finished_recving=frozenset(connector_output.finished_recving or ()),
@@ -349,13 +376,15 @@ class KVFrameConnector(KVConnectorBase_V1):
         view = request_view(request, hashes=self._hashes, block_ids=ids, finished=True)
         self._hashes.forget(request.request_id)
         self._local_hits.pop(request.request_id, None)
+        self._failed_loads.discard(request.request_id)
         return self._sched().request_finished(view, ids)
 
     def take_events(self) -> Iterable[Any]:
         """kvframe events are connector-specific, not vLLM ``KVCacheEvent`` values: they are
-        logged (``kvframe_vllm`` logger) instead of published. Returns nothing."""
+        logged on the ``vllm.kvframe_vllm`` logger (failures as warnings, the rest at debug
+        level) instead of published. Returns nothing."""
         for ev in self._sched().take_events():
-            logger.info("kvframe event %s %s", ev.kind, dict(ev.data))
+            _log_event(ev)
         return ()
 
     def has_pending_push_work(self) -> bool:

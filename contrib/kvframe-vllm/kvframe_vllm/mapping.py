@@ -83,15 +83,17 @@ def request_view(
     num_computed_tokens: int | None = None,
     block_ids: BlockIds = (),
     finished: bool = False,
+    drop_params: bool = False,
 ) -> RequestView:
     """A :class:`~kvframe.spi.request.RequestView` of a vLLM ``Request``.
 
     ``num_computed_tokens`` overrides the request's own count (vLLM updates it only after
     ``update_state_after_alloc``, so the adapter passes the local hits it was told).
-    ``finished`` sets ``finish_reason`` from the request's status. Raises what
+    ``finished`` sets ``finish_reason`` from the request's status. ``drop_params`` hides the
+    request's ``kv_transfer_params`` (the adapter does so once its remote load failed). Raises what
     ``RequestView`` raises for malformed fields (``ValueError``/``TypeError``).
     """
-    params = getattr(request, "kv_transfer_params", None)
+    params = None if drop_params else getattr(request, "kv_transfer_params", None)
     return RequestView(
         request_id=request.request_id,
         num_prompt_tokens=int(request.num_prompt_tokens),
