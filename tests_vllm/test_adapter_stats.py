@@ -83,3 +83,42 @@ def test_worker_report_round_trips_and_aggregates_across_ranks() -> None:
         KVFrameWorkerMeta(reports=(b"\xc1",)).unpack()
     with pytest.raises(TypeError, match="cannot aggregate"):
         r0.aggregate(object())  # type: ignore[arg-type]
+
+
+def test_class_level_requirements_come_from_the_kvframe_connector() -> None:
+    from kvframe_vllm.connector import KVFrameConnector
+
+    from kvframe.runtime.plugins import PluginHost
+
+    host = PluginHost()
+    host.load()
+    for name in ("PDConnector", "OffloadingConnector"):
+        extra = {"kvframe_connector": name}
+        if name == "OffloadingConnector":
+            extra["tiers"] = [{"tier": "cpu", "capacity_bytes": 1 << 20}]  # type: ignore[assignment]
+        inner = {k: v for k, v in extra.items() if k != "kvframe_connector"}
+        assert KVFrameConnector.requires_piecewise_for_cudagraph(extra) == host.connector(
+            name
+        ).requires_piecewise_for_cudagraph(inner)
+        vllm_config = types.SimpleNamespace(
+            kv_transfer_config=types.SimpleNamespace(
+                kv_role="kv_both",
+                engine_id="e",
+                kv_connector_extra_config=extra,
+                kv_load_failure_policy="recompute",
+            )
+        )
+        assert KVFrameConnector.get_required_kvcache_layout(vllm_config) is None
+
+
+def test_unknown_kvframe_connector_lists_the_installed_ones() -> None:
+    from kvframe_vllm.config import AdapterConfig
+    from kvframe_vllm.connector import connector_class
+
+    from kvframe.errors import PluginNotFoundError
+
+    adapter = AdapterConfig.from_fields(
+        kv_role="kv_both", engine_id="e", extra={"kvframe_connector": "PDConector"}
+    )
+    with pytest.raises(PluginNotFoundError, match="PDConnector"):
+        connector_class(adapter)
