@@ -1,0 +1,840 @@
+"""The UCX transport: two-sided READ/WRITE of KV blocks and notifications over ucxx.
+
+## Capability card
+
+- **Memory kinds:** `HOST` only. ucxx can send from device memory, but this transport has not
+  been tested on a CUDA machine, so it does not claim `DEVICE`.
+- **Read / write:** both, **two-sided**. ucxx's Python API offers tag, active-message and stream
+  transfers but no RMA (memory handles and remote keys exist only in its C++ API), so:
+    - `Op.READ` sends a read request; **the peer serves it from its own `progress()` /
+      `drain_notifications()`** by sending each requested block as a UCX tag message, which
+      lands straight in the reader's destination block (the receive is posted on the
+      destination memory: no staging copy). A READ therefore needs the peer's progress.
+    - `Op.WRITE` asks the peer for receive slots; the peer checks the ranges against its
+      registered memory, posts receives straight into the destination blocks and answers;
+      then the blocks are sent. The peer's `progress()` completes it.
+  Runs of blocks that are adjacent on both sides travel as one message.
+- **Notifications:** yes, at most `MAX_NOTIFICATION_BYTES` (64 KiB), standalone or attached
+  to a transfer; attached ones reach the peer after every byte landed (a READ's from the
+  reader once its receives completed, a WRITE's queued by the target when its receives
+  completed).
+- **Ordering:** notifications between one pair of endpoints arrive in the order they were
+  sent (one UCX tag stream per direction). Delivery is best effort.
+- **Cross-process:** yes (same host over shared memory / `cma`, other hosts over `tcp` or RDMA,
+  whatever UCX picks). Endpoints connect by UCX worker address, carried in the metadata; no
+  listening socket. The first message to a peer carries this side's metadata, so the peer
+  can answer without an `add_peer` of its own.
+- **Progress:** all UCX work happens in the caller's thread, in `progress()` (which `poll`,
+  `drain_notifications` and `release` call): it drives the UCX worker in polling mode, serves
+  peers' requests and collects answers. No thread and no asyncio loop. The caller calls it at
+  least once per engine step and at least every few milliseconds while *anyone* waits on this
+  endpoint, including a peer reading from it.
+- **Cancellation:** `release` of a pending transfer makes progress until it has stopped (the
+  peer answers within its next `progress()`), at most `release_timeout` seconds; after that it
+  drops the peer, which cancels every receive posted on its endpoint, so no byte lands later.
+- **Failure:** ucxx errors are translated in one place (`_translate`). A peer that died or
+  disconnected is noticed through UCX's endpoint error handling (within milliseconds on
+  loopback): its transfers poll `FAILED` with `PeerUnreachableError`, receives posted for it
+  are cancelled by UCX (the destination bytes are undefined), and `post` /
+  `send_notification` raise `PeerUnreachableError` until the peer is re-added with fresh
+  metadata. A request the peer refuses (a range outside its registered memory) fails that
+  transfer alone with `TransferFailedError`, with no byte written. Other transfers and peers
+  are unaffected.
+- **Configuration** (`TransportParams.options`, all optional; unknown keys and bad values raise
+  `ConfigError` naming the key and the value):
+    - `release_timeout` (seconds > 0, default 5.0): how long `release` of a pending transfer
+      waits for the peer before dropping it.
+    - `ucx_config` (mapping of UCX setting names to str, default empty): UCX settings for this
+      transport's UCX context, with or without the `UCX_` prefix, e.g. `{"TLS": "tcp"}`.
+- **Telemetry:** `stats()` keys: `bytes` (of completed transfers), `transfers_posted`,
+  `transfers_done`, `transfers_failed`, `messages` (data messages posted by this side's
+  requests), `requests_served` (peers' READ/WRITE requests answered), `bytes_served`,
+  `notifications_sent`, `notifications_received`, `peers`.
+
+**Threads.** One caller thread at a time, like every transport; the transport starts none.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from kvframe.errors import (
+    CapabilityError,
+    ConfigError,
+    PeerUnreachableError,
+    TransferFailedError,
+    TransportClosedError,
+    TransportError,
+)
+from kvframe.spi.transport import (
+    BlockLayout,
+    LayoutHandle,
+    MemoryKind,
+    MemoryRegion,
+    Notification,
+    Op,
+    Transport,
+    TransportCapabilities,
+    TransportParams,
+    XferHandle,
+    XferState,
+    descriptor_ids,
+)
+
+__all__ = [
+    "CAPABILITIES",
+    "MAX_NOTIFICATION_BYTES",
+    "METADATA_VERSION",
+    "UcxOptions",
+    "UcxTransport",
+]
+
+MAX_NOTIFICATION_BYTES: Final = 64 * 1024
+"""Largest notification payload accepted; keeps a notification a small eager UCX message."""
+
+METADATA_VERSION: Final = 1
+"""Version of the msgpack envelope :meth:`UcxTransport.local_metadata` returns."""
+
+CAPABILITIES: Final = TransportCapabilities(
+    memory_kinds=frozenset({MemoryKind.HOST}),
+    read=True,
+    write=True,
+    notifications=True,
+    max_notification_bytes=MAX_NOTIFICATION_BYTES,
+    cross_process=True,
+    ordered_notifications=True,
+)
+
+# Tags: control frames use one tag; data messages set the top bit and carry a slot number
+# allocated by the *receiving* side (so tags never collide between senders) and the message's
+# index within its transfer.
+_CTRL_TAG: Final = 1
+_DATA_BIT: Final = 1 << 63
+_INDEX_BITS: Final = 24
+_MAX_MESSAGES: Final = 1 << _INDEX_BITS
+_OPTION_KEYS: Final = ("release_timeout", "ucx_config")
+
+
+def _option_error(key: str, value: object, allowed: str) -> ConfigError:
+    return ConfigError(f"ucx transport option {key!r} = {value!r} is invalid: {allowed}")
+
+
+@attrs.frozen(kw_only=True)
+class UcxOptions:
+    """The UCX transport's configuration (see the capability card for each key's meaning).
+
+    Build it from ``TransportParams.options`` with :meth:`from_mapping`, which validates.
+    """
+
+    release_timeout: float = 5.0
+    ucx_config: Mapping[str, str] = attrs.field(factory=dict)
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> UcxOptions:
+        """Validate ``options`` and build the value.
+
+        Raises :class:`~kvframe.errors.ConfigError` naming the key, the value and what is
+        allowed, for an unknown key or a value of the wrong type or range.
+        """
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"ucx transport options must be a mapping, got {options!r}")
+        unknown = sorted(str(k) for k in options if k not in _OPTION_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"unknown ucx transport option(s) {unknown}; allowed: {list(_OPTION_KEYS)}"
+            )
+        kw: dict[str, Any] = {}
+        if "release_timeout" in options:
+            v = options["release_timeout"]
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise _option_error("release_timeout", v, "give seconds as a number > 0")
+            kw["release_timeout"] = float(v)
+        if "ucx_config" in options:
+            v = options["ucx_config"]
+            if not isinstance(v, Mapping) or not all(
+                isinstance(k, str) and k and isinstance(s, str) for k, s in v.items()
+            ):
+                raise _option_error(
+                    "ucx_config",
+                    v,
+                    'give a mapping of UCX setting names to strings, e.g. {"TLS": "tcp"}',
+                )
+            kw["ucx_config"] = {k.removeprefix("UCX_"): s for k, s in v.items()}
+        return cls(**kw)
+
+
+def _buffer(addr: int, length: int) -> memoryview:
+    """A writable byte view of ``length`` bytes at ``addr`` (no copy)."""
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+def _inside(addr: int, length: int, regions: Sequence[Sequence[int]]) -> bool:
+    return any(start <= addr and addr + length <= start + size for start, size in regions)
+
+
+def _coalesce(
+    ldesc: npt.NDArray[np.int64], rdesc: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Merge runs of descriptors adjacent on both sides; returns (local addrs, remote addrs,
+    lengths) of the merged messages."""
+    la, ra, ln = ldesc[:, 0], rdesc[:, 0], ldesc[:, 1]
+    if la.size <= 1:
+        return la.copy(), ra.copy(), ln.copy()
+    joins = (la[1:] == la[:-1] + ln[:-1]) & (ra[1:] == ra[:-1] + ln[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lens = np.add.reduceat(ln, starts)
+    return la[starts], ra[starts], lens
+
+
+class _Peer:
+    def __init__(self, name: str, incarnation: str, regions: list[list[int]], ep: Any) -> None:
+        self.name = name
+        self.incarnation = incarnation
+        self.regions = regions
+        self.ep = ep
+        self.dead: str | None = None  # why, once the endpoint failed or was dropped
+        self.hello_sent = False
+
+
+class _Xfer:
+    """One transfer posted by this side."""
+
+    def __init__(self, handle: XferHandle, peer: _Peer, laddrs: Any, raddrs: Any, lens: Any):
+        self.handle = handle
+        self.peer = peer
+        self.laddrs: list[int] = laddrs
+        self.raddrs: list[int] = raddrs
+        self.lens: list[int] = lens
+        self.requests: list[Any] = []  # UCX requests posted for it (receives or sends)
+        self.buffers: list[Any] = []  # keeps the request buffers alive until they complete
+        self.notification: bytes | None = None
+        self.answer: str | None = None  # "ok", or the peer's refusal message
+        self.started = time.perf_counter()
+
+
+class _Served:
+    """A peer's WRITE being received here."""
+
+    def __init__(self, peer: _Peer, xid: int, requests: list[Any], buffers: list[Any]):
+        self.peer = peer
+        self.xid = xid
+        self.requests = requests
+        self.buffers = buffers
+        self.notification: bytes | None = None
+        self.nbytes = 0
+
+
+class UcxTransport(Transport):
+    """The ``ucx`` transport. See the module docstring for the capability card.
+
+    Build it with :meth:`create`. Raises :class:`~kvframe.errors.ConfigError` for bad options
+    or UCX settings UCX rejects.
+    """
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, params: TransportParams) -> None:
+        self._opts = UcxOptions.from_mapping(params.options)
+        import ucxx._lib.libucxx as ucx_api  # deferred: listing plugins must not load UCX
+
+        self._api = ucx_api
+        self._name = params.name
+        try:
+            self._context = ucx_api.UCXContext(
+                config_dict=dict(self._opts.ucx_config), feature_flags=(ucx_api.Feature.TAG,)
+            )
+            self._worker = ucx_api.UCXWorker(self._context)
+        except Exception as exc:
+            raise ConfigError(
+                f"ucx transport: UCX refused option 'ucx_config' = "
+                f"{dict(self._opts.ucx_config)!r}: {exc}"
+            ) from exc
+        self._address: bytes = self._worker.address.tobytes()
+        self._incarnation = uuid.uuid4().hex
+        self._regions: list[list[int]] = []
+        self._peers: dict[str, _Peer] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._served: dict[int, _Served] = {}  # by receive slot
+        self._sends: deque[tuple[Any, Any]] = deque()  # fire-and-forget sends in flight
+        self._ctrl_recvs: deque[tuple[Any, bytearray]] = deque()
+        self._inbox: list[Notification] = []
+        self._ids = itertools.count(1)
+        self._slots = itertools.count(1)
+        self._stats: dict[str, float] = dict.fromkeys(
+            (
+                "bytes",
+                "transfers_posted",
+                "transfers_done",
+                "transfers_failed",
+                "messages",
+                "requests_served",
+                "bytes_served",
+                "notifications_sent",
+                "notifications_received",
+            ),
+            0.0,
+        )
+        self._closed = False
+
+    @classmethod
+    def create(cls, params: TransportParams) -> UcxTransport:
+        """The factory registered with kvframe (see the class docstring for what it raises)."""
+        return cls(params)
+
+    @property
+    def name(self) -> str:
+        """This endpoint's name."""
+        return self._name
+
+    # -- memory and peers -------------------------------------------------------------------
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        """Allow peers to READ and WRITE these host regions.
+
+        Raises :class:`~kvframe.errors.CapabilityError` for non-host memory (nothing is
+        registered then).
+        """
+        self._check_open()
+        regions = list(regions)
+        for r in regions:
+            if r.kind is not MemoryKind.HOST:
+                raise CapabilityError(
+                    f"the ucx transport moves host memory only, not {r.kind.value}"
+                )
+        self._regions.extend([r.addr, r.length] for r in regions)
+
+    def local_metadata(self) -> bytes:
+        """msgpack of version, name, incarnation, UCX worker address and registered regions."""
+        self._check_open()
+        return self._metadata()
+
+    def _metadata(self) -> bytes:
+        blob: bytes = msgpack.packb(
+            {
+                "v": METADATA_VERSION,
+                "name": self._name,
+                "inc": self._incarnation,
+                "addr": self._address,
+                "regions": self._regions,
+            },
+            use_bin_type=True,
+        )
+        return blob
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Create a UCX endpoint to the peer the metadata describes (see the SPI contract).
+
+        Raises :class:`~kvframe.errors.PeerUnreachableError` for metadata that does not decode
+        or a worker address UCX cannot reach; the transport stays usable.
+        """
+        self._check_open()
+        name = self._connect(metadata)
+        peer = self._peers[name]
+        if not peer.hello_sent:
+            peer.hello_sent = True
+            self._send_ctrl(peer, {"k": "hello", "m": self._metadata()})
+        return name
+
+    def _connect(self, metadata: bytes) -> str:
+        try:
+            meta = msgpack.unpackb(metadata, raw=False)
+            if meta["v"] != METADATA_VERSION:
+                raise ValueError(f"metadata version {meta['v']!r}, expected {METADATA_VERSION}")
+            name, incarnation = str(meta["name"]), str(meta["inc"])
+            address = bytes(meta["addr"])
+            regions = [[int(a), int(n)] for a, n in meta["regions"]]
+        except Exception as exc:
+            raise PeerUnreachableError(
+                f"ucx: peer metadata does not decode ({exc}); pass another ucx endpoint's "
+                "local_metadata()"
+            ) from exc
+        old = self._peers.get(name)
+        if old is not None and old.incarnation == incarnation and old.dead is None:
+            return name
+        if old is not None:
+            self._drop_peer(old, f"peer {name!r} was replaced by a new incarnation")
+        try:
+            ucx_address = self._api.UCXAddress.create_from_buffer(address)
+            ep = self._worker.create_endpoint_from_worker_address(ucx_address, True)
+        except Exception as exc:
+            raise self._translate(exc, f"cannot reach peer {name!r}") from exc
+        self._peers[name] = _Peer(name, incarnation, regions, ep)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        """Close the endpoint to ``peer``; its pending transfers fail. Unknown: ignored."""
+        self._check_open()
+        old = self._peers.get(peer)
+        if old is not None:
+            self._drop_peer(old, f"peer {peer!r} was removed")
+
+    def prepare_local(self, layout: BlockLayout) -> LayoutHandle:
+        """Descriptors of a local layout; ``ValueError`` if not inside registered memory."""
+        self._check_open()
+        return LayoutHandle(layout=layout, peer=None, native=self._descs(layout, self._regions))
+
+    def prepare_remote(self, peer: str, layout: BlockLayout) -> LayoutHandle:
+        """Descriptors of a peer's layout; ``ValueError`` if not inside its registered memory,
+        :class:`~kvframe.errors.PeerUnreachableError` for an unknown or failed peer."""
+        self._check_open()
+        target = self._live_peer(peer)
+        return LayoutHandle(layout=layout, peer=peer, native=self._descs(layout, target.regions))
+
+    @staticmethod
+    def _descs(layout: BlockLayout, regions: Sequence[Sequence[int]]) -> npt.NDArray[np.int64]:
+        for i, region in enumerate(layout.regions):
+            if region.kind is not MemoryKind.HOST:
+                raise CapabilityError(
+                    f"layout region {i} is {region.kind.value} memory; ucx moves host memory only"
+                )
+            used = layout.block_lens[i] * layout.num_blocks
+            if not _inside(region.addr, used, regions):
+                raise ValueError(
+                    f"layout region {i} at {region.addr:#x} ({used} bytes) is not inside "
+                    "registered memory; register it first"
+                )
+        nb = layout.num_blocks
+        base = np.array([r.addr for r in layout.regions], dtype=np.int64)
+        blen = np.array(layout.block_lens, dtype=np.int64)
+        addrs = (base[:, None] + np.arange(nb, dtype=np.int64)[None, :] * blen[:, None]).ravel()
+        out: npt.NDArray[np.int64] = np.stack([addrs, np.repeat(blen, nb)], axis=1)
+        return out  # row r * num_blocks + b: (addr, len)
+
+    # -- transfers --------------------------------------------------------------------------
+    def post(
+        self,
+        op: Op,
+        local: LayoutHandle,
+        local_blocks: Sequence[int] | npt.NDArray[Any],
+        remote: LayoutHandle,
+        remote_blocks: Sequence[int] | npt.NDArray[Any],
+        *,
+        regions: Sequence[int] | None = None,
+        notification: bytes | None = None,
+    ) -> XferHandle:
+        """Start a transfer (see the SPI contract and the capability card).
+
+        Raises ``ValueError`` for malformed arguments,
+        :class:`~kvframe.errors.CapabilityError` for an oversized notification,
+        :class:`~kvframe.errors.PeerUnreachableError` for an unknown or failed peer and
+        :class:`~kvframe.errors.TransferFailedError` when UCX refuses to post; on any error
+        no handle exists and no byte moved.
+        """
+        self._check_open()
+        if op not in (Op.READ, Op.WRITE):
+            raise ValueError(f"op must be Op.READ or Op.WRITE, got {op!r}")
+        if local.peer is not None or remote.peer is None:
+            raise ValueError("pass a prepare_local handle and a prepare_remote handle")
+        lids = descriptor_ids(local.layout, local_blocks, regions)
+        rids = descriptor_ids(remote.layout, remote_blocks, regions)
+        if lids.size != rids.size:
+            raise ValueError(
+                f"local_blocks and remote_blocks must have the same length "
+                f"({lids.size} and {rids.size} descriptors)"
+            )
+        ldesc, rdesc = local.native[lids], remote.native[rids]
+        if not np.array_equal(ldesc[:, 1], rdesc[:, 1]):
+            raise ValueError("local and remote block lengths differ in a selected region")
+        if notification is not None:
+            self._check_payload(notification)
+        target = self._live_peer(remote.peer)
+        laddrs, raddrs, lens = _coalesce(ldesc, rdesc)
+        if lens.size >= _MAX_MESSAGES:
+            raise ValueError(f"a transfer may have at most {_MAX_MESSAGES - 1} messages")
+        xid = next(self._ids)
+        handle = XferHandle(
+            op=op,
+            peer=target.name,
+            nbytes=int(ldesc[:, 1].sum()),
+            num_descriptors=len(ldesc),
+            native=xid,
+        )
+        xfer = _Xfer(handle, target, laddrs.tolist(), raddrs.tolist(), lens.tolist())
+        xfer.notification = notification
+        self._stats["transfers_posted"] += 1
+        if not xfer.lens:
+            # Nothing to move: done at once; a notification still travels, after "every" byte.
+            self._xfers[xid] = xfer
+            if notification is not None:
+                self._send_ctrl(target, {"k": "nt", "p": notification})
+            xfer.answer = "ok"
+            self._finish(xfer, None)
+            return handle
+        try:
+            if op is Op.READ:
+                slot = next(self._slots)
+                for i, (addr, n) in enumerate(zip(xfer.laddrs, xfer.lens, strict=True)):
+                    buf = self._api_array(_buffer(addr, n))
+                    xfer.buffers.append(buf)
+                    xfer.requests.append(
+                        target.ep.tag_recv(buf, self._api.UCXXTag(_data_tag(slot, i)))
+                    )
+                frame: dict[str, Any] = {"k": "rd", "x": xid, "g": slot}
+            else:
+                frame = {"k": "wr", "x": xid, "n": notification}
+            frame["a"] = raddrs.tobytes()
+            frame["l"] = lens.tobytes()
+            self._send_ctrl(target, frame)
+        except Exception as exc:
+            err = self._translate(exc, f"cannot post {op.value} to {target.name!r}")
+            if xfer.requests:
+                # Receives are already posted into our memory: only dropping the endpoint
+                # cancels them, so the caller can trust "no byte moved".
+                self._drop_peer(target, str(err))
+            raise err from exc
+        self._stats["messages"] += len(xfer.lens)
+        self._xfers[xid] = xfer
+        return handle
+
+    def poll(self, handle: XferHandle) -> XferState:
+        """Make progress, then answer the handle's state. Raises
+        :class:`~kvframe.errors.TransportClosedError` for a released handle."""
+        self._check_open()
+        if handle.released:
+            raise TransportClosedError("ucx: this handle was released")
+        if handle.state is XferState.PENDING:
+            self.progress()
+        return handle.state
+
+    def release(self, handle: XferHandle) -> None:
+        """Forget the handle; idempotent. A pending transfer is first driven until it stops
+        (at most ``release_timeout`` s; then its peer is dropped, which cancels its receives),
+        so no byte lands afterwards."""
+        if handle.released:
+            return
+        handle.released = True
+        xfer = self._xfers.get(handle.native)
+        if xfer is None or self._closed:
+            self._xfers.pop(handle.native, None)
+            return
+        deadline = time.monotonic() + self._opts.release_timeout
+        while handle.state is XferState.PENDING:
+            if time.monotonic() > deadline:
+                self._drop_peer(xfer.peer, "no answer to a released transfer in time")
+                break
+            self.progress()
+        self._xfers.pop(handle.native, None)
+
+    # -- notifications ----------------------------------------------------------------------
+    def send_notification(self, peer: str, payload: bytes) -> None:
+        """Send ``payload`` to ``peer`` (best effort). Raises
+        :class:`~kvframe.errors.CapabilityError` over the size limit and
+        :class:`~kvframe.errors.PeerUnreachableError` for an unknown or failed peer."""
+        self._check_open()
+        self._check_payload(payload)
+        target = self._live_peer(peer)
+        self._send_ctrl(target, {"k": "nt", "p": bytes(payload)})
+        self._stats["notifications_sent"] += 1
+
+    def drain_notifications(self) -> list[Notification]:
+        """Make progress, then return what arrived, oldest first."""
+        self._check_open()
+        self.progress()
+        out, self._inbox = self._inbox, []
+        return out
+
+    def progress(self) -> None:
+        """Drive the UCX worker once, serve peers' requests, collect answers and failures."""
+        self._check_open()
+        try:
+            self._worker.progress()
+        except Exception as exc:  # the worker itself failing is not recoverable per peer
+            raise self._translate(exc, "UCX worker progress failed") from exc
+        self._receive_ctrl()
+        for peer in list(self._peers.values()):
+            if peer.dead is None and not peer.ep.alive:
+                self._fail_peer(peer, f"UCX endpoint to {peer.name!r} failed (peer died?)")
+        self._check_xfers()
+        self._check_served()
+        while self._sends and self._sends[0][0].completed:
+            self._sends.popleft()
+
+    # -- telemetry and lifetime -------------------------------------------------------------
+    def stats(self) -> Mapping[str, float]:
+        """Counters (keys in the capability card)."""
+        return {**self._stats, "peers": float(len(self._peers))}
+
+    def close(self) -> None:
+        """Close every endpoint (cancelling their requests) and drop the UCX worker; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self._peers.values()):
+            self._close_ep(peer)
+        self._peers.clear()
+        self._xfers.clear()
+        self._served.clear()
+        self._sends.clear()
+        self._ctrl_recvs.clear()
+        try:
+            self._worker.cancel_inflight_requests()
+            self._worker.progress()
+        except Exception:
+            pass
+
+    # -- internals --------------------------------------------------------------------------
+    def _api_array(self, view: memoryview | bytearray) -> Any:
+        from ucxx._lib.arr import Array
+
+        return Array(view)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosedError(f"ucx transport {self._name!r} is closed")
+
+    def _check_payload(self, payload: bytes) -> None:
+        if len(payload) > MAX_NOTIFICATION_BYTES:
+            raise CapabilityError(
+                f"notification of {len(payload)} bytes is over the {MAX_NOTIFICATION_BYTES} "
+                "byte limit of the ucx transport"
+            )
+
+    def _live_peer(self, name: str) -> _Peer:
+        peer = self._peers.get(name)
+        if peer is None:
+            raise PeerUnreachableError(f"ucx: unknown peer {name!r}; add_peer first")
+        if peer.dead is None and not peer.ep.alive:
+            self._fail_peer(peer, f"UCX endpoint to {name!r} failed (peer died?)")
+        if peer.dead is not None:
+            raise PeerUnreachableError(
+                f"ucx: peer {name!r} is unreachable ({peer.dead}); remove it and add it again"
+            )
+        return peer
+
+    def _translate(self, exc: BaseException, what: str) -> TransportError:
+        """The one place ucxx errors become kvframe errors."""
+        text = f"ucx: {what}: {type(exc).__name__}: {exc}"
+        dead = (
+            "ConnectionReset",
+            "Unreachable",
+            "NotConnected",
+            "EndpointTimeout",
+            "Canceled",
+            "InvalidAddr",
+            "Rejected",
+        )
+        if isinstance(exc, ValueError | TypeError) or any(d in type(exc).__name__ for d in dead):
+            return PeerUnreachableError(text)
+        return TransferFailedError(text)
+
+    def _send_ctrl(self, peer: _Peer, frame: dict[str, Any]) -> None:
+        frame["f"] = self._name
+        frame["i"] = self._incarnation
+        if not peer.hello_sent and frame["k"] != "hello":
+            peer.hello_sent = True
+            self._send_ctrl(peer, {"k": "hello", "m": self._metadata()})
+        body = bytearray(msgpack.packb(frame, use_bin_type=True))
+        buf = self._api_array(body)
+        req = peer.ep.tag_send(buf, self._api.UCXXTag(_CTRL_TAG))
+        self._sends.append((req, buf))
+
+    def _receive_ctrl(self) -> None:
+        api = self._api
+        while True:
+            probe = self._worker.tag_probe(api.UCXXTag(_CTRL_TAG), remove=True)
+            if not probe.matched:
+                break
+            body = bytearray(probe.length)
+            req = self._worker.tag_recv_with_handle(self._api_array(body), probe)
+            self._ctrl_recvs.append((req, body))
+        # In arrival order: a peer's frames must be handled in the order it sent them.
+        while self._ctrl_recvs and self._ctrl_recvs[0][0].completed:
+            req, body = self._ctrl_recvs.popleft()
+            try:
+                req.check_error()
+                frame = msgpack.unpackb(bytes(body), raw=False)
+                self._handle(frame)
+            except Exception:
+                continue
+
+    def _handle(self, frame: dict[str, Any]) -> None:
+        kind = frame["k"]
+        if kind == "hello":
+            self._connect(frame["m"])
+            return
+        peer = self._peers.get(frame["f"])
+        if peer is None or peer.incarnation != frame["i"] or peer.dead is not None:
+            return  # from a peer we dropped, or an older incarnation: stale
+        if kind == "nt":
+            self._inbox.append(Notification(sender=peer.name, payload=bytes(frame["p"])))
+            self._stats["notifications_received"] += 1
+        elif kind == "rd":
+            self._serve_read(peer, frame)
+        elif kind == "wr":
+            self._serve_write(peer, frame)
+        elif kind in ("go", "ok", "err"):
+            xfer = self._xfers.get(frame["x"])
+            if xfer is None or xfer.peer is not peer or xfer.handle.state is not XferState.PENDING:
+                return
+            if kind == "go":
+                self._push(xfer, int(frame["g"]))
+            else:
+                xfer.answer = "ok" if kind == "ok" else str(frame.get("m"))
+
+    def _ranges(self, frame: Mapping[str, Any]) -> tuple[list[int], list[int], str | None]:
+        addrs = np.frombuffer(frame["a"], dtype=np.int64).tolist()
+        lens = np.frombuffer(frame["l"], dtype=np.int64).tolist()
+        if len(addrs) != len(lens):
+            return addrs, lens, "address and length lists differ in length"
+        for a, n in zip(addrs, lens, strict=True):
+            if n <= 0 or not _inside(a, n, self._regions):
+                return addrs, lens, f"range {a:#x}+{n} is not inside registered memory"
+        return addrs, lens, None
+
+    def _serve_read(self, peer: _Peer, frame: Mapping[str, Any]) -> None:
+        addrs, lens, problem = self._ranges(frame)
+        slot = int(frame["g"])
+        if problem is not None:
+            # Complete each receive the reader posted with an empty message, so nothing lands
+            # there and its requests stop; then say why.
+            for i in range(len(lens)):
+                self._send_data(peer, _data_tag(slot, i), bytearray())
+            self._send_ctrl(peer, {"k": "err", "x": frame["x"], "m": problem})
+            return
+        for i, (a, n) in enumerate(zip(addrs, lens, strict=True)):
+            self._send_data(peer, _data_tag(slot, i), _buffer(a, n))
+        self._send_ctrl(peer, {"k": "ok", "x": frame["x"]})
+        self._stats["requests_served"] += 1
+        self._stats["bytes_served"] += sum(lens)
+
+    def _serve_write(self, peer: _Peer, frame: Mapping[str, Any]) -> None:
+        addrs, lens, problem = self._ranges(frame)
+        if problem is not None:
+            self._send_ctrl(peer, {"k": "err", "x": frame["x"], "m": problem})
+            return
+        slot = next(self._slots)
+        requests, buffers = [], []
+        for i, (a, n) in enumerate(zip(addrs, lens, strict=True)):
+            buf = self._api_array(_buffer(a, n))
+            buffers.append(buf)
+            requests.append(peer.ep.tag_recv(buf, self._api.UCXXTag(_data_tag(slot, i))))
+        served = _Served(peer, int(frame["x"]), requests, buffers)
+        served.notification = frame.get("n")
+        served.nbytes = sum(lens)
+        self._served[slot] = served
+        self._send_ctrl(peer, {"k": "go", "x": frame["x"], "g": slot})
+
+    def _push(self, xfer: _Xfer, slot: int) -> None:
+        for i, (a, n) in enumerate(zip(xfer.laddrs, xfer.lens, strict=True)):
+            buf = self._api_array(_buffer(a, n))
+            xfer.buffers.append(buf)
+            xfer.requests.append(xfer.peer.ep.tag_send(buf, self._api.UCXXTag(_data_tag(slot, i))))
+
+    def _send_data(self, peer: _Peer, tag: int, view: memoryview | bytearray) -> None:
+        buf = self._api_array(view)
+        self._sends.append((peer.ep.tag_send(buf, self._api.UCXXTag(tag)), buf))
+
+    def _check_xfers(self) -> None:
+        for xfer in list(self._xfers.values()):
+            if xfer.handle.state is not XferState.PENDING:
+                continue
+            if not all(r.completed for r in xfer.requests):
+                continue
+            error: TransportError | None = None
+            for r in xfer.requests:
+                try:
+                    r.check_error()
+                except Exception as exc:
+                    error = self._translate(exc, f"{xfer.handle.op.value} from {xfer.peer.name!r}")
+                    break
+            if error is None and xfer.peer.dead is not None:
+                error = PeerUnreachableError(f"ucx: {xfer.peer.dead}")
+            if error is None and xfer.handle.op is Op.READ and xfer.answer is None:
+                continue  # the bytes are here; the peer's verdict follows on the same stream
+            if error is None and xfer.handle.op is Op.WRITE and xfer.answer is None:
+                continue  # sent, not yet known to have landed
+            if error is None and xfer.answer != "ok":
+                error = TransferFailedError(f"ucx: peer {xfer.peer.name!r} refused: {xfer.answer}")
+            if error is None and xfer.handle.op is Op.READ and xfer.notification is not None:
+                self._send_ctrl(xfer.peer, {"k": "nt", "p": xfer.notification})
+            self._finish(xfer, error)
+
+    def _check_served(self) -> None:
+        for slot, served in list(self._served.items()):
+            if not all(r.completed for r in served.requests):
+                continue
+            del self._served[slot]
+            ok = True
+            for r in served.requests:
+                try:
+                    r.check_error()
+                except Exception:
+                    ok = False
+            if not ok or served.peer.dead is not None:
+                continue  # the writer is gone or its sends failed: it learns from its endpoint
+            if served.notification is not None:
+                self._inbox.append(
+                    Notification(sender=served.peer.name, payload=bytes(served.notification))
+                )
+                self._stats["notifications_received"] += 1
+            self._stats["requests_served"] += 1
+            self._stats["bytes_served"] += served.nbytes
+            self._send_ctrl(served.peer, {"k": "ok", "x": served.xid})
+
+    def _finish(self, xfer: _Xfer, error: TransportError | None) -> None:
+        handle = xfer.handle
+        handle.state = XferState.DONE if error is None else XferState.FAILED
+        handle.error = error
+        xfer.buffers.clear()
+        xfer.requests.clear()
+        if error is None:
+            handle.transfer_seconds = time.perf_counter() - xfer.started
+            self._stats["transfers_done"] += 1
+            self._stats["bytes"] += handle.nbytes
+            if xfer.notification is not None:
+                self._stats["notifications_sent"] += 1
+        else:
+            self._stats["transfers_failed"] += 1
+        if handle.released:
+            self._xfers.pop(handle.native, None)
+
+    def _fail_peer(self, peer: _Peer, why: str) -> None:
+        """Mark the peer dead. Its requests were cancelled by UCX (endpoint error handling);
+        they complete with an error and the transfers fail in :meth:`_check_xfers`."""
+        peer.dead = why
+        for slot, served in list(self._served.items()):
+            if served.peer is peer and all(r.completed for r in served.requests):
+                del self._served[slot]
+
+    def _close_ep(self, peer: _Peer) -> None:
+        try:
+            # ucxx 0.52 crashes closing an endpoint that already failed; UCX released it then.
+            if peer.ep.alive:
+                peer.ep.close()
+        except Exception:
+            pass
+
+    def _drop_peer(self, peer: _Peer, why: str) -> None:
+        """Forget the peer: close its endpoint (cancelling every request posted on it), fail its
+        transfers now."""
+        if peer.dead is None:
+            peer.dead = why
+        self._close_ep(peer)
+        deadline = time.monotonic() + 1.0
+        pending = [r for x in self._xfers.values() if x.peer is peer for r in x.requests]
+        pending += [r for s in self._served.values() if s.peer is peer for r in s.requests]
+        # Cancellation completes inside worker progress; wait for it so no byte lands later.
+        while any(not r.completed for r in pending) and time.monotonic() < deadline:
+            self._worker.progress()
+        for xfer in list(self._xfers.values()):
+            if xfer.peer is peer and xfer.handle.state is XferState.PENDING:
+                self._finish(xfer, PeerUnreachableError(f"ucx: {why}"))
+        for slot, served in list(self._served.items()):
+            if served.peer is peer:
+                del self._served[slot]
+        if self._peers.get(peer.name) is peer:
+            del self._peers[peer.name]
+
+
+def _data_tag(slot: int, index: int) -> int:
+    return _DATA_BIT | ((slot & ((1 << (63 - _INDEX_BITS)) - 1)) << _INDEX_BITS) | index
