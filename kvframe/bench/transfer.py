@@ -8,7 +8,9 @@ Measured side by side in one run, on the same memory and the same random block s
 - **raw NIXL** — the same READ with NIXL called directly: descriptor lists prepared once with
   ``prep_xfer_dlist``, then ``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` per
   request, so the ratio kvframe/raw is kvframe's own overhead;
-- **memcpy** — ``np.copyto`` of the same blocks inside one process, the ceiling of any copy.
+- **memcpy** — ``np.copyto`` of the same blocks inside one process, the ceiling of any copy;
+- **ucx** (when kvframe-ucx is installed) — the same READ through the kvframe UCX transport,
+  which is two-sided: P's loop serves it from its ``progress()`` every 0.5 ms.
 
 for block sizes 16 KiB … 2 MiB and 1 … 256 blocks per request. A second table gives the
 per-request cost of posting (µs) against the number of descriptors, and a third the overlap
@@ -176,6 +178,10 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
     host.load()
     t = host.create_transport("nixl", TransportParams(name=f"bench-P-{os.getpid()}"))
     t.register_memory([MemoryRegion(addr=pool.ctypes.data, length=pool.nbytes)])
+    ucx: Transport | None = None
+    if "ucx" in host.transport_names():
+        ucx = host.create_transport("ucx", TransportParams(name=f"bench-P-ucx-{os.getpid()}"))
+        ucx.register_memory([MemoryRegion(addr=pool.ctypes.data, length=pool.nbytes)])
     raw: Any = nixl_cu12.nixl_agent(
         f"bench-P-raw-{os.getpid()}", nixl_cu12.nixl_agent_config(enable_prog_thread=False)
     )
@@ -187,6 +193,7 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
             "raw_meta": bytes(raw.get_agent_metadata()),
             "raw_name": raw.name,
             "addr": pool.ctypes.data,
+            "ucx_meta": ucx.local_metadata() if ucx is not None else None,
         },
     )
     unpacker = msgpack.Unpacker(raw=False)
@@ -195,6 +202,8 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
         while True:
             ready, _, _ = select.select([0], [], [], 0.0005)
             t.progress()
+            if ucx is not None:
+                ucx.progress()
             raw.get_new_notifs()
             if pd is not None:
                 pd.step()
@@ -207,6 +216,9 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
             for cmd in unpacker:
                 if cmd["op"] == "add_peer":
                     _send(reply_fd, t.add_peer(cmd["meta"]))
+                elif cmd["op"] == "add_ucx_peer":
+                    assert ucx is not None
+                    _send(reply_fd, ucx.add_peer(cmd["meta"]))
                 elif cmd["op"] == "add_raw":
                     _send(reply_fd, _as_str(raw.add_remote_agent(cmd["meta"])))
                 elif cmd["op"] == "pd_setup":
@@ -223,6 +235,8 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
     finally:
         if pd is not None:
             pd.close()
+        if ucx is not None:
+            ucx.close()
         t.close()
 
 
@@ -318,10 +332,15 @@ class Method(Protocol):
 
 class _KvframeMethod:
     """The kvframe NIXL transport with its default options (``name="kvframe"``) or with
-    ``options`` (another column)."""
+    ``options`` (another column); ``transport="ucx"`` for the UCX transport's column."""
 
     def __init__(
-        self, env: BenchEnv, *, name: str = "kvframe", options: dict[str, Any] | None = None
+        self,
+        env: BenchEnv,
+        *,
+        name: str = "kvframe",
+        options: dict[str, Any] | None = None,
+        transport: str = "nixl",
     ) -> None:
         from kvframe.runtime.plugins import PluginHost
 
@@ -329,12 +348,16 @@ class _KvframeMethod:
         host.load()
         self.name = name
         self.t: Transport = host.create_transport(
-            "nixl", TransportParams(name=f"bench-D-{name}-{os.getpid()}", options=options or {})
+            transport,
+            TransportParams(name=f"bench-D-{name}-{os.getpid()}", options=options or {}),
         )
         self.env = env
         self.t.register_memory([MemoryRegion(addr=env.pool.ctypes.data, length=env.pool.nbytes)])
-        self.peer = self.t.add_peer(env.child.hello["meta"])
-        env.child.call(self.t.progress, "add_peer", meta=self.t.local_metadata())
+        meta_key, add_op = (
+            ("ucx_meta", "add_ucx_peer") if transport == "ucx" else ("meta", "add_peer")
+        )
+        self.peer = self.t.add_peer(env.child.hello[meta_key])
+        env.child.call(self.t.progress, add_op, meta=self.t.local_metadata())
         self.local: LayoutHandle | None = None
         self.remote: LayoutHandle | None = None
 
@@ -609,6 +632,14 @@ METHOD_FACTORIES: list[Callable[[BenchEnv], Method]] = [
     _MemcpyMethod,
     _PDConnectorMethod,
 ]
+
+
+def _ucx(env: BenchEnv) -> _KvframeMethod:
+    return _KvframeMethod(env, name="ucx", transport="ucx")
+
+
+if importlib.util.find_spec("kvframe_ucx") is not None:  # the UCX column needs the plugin
+    METHOD_FACTORIES.append(_ucx)
 
 
 # -- measurements ----------------------------------------------------------------------------

@@ -556,6 +556,11 @@ class UcxTransport(Transport):
                 self._fail_peer(peer, f"UCX endpoint to {peer.name!r} failed (peer died?)")
         self._check_xfers()
         self._check_served()
+        if self._sends:
+            self._worker.progress()  # put what this call queued on the wire before returning
+        self._reap_sends()
+
+    def _reap_sends(self) -> None:
         while self._sends and self._sends[0][0].completed:
             self._sends.popleft()
 
@@ -647,6 +652,10 @@ class UcxTransport(Transport):
             body = bytearray(probe.length)
             req = self._worker.tag_recv_with_handle(self._api_array(body), probe)
             self._ctrl_recvs.append((req, body))
+        if self._ctrl_recvs:
+            # A probed message's receive completes in the next worker progress: make it now,
+            # not one caller step (often a millisecond) later.
+            self._worker.progress()
         # In arrival order: a peer's frames must be handled in the order it sent them.
         while self._ctrl_recvs and self._ctrl_recvs[0][0].completed:
             req, body = self._ctrl_recvs.popleft()
