@@ -11,8 +11,10 @@ Measured, in one run:
   of the same blocks (checksummed files, through the page cache) against ``os.pwrite`` /
   ``os.pread`` of the same bytes to one file per block;
 - **engine-thread cost of a store**: the time ``save_kv_layer`` × layers + ``wait_for_save``
-  take on the engine's thread (they only post copies), beside the time until the copy-out is
-  done (how long the engine keeps the finished request's blocks);
+  take on the engine's thread. For a store at finish they only post copies, beside the time
+  until the copy-out is done (how long the engine keeps the finished request's blocks); for a
+  store during a step (a running request's blocks) ``wait_for_save`` waits for the copy-out,
+  measured with the layers posted back to back (no compute to overlap: the worst case);
 - **lookup**: microseconds per block of :meth:`TieredOffloadManager.lookup` with
   ``--entries`` blocks indexed (a million by default);
 - **hit rates**: the share of prompt blocks served by the CPU tier under ``lru`` and ``arc`` on
@@ -29,6 +31,7 @@ Human-readable table by default; ``--json`` prints one JSON object::
         "disk": {"write_gbps": float, "read_gbps": float},
         "baselines": {"memcpy_gbps": float, "pwrite_gbps": float, "pread_gbps": float},
         "store_engine_thread_us": float, "store_copy_out_ms": float,
+        "step_store_engine_thread_us": float,
         "lookup_us_per_block": float,
         "hit_rates": {"lru": float, "arc": float}}}
 
@@ -137,6 +140,33 @@ def _cpu(args: argparse.Namespace, blocks: int, layers: int, lb: int) -> dict[st
         copy_ms.append((t2 - t0) * 1e3)
         return t2 - t0
 
+    step_us: list[float] = []
+
+    def step_store() -> float:
+        # A store during a step (a running request's blocks): wait_for_save waits for it.
+        # Layers are posted back to back, with no compute between them to hide the copies
+        # behind: the worst case for the engine's thread.
+        job = StoreJob(
+            job_id=next(job_ids),
+            request_id="r",
+            block_ids=ids,
+            keys=tuple(i.to_bytes(32, "little") for i in ids),
+            slots=ids,
+            held=False,
+        )
+        worker.bind_connector_metadata(OffloadMetadata(offload_stores=(job,)))
+        t0 = time.perf_counter()
+        worker.start_load_kv(None)
+        for name, t in kv.items():
+            worker.save_kv_layer(name, t, None)
+        worker.wait_for_save()
+        t1 = time.perf_counter()
+        worker.get_finished(frozenset())
+        worker.take_events()
+        worker.clear_connector_metadata()
+        step_us.append((t1 - t0) * 1e6)
+        return t1 - t0
+
     def load() -> float:
         job = LoadJob(request_id="r", block_ids=ids, slots=ids)
         worker.bind_connector_metadata(OffloadMetadata(offload_loads=(job,)))
@@ -150,6 +180,7 @@ def _cpu(args: argparse.Namespace, blocks: int, layers: int, lb: int) -> dict[st
 
     try:
         store_s = _median(store, args.repeat)
+        _median(step_store, args.repeat)
         load_s = _median(load, args.repeat)
     finally:
         worker.shutdown()
@@ -158,6 +189,7 @@ def _cpu(args: argparse.Namespace, blocks: int, layers: int, lb: int) -> dict[st
         "load_gbps": _gbps(total, load_s),
         "store_engine_thread_us": statistics.median(engine_us),
         "store_copy_out_ms": statistics.median(copy_ms),
+        "step_store_engine_thread_us": statistics.median(step_us),
     }
 
 
@@ -330,6 +362,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             },
             "store_engine_thread_us": cpu["store_engine_thread_us"],
             "store_copy_out_ms": cpu["store_copy_out_ms"],
+            "step_store_engine_thread_us": cpu["step_store_engine_thread_us"],
             "lookup_us_per_block": _lookup_cost(args, entries),
             "hit_rates": {
                 "lru": _hit_rate("lru", trace, capacity),
@@ -356,6 +389,8 @@ def _human(report: dict[str, Any]) -> str:
         "",
         f"store: {r['store_engine_thread_us']:.0f} µs on the engine thread, copy-out done after "
         f"{r['store_copy_out_ms']:.2f} ms (the engine keeps the blocks until then)",
+        f"store during a step: {r['step_store_engine_thread_us']:.0f} µs on the engine thread "
+        "(wait_for_save waits for the copy-out; layers back to back)",
         f"lookup with {p['entries']:,} blocks indexed: {r['lookup_us_per_block']:.2f} µs per block",
         f"hit rate on the multi-turn trace: lru {r['hit_rates']['lru']:.1%}, "
         f"arc {r['hit_rates']['arc']:.1%}",

@@ -55,7 +55,7 @@ import attrs
 
 from kvframe.config import KVTransferConfig
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
-from kvframe.spi.request import BlockIds, RequestView
+from kvframe.spi.request import BLOCK_HASH_SIZE, BlockIds, RequestView, as_block_ids
 
 if TYPE_CHECKING:
     import torch
@@ -95,6 +95,43 @@ def _id_set(value: Any) -> frozenset[str]:
     return out
 
 
+def _per_request_blocks(value: Mapping[str, Any]) -> Mapping[str, BlockIds]:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"new_block_ids: expected a mapping of request id to BlockIds, got {value!r}"
+        )
+    out: dict[str, BlockIds] = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise TypeError(f"new_block_ids: request ids are str, got {k!r}")
+        try:
+            out[k] = as_block_ids(v)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"new_block_ids[{k!r}]: {exc}") from exc
+    return types.MappingProxyType(out)
+
+
+def _per_request_hashes(value: Mapping[str, Any]) -> Mapping[str, tuple[bytes, ...]]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"block_hashes: expected a mapping of request id to hashes, got {value!r}")
+    out: dict[str, tuple[bytes, ...]] = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or isinstance(v, (str, bytes)):
+            raise TypeError(
+                f"block_hashes[{k!r}] = {v!r}; block_hashes maps request ids (str) to sequences "
+                "of block hashes"
+            )
+        hashes = tuple(v)
+        for i, h in enumerate(hashes):
+            if not isinstance(h, bytes) or len(h) != BLOCK_HASH_SIZE:
+                raise ValueError(
+                    f"block_hashes[{k!r}][{i}] is {h!r}; each block hash is {BLOCK_HASH_SIZE} "
+                    "bytes (use kvframe.spi.request.block_hashes to compute them)"
+                )
+        out[k] = hashes
+    return types.MappingProxyType(out)
+
+
 def _step_number(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if type(value) is not int or value < 0:
         raise ValueError(f"step = {value!r}; it must be a non-negative int")
@@ -125,6 +162,47 @@ class SchedulerStep:
     now: float = attrs.field(validator=_now)
     """The engine's clock in seconds (monotonic; the same clock as ``RequestView.arrival_time``).
     Connectors take time from here and never read a clock themselves in scheduling logic."""
+    new_block_ids: Mapping[str, BlockIds] = attrs.field(
+        factory=dict, converter=_per_request_blocks, hash=False
+    )
+    """Scheduled request → the blocks it was given since the previous step, per KV group, in
+    token order. For a request in :attr:`new_requests`: *all* its blocks (they replace what a
+    connector knew, since a preempted request's blocks were freed); for one in
+    :attr:`cached_requests`: the blocks appended since the previous step (a request that got
+    none may be absent). Empty when the engine does not report blocks per step; connectors then
+    know a request's blocks only from ``update_state_after_alloc`` and ``request_finished``."""
+    num_computed_tokens: Mapping[str, int] = attrs.field(
+        factory=dict, converter=_token_counts, hash=False
+    )
+    """Scheduled request → how many of its leading tokens have valid KV once this step's forward
+    pass has run (``save_kv_layer`` of a layer runs right after that layer wrote them): the
+    tokens computed before the step (prefix-cache hits and loaded tokens included) plus the
+    tokens scheduled this step, minus speculative tokens (their KV may be rejected). Empty when
+    the engine does not report it."""
+    block_hashes: Mapping[str, tuple[bytes, ...]] = attrs.field(
+        factory=dict, converter=_per_request_hashes, hash=False
+    )
+    """Scheduled request → the chained hashes of its full blocks known when the step was
+    scheduled (:attr:`RequestView.block_hashes <kvframe.spi.request.RequestView.block_hashes>`
+    semantics; generated tokens included), so a connector can name blocks filled during
+    decode. A hash may precede the block's KV: compare with :attr:`num_computed_tokens`. Empty
+    when the engine does not report it."""
+
+    def __attrs_post_init__(self) -> None:
+        scheduled = self.new_requests.keys() | self.cached_requests.keys()
+        for name in ("new_block_ids", "num_computed_tokens", "block_hashes"):
+            stray = sorted(getattr(self, name).keys() - scheduled)
+            if stray:
+                raise ValueError(
+                    f"{name} names requests that are not scheduled this step: {stray}; "
+                    "per-request fields cover only requests in new_requests or cached_requests"
+                )
+        both = sorted(self.new_requests.keys() & self.cached_requests.keys())
+        if both:
+            raise ValueError(
+                f"requests {both} are in both new_requests and cached_requests; a request is "
+                "either scheduled anew (first time or after preemption) or still running"
+            )
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -241,14 +241,22 @@ class _MultiD:
         self.outputs: list[ConnectorOutput] = []
         self.metas: list[MultiMetadata] = []
         self.scheduled: dict[str, int] = {}
+        self.per_request: dict[str, Any] = {}
+        """SchedulerStep's per-request fields for the next step (an engine that reports them)."""
 
     def step(self) -> ConnectorOutput:
         import time
 
         meta = self.sched.build_connector_meta(
-            SchedulerStep(step=self.step_no, now=time.monotonic(), new_requests=self.scheduled)
+            SchedulerStep(
+                step=self.step_no,
+                now=time.monotonic(),
+                new_requests=self.scheduled,
+                **self.per_request,
+            )
         )
         self.scheduled = {}
+        self.per_request = {}
         self.step_no += 1
         bound = MULTI_CODEC.decode_as(MULTI_CODEC.encode(meta), MultiMetadata)
         self.metas.append(bound)
@@ -287,13 +295,16 @@ def _stored_requests(d: _MultiD) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("abort", [True, False])
-def test_pd_plus_offloading_never_stores_unloaded_blocks(abort: bool) -> None:
+@pytest.mark.parametrize(("abort", "per_step"), [(True, False), (False, False), (False, True)])
+def test_pd_plus_offloading_never_stores_unloaded_blocks(abort: bool, per_step: bool) -> None:
+    """``per_step``: D's engine reports per-step state (``SchedulerStep.num_computed_tokens``
+    and friends), so the offloading child stores in the step that ran the request, not at
+    finish."""
     from tests.pd.driver import Driver, run_until
 
     tokens = list(range(1, 65))
-    p = Driver(f"P-multi-{abort}", "kv_producer")
-    d = _MultiD(f"D-multi-{abort}")
+    p = Driver(f"P-multi-{abort}-{per_step}", "kv_producer")
+    d = _MultiD(f"D-multi-{abort}-{per_step}")
     try:
         p.fill([3, 4, 5, 6], seed=7)
         _, params = p.sched.request_finished(
@@ -332,8 +343,22 @@ def test_pd_plus_offloading_never_stores_unloaded_blocks(abort: bool) -> None:
         else:
             run_until([p, d], lambda: any("d1" in o.finished_recving for o in d.outputs))  # type: ignore[list-item]
             assert sum("d1" in o.finished_recving for o in d.outputs) == 1
+            # Nothing was stored while the blocks were loading (the request never ran).
+            assert "d1" not in _stored_requests(d)
             d.scheduled = {"d1": 1}
+            if per_step:
+                d.per_request = {
+                    "new_block_ids": {"d1": ((10, 11, 12, 13),)},
+                    "num_computed_tokens": {"d1": 64},
+                    "block_hashes": {"d1": hashes},
+                }
             d.step()
+            if per_step:
+                # Stored in the step that ran it, before it finishes: all 4 blocks are in.
+                assert "d1" in _stored_requests(d)
+                manager = d.offload().manager
+                assert manager is not None
+                assert len(manager.keys(0)) == 4
             done = RequestView(
                 request_id="d1",
                 num_prompt_tokens=64,
@@ -342,8 +367,11 @@ def test_pd_plus_offloading_never_stores_unloaded_blocks(abort: bool) -> None:
                 finish_reason="length",
             )
             delay, _ = d.sched.request_finished(done, ((10, 11, 12, 13),))
-            assert delay is True  # the offloading child copies the loaded blocks out
-            run_until([p, d], lambda: any("d1" in o.finished_sending for o in d.outputs))  # type: ignore[list-item]
+            if per_step:
+                assert delay is False  # stored already; nothing is left to copy out
+            else:
+                assert delay is True  # the offloading child copies the loaded blocks out
+                run_until([p, d], lambda: any("d1" in o.finished_sending for o in d.outputs))  # type: ignore[list-item]
             assert "d1" in _stored_requests(d)
             run_until([p, d], lambda: not d.sched.has_pending_work())  # type: ignore[list-item]
             manager = d.offload().manager

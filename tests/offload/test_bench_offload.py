@@ -23,6 +23,7 @@ def test_quick_json_report_has_every_figure(capsys: pytest.CaptureFixture[str]) 
         *r["baselines"].values(),
         r["store_engine_thread_us"],
         r["store_copy_out_ms"],
+        r["step_store_engine_thread_us"],
         r["lookup_us_per_block"],
     ]
     assert set(r["baselines"]) == {"memcpy_gbps", "pwrite_gbps", "pread_gbps"}

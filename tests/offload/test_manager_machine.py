@@ -129,6 +129,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 del self.tiers[job.dst_tier][k]
                 if failed[k] == "corrupt" and src is not None and src[1] == 0:
                     del self.tiers[job.src_tier][k]
+                    if job.src_tier == 0:
+                        self.lru.remove(k)  # a damaged source leaves the recency order too
             else:
                 self.tiers[job.dst_tier][k] = ["ready", 0]
                 if job.dst_tier == 0:

@@ -236,14 +236,19 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         new_counts: dict[str, int] = {}
         cached_counts: dict[str, int] = {}
+        new_blocks: dict[str, tuple[tuple[int, ...], ...]] = {}
+        computed_after: dict[str, int] = {}
+        hashes: dict[str, tuple[bytes, ...]] = {}
 
         def run(req: Request) -> None:
             nonlocal budget
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             end = req.num_computed_tokens + n
             missing = -(-end // self.block_size) - len(req.block_ids)
+            fresh: list[int] = []
             if missing > 0:
-                req.block_ids += self.pool.allocate(missing)
+                fresh = self.pool.allocate(missing)
+                req.block_ids += fresh
             tokens = req.all_token_ids[req.num_computed_tokens : end]
             seqs.append(
                 ScheduledSeq(
@@ -254,6 +259,13 @@ class Scheduler:
                 )
             )
             (cached_counts if req.ever_scheduled else new_counts)[req.request_id] = n
+            # The connector's per-step view (SchedulerStep): a new request's blocks are all
+            # of them, a running one's only those appended now.
+            added = fresh if req.ever_scheduled else req.block_ids
+            if added:
+                new_blocks[req.request_id] = (tuple(added),)
+            computed_after[req.request_id] = end
+            hashes[req.request_id] = tuple(req.block_hashes)
             req.ever_scheduled = True
             budget -= n
 
@@ -286,6 +298,9 @@ class Scheduler:
                     cached_requests=cached_counts,
                     finished_request_ids=finished,
                     now=self._clock(),
+                    new_block_ids=new_blocks,
+                    num_computed_tokens=computed_after,
+                    block_hashes=hashes,
                 )
             )
             meta = self._encode(built)

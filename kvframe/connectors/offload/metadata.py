@@ -55,14 +55,22 @@ class LoadJob:
 
 @attrs.frozen(kw_only=True)
 class StoreJob:
-    """Copy a finished request's KV blocks (held by the engine until the worker reports the
-    request in ``finished_sending``) into memory-tier slots."""
+    """Copy KV blocks into memory-tier slots, layer by layer from ``save_kv_layer``.
+
+    Two kinds, by :attr:`held`: a store *during a step* (the blocks' last tokens were computed
+    in this step's forward pass, or earlier; the request is running and the engine may reuse
+    its blocks right after the step, so ``wait_for_save`` waits for the copy), and a store *at
+    finish* (the engine keeps the finished request's blocks until the worker reports the
+    request in ``finished_sending``)."""
 
     job_id: int
     request_id: str
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...]
     slots: tuple[int, ...]
+    held: bool = True
+    """``True``: the engine holds the blocks (``delay_free``) until ``finished_sending``;
+    ``False``: a store during a step, done before ``wait_for_save`` returns."""
 
     def __attrs_post_init__(self) -> None:
         _same_length(self, "block_ids", "keys", "slots")

@@ -1,17 +1,26 @@
 """The offloading connector's scheduler side: lookups, load and store plans, job outcomes.
 
-**When blocks are stored.** When a request finishes (``request_finished``), its full blocks
-that no tier holds yet are reserved in the memory tier and the request's blocks are kept by
-the engine (``delay_free``) until the workers have copied them out (reported in
-``finished_sending``). The SPI tells the scheduler side a request's block ids only at
-allocation and at finish, so finish is the one point where every block is known; storing from
-blocks the engine holds for us means the copy never races the engine's next writes and never
-waits in the forward pass.
+**When blocks are stored.** As soon as they are computed: when the engine reports per-step
+state (:class:`~kvframe.spi.connector.SchedulerStep` ``num_computed_tokens``, ``new_block_ids``
+and ``block_hashes``), every step stores each scheduled request's full blocks whose KV is
+complete once the step's forward pass ran and whose hash is known, during prefill and decode
+alike. The workers copy them out layer by layer from ``save_kv_layer`` (right after the layer
+wrote them) and finish before ``wait_for_save`` returns, because the engine may free and
+reuse a running request's blocks right after the step. So a second request sharing the prefix
+hits them while the first one is still decoding, and ``request_finished`` has nothing left to
+store: it returns ``delay_free=False``.
+
+``request_finished`` stores what is left (``delay_free=True``; the engine keeps the blocks
+until the workers report the request in ``finished_sending``): everything for an engine that
+does not report per-step state, and the full blocks a step could not name (their hash came
+after their KV).
 
 **Only computed KV is stored** (vLLM issue #34526): a request that was never scheduled after
 its allocation (its external KV was still loading, by this connector or by another one in a
 MultiConnector, when it was aborted) stores only the blocks it had locally at allocation; a
-request that ran stores what ``num_computed_tokens`` says it computed.
+request that ran stores what ``num_computed_tokens`` says it computed. A store during a step
+whose request had a block reported invalid (a failed load) drops every key from the first
+invalid block on: that KV was computed over undefined input.
 
 **Loads** are synchronous (``load_is_async=False``): the blocks found ready in the memory tier
 are pinned at lookup and copied layer by layer during the next forward pass.
@@ -65,6 +74,19 @@ class _Req:
     computed_at_alloc: int = 0
     allocated: bool = False
     ran_after_alloc: bool = False
+    block_ids: list[int] = attrs.Factory(list)
+    # Leading blocks already handled by stores during steps (stored, present, or refused).
+    stored: int = 0
+
+
+@attrs.frozen
+class _StepStore:
+    request_id: str
+    keys: tuple[bytes, ...]
+    positions: tuple[int, ...]
+    """Block index in the request of each key."""
+    blocks: tuple[int, ...]
+    """The request's blocks up to the last one stored, to find an invalid block before them."""
 
 
 def check_components(host: Any, options: OffloadOptions) -> None:
@@ -144,6 +166,8 @@ class OffloadingScheduler(KVConnectorScheduler):
         self._sent_loads: list[tuple[bytes, ...]] = []
         self._stores: list[StoreJob] = []
         self._store_keys: dict[int, tuple[bytes, ...]] = {}
+        self._step_jobs: dict[int, _StepStore] = {}
+        self._poisoned: dict[int, set[bytes]] = {}
         self._held: set[str] = set()
         self._reports: dict[int, list[JobReport]] = {}
         self._events: list[KVEvent] = []
@@ -210,9 +234,12 @@ class OffloadingScheduler(KVConnectorScheduler):
 
     def _keys(self, request: RequestView) -> list[bytes]:
         req = self._reqs.setdefault(request.request_id, _Req())
-        hashes = request.block_hashes
+        return self._extend_keys(req, request.block_hashes)
+
+    def _extend_keys(self, req: _Req, hashes: tuple[bytes, ...]) -> list[bytes]:
         if len(hashes) < req.hashes:
-            req.keys, req.hashes = [], 0
+            # The request's tokens changed (the engine rolled it back): start over.
+            req.keys, req.hashes, req.stored = [], 0, 0
         for h in hashes[req.hashes :]:
             req.keys.append(offload_key(h, self._namespace))
         req.hashes = len(hashes)
@@ -277,6 +304,7 @@ class OffloadingScheduler(KVConnectorScheduler):
         req.allocated = True
         req.ran_after_alloc = False
         req.computed_at_alloc = request.num_computed_tokens
+        req.block_ids = list(blocks[0]) if blocks else []
         if num_external_tokens <= 0 or not req.pinned:
             self._unpin(req)
             return
@@ -297,6 +325,9 @@ class OffloadingScheduler(KVConnectorScheduler):
             req = self._reqs.get(rid)
             if req is not None and req.allocated:
                 req.ran_after_alloc = True
+        if self.manager is not None:
+            for rid, computed in scheduler_output.num_computed_tokens.items():
+                self._store_computed(rid, computed, scheduler_output)
         jobs = self.manager.take_jobs() if self.manager is not None else []
         meta = OffloadMetadata(
             step=scheduler_output.step,
@@ -309,10 +340,68 @@ class OffloadingScheduler(KVConnectorScheduler):
         self._stores.clear()
         return meta
 
+    def _store_computed(self, rid: str, computed: int, step: SchedulerStep) -> None:
+        """Plan the store of ``rid``'s full blocks that are computed once ``step`` ran."""
+        assert self.manager is not None
+        req = self._reqs.setdefault(rid, _Req())
+        blocks = step.new_block_ids.get(rid)
+        if blocks:
+            if rid in step.new_requests:
+                req.block_ids = list(blocks[0])
+            else:
+                req.block_ids.extend(blocks[0])
+        hashes = step.block_hashes.get(rid)
+        keys = self._extend_keys(req, hashes) if hashes is not None else req.keys
+        full = min(computed // self._engine.block_size, len(keys), len(req.block_ids))
+        if full <= req.stored:
+            return
+        first, req.stored = req.stored, full
+        wanted = keys[first:full]
+        reserved = self.manager.prepare_store(wanted, protect=keys[:full])
+        if not reserved:
+            return
+        position: dict[bytes, int] = {}
+        for i, k in enumerate(wanted, start=first):
+            position.setdefault(k, i)
+        job = StoreJob(
+            job_id=self.manager.next_job_id(),
+            request_id=rid,
+            block_ids=tuple(req.block_ids[position[k]] for k, _ in reserved),
+            keys=tuple(k for k, _ in reserved),
+            slots=tuple(s for _, s in reserved),
+            held=False,
+        )
+        self._stores.append(job)
+        self._store_keys[job.job_id] = job.keys
+        self._step_jobs[job.job_id] = _StepStore(
+            request_id=rid,
+            keys=job.keys,
+            positions=tuple(position[k] for k in job.keys),
+            blocks=tuple(req.block_ids[:full]),
+        )
+        self._count("store_blocks", len(reserved))
+        self._count("stores_during_steps", len(reserved))
+
+    def _poison(self, invalid: frozenset[int]) -> None:
+        """Keys of step stores at or after a block whose load failed are not trustworthy."""
+        for job_id, st in self._step_jobs.items():
+            bad = next((i for i, b in enumerate(st.blocks) if b in invalid), None)
+            if bad is None:
+                continue
+            keys = {k for k, p in zip(st.keys, st.positions, strict=True) if p >= bad}
+            if keys:
+                self._poisoned.setdefault(job_id, set()).update(keys)
+            req = self._reqs.get(st.request_id)
+            if req is not None:
+                # Recomputed blocks are stored again once they are computed again.
+                req.stored = min(req.stored, bad)
+
     def update_connector_output(self, output: ConnectorOutput) -> None:
         manager = self.manager
         if manager is None:
             return
+        if output.invalid_block_ids and self._step_jobs:
+            self._poison(output.invalid_block_ids)
         # This step's loads ran in its forward pass: they are over (failed ones surfaced as
         # invalid blocks, which the engine recomputes).
         for keys in self._sent_loads:
@@ -339,6 +428,10 @@ class OffloadingScheduler(KVConnectorScheduler):
             for r in reports:
                 for k, code in r.failed.items():
                     failed.setdefault(k, code)
+            for k in self._poisoned.pop(job_id, ()):
+                failed.setdefault(k, "invalid")
+                self._count("stores_dropped_invalid")
+            self._step_jobs.pop(job_id, None)
             self._complete(job_id, failed)
         for rid in output.finished_sending:
             self._held.discard(rid)
@@ -375,13 +468,17 @@ class OffloadingScheduler(KVConnectorScheduler):
         else:
             computed = request.num_computed_tokens
         full = min(computed // self._engine.block_size, len(keys), len(block_ids[0]))
-        if full == 0:
+        # Blocks stored during steps are done (wait_for_save waited for them): only the rest.
+        first = min(req.stored, full) if req is not None else 0
+        if full <= first:
             return False, None
-        wanted = keys[:full]
-        reserved = self.manager.prepare_store(wanted, protect=wanted)
+        wanted = keys[first:full]
+        reserved = self.manager.prepare_store(wanted, protect=keys[:full])
         if not reserved:
             return False, None
-        index = {k: i for i, k in enumerate(wanted)}
+        index: dict[bytes, int] = {}
+        for i, k in enumerate(wanted, start=first):
+            index.setdefault(k, i)
         job = StoreJob(
             job_id=self.manager.next_job_id(),
             request_id=request.request_id,
@@ -434,3 +531,5 @@ class OffloadingScheduler(KVConnectorScheduler):
         self._reqs.clear()
         self._loads.clear()
         self._stores.clear()
+        self._step_jobs.clear()
+        self._poisoned.clear()

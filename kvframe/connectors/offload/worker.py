@@ -8,12 +8,22 @@ says it must:
 - ``wait_for_layer_load(layer)`` waits for that layer's copy only (the per-layer pipeline:
   layer ``i + 1`` is still being copied while layer ``i``'s attention runs);
 - ``save_kv_layer(layer)`` posts that layer's copy-out (KV cache → memory tier) of the step's
-  stores; ``wait_for_save`` posts the layers that did not run (a step without a forward pass)
-  and returns without waiting: stored blocks belong to finished requests whose blocks the
-  engine keeps (``delay_free``) until this worker reports them in ``finished_sending``, so the
-  engine never overwrites a block that is being copied out;
-- ``get_finished`` collects finished stores (``finished_sending``) and reports every finished
-  job as an ``offload.job`` event, which the scheduler side reads back.
+  stores, right after the layer wrote its KV, so the copy of layer ``i`` overlaps the compute
+  of layer ``i + 1``;
+- ``wait_for_save`` posts the layers that did not run (a step without a forward pass), then
+  **waits for this step's stores of running requests** (``StoreJob.held`` false): the engine
+  may free and reuse their blocks as soon as the step ends (a request that finishes or is
+  preempted), so the copy must be done before ``wait_for_save`` returns — the SPI's contract.
+  What is left to wait for is the copy-out of the last layers (the earlier ones ran during
+  the forward pass); the time is counted in the ``save_wait_us`` counter. Stores at finish
+  (``held``) are not waited for: the engine keeps those blocks (``delay_free``) until this
+  worker reports the request in ``finished_sending``;
+- ``get_finished`` collects finished stores (``finished_sending`` for held ones) and reports
+  every finished job as an ``offload.job`` event, which the scheduler side reads back.
+
+Copies between the KV cache and the memory tier (loads, stores: on the step's critical path)
+run in their own pool, apart from tier-to-tier copies and removals (disk I/O), so a slow disk
+write queued before them never delays a step.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import threading
+import time
 from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +101,9 @@ class OffloadingWorker(KVConnectorWorker):
         self._host = host
         self._pool = cf.ThreadPoolExecutor(
             max_workers=options.io_threads, thread_name_prefix=f"kvframe-offload-{rank}"
+        )
+        self._io_pool = cf.ThreadPoolExecutor(
+            max_workers=options.io_threads, thread_name_prefix=f"kvframe-offload-io-{rank}"
         )
         self._tiers: list[OffloadTier] = []
         self._memory: MemoryTier | None = None
@@ -267,9 +281,9 @@ class OffloadingWorker(KVConnectorWorker):
         for rm in meta.removes:
             tier = self._tiers[rm.tier]
             for key, slot in zip(rm.keys, rm.slots, strict=True):
-                self._removing[(rm.tier, key)] = self._pool.submit(self._remove, tier, key, slot)
+                self._removing[(rm.tier, key)] = self._io_pool.submit(self._remove, tier, key, slot)
         for job in meta.copies:
-            self._copies.append((job, self._pool.submit(self._copy, job)))
+            self._copies.append((job, self._io_pool.submit(self._copy, job)))
         self._step_stores = [_Store(job, len(self._layers)) for job in meta.offload_stores]
         self._stores.extend(self._step_stores)
 
@@ -305,7 +319,13 @@ class OffloadingWorker(KVConnectorWorker):
             for name in self._layers:
                 if name not in store.futures:
                     store.futures[name] = self._pool.submit(self._store_layer, name, store.job)
+        running = [f for s in self._step_stores if not s.job.held for f in s.futures.values()]
         self._step_stores = []
+        if running:
+            t0 = time.perf_counter()
+            cf.wait(running)
+            self._count("save_wait_us", round((time.perf_counter() - t0) * 1e6))
+            self._count("save_waits")
 
     def get_finished(self, finished_req_ids: Set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._poll()
@@ -323,7 +343,8 @@ class OffloadingWorker(KVConnectorWorker):
             errors = [f.exception() for f in store.futures.values() if f.exception() is not None]
             failed = dict.fromkeys(store.job.keys, "error") if errors else {}
             self._report(store.job.job_id, failed, str(errors[0]) if errors else "")
-            self._finished_sending.add(store.job.request_id)
+            if store.job.held:
+                self._finished_sending.add(store.job.request_id)
             self._count("store_blocks", len(store.job.keys))
         self._stores = still
         pending: list[tuple[CopyJob, cf.Future[dict[bytes, tuple[str, str]]]]] = []
@@ -391,6 +412,7 @@ class OffloadingWorker(KVConnectorWorker):
         # Copies in flight write into tier memory and the KV cache: let them finish before
         # the memory goes away.
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._io_pool.shutdown(wait=True, cancel_futures=False)
         for tier in self._tiers:
             with contextlib.suppress(Exception):  # shutdown never raises
                 tier.close()
