@@ -1,5 +1,6 @@
 """kvframe's offloading connector inside a real vLLM engine: the adapter runs a connector with
-synchronous, layer-by-layer loads and delayed frees for stores, unchanged."""
+synchronous, layer-by-layer loads and stores during steps (from the per-step block ids,
+computed tokens and block hashes the adapter maps from vLLM's scheduler output), unchanged."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def test_second_run_loads_from_the_cpu_tier_and_matches(engine: EngineProcess) -
     first = engine.call("generate", prompts=prompts, max_tokens=8, params=[None, None])
     st = _idle(engine)
     assert st["worker"].get("store_blocks", 0) == 6, st
+    # Stored in the steps that computed them, not at finish (no delayed free needed).
+    assert st["scheduler"].get("stores_during_steps", 0) == 6, st
     assert st["free_blocks"] == st["total_blocks"] - 1  # stores done: blocks released
     # Empty vLLM's own prefix cache so that only the CPU tier can supply the prefix.
     assert engine.call("reset_prefix_cache")["ok"]

@@ -13,7 +13,9 @@ vLLM calls                             kvframe receives
 ``update_state_after_alloc``           ``BlockIds`` per KV group; the view's
                                        ``num_computed_tokens`` is the local hit count vLLM
                                        passed to ``get_num_new_matched_tokens``
-``build_connector_meta(SchedulerOut)``  ``SchedulerStep`` (``now`` = ``time.monotonic()``);
+``build_connector_meta(SchedulerOut)``  ``SchedulerStep`` (:func:`scheduler_step`: block ids,
+                                       computed tokens and block hashes per scheduled
+                                       request; ``now`` = ``time.monotonic()``);
                                        the result travels as codec bytes in
                                        :class:`KVFrameMetadata` (never pickled objects)
 ``update_connector_output``            an aggregated ``ConnectorOutput`` (failures and events
@@ -58,11 +60,10 @@ from kvframe.spi.connector import (
     KVConnector,
     KVConnectorScheduler,
     KVConnectorWorker,
-    SchedulerStep,
 )
 from kvframe.spi.request import BlockIds, as_block_ids
 from kvframe_vllm.config import AdapterConfig
-from kvframe_vllm.mapping import BlockHashCache, kv_regions, request_view
+from kvframe_vllm.mapping import BlockHashCache, kv_regions, request_view, scheduler_step
 from kvframe_vllm.stats import KVFramePromMetrics, KVFrameStats
 
 if TYPE_CHECKING:
@@ -202,6 +203,9 @@ class KVFrameConnector(KVConnectorBase_V1):
         self._step = 0
         self._hashes = BlockHashCache(self._engine.block_size)
         self._local_hits: dict[str, int] = {}
+        # Live requests (from allocation to finish): the hashes of blocks filled by generated
+        # tokens, which SchedulerStep.block_hashes carries, come from their token ids.
+        self._requests: dict[str, Any] = {}
         # Requests whose remote load failed. vLLM recomputes them (policy "recompute") and
         # asks the connector again; without this the same dead source would be tried again.
         self._failed_loads: set[str] = set()
@@ -314,6 +318,7 @@ class KVFrameConnector(KVConnectorBase_V1):
         """Forwarded with the request's blocks per KV group."""
         ids = as_block_ids(blocks.get_block_ids())
         hits = self._local_hits.pop(request.request_id, request.num_computed_tokens)
+        self._requests[request.request_id] = request
         view = request_view(
             request,
             hashes=self._hashes,
@@ -325,15 +330,12 @@ class KVFrameConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFrameMetadata:
         """The step's kvframe metadata, encoded with the connector's codec."""
-        counts: Mapping[str, int] = scheduler_output.num_scheduled_tokens
-        new = {r.req_id: counts.get(r.req_id, 0) for r in scheduler_output.scheduled_new_reqs}
-        cached = {rid: counts.get(rid, 0) for rid in scheduler_output.scheduled_cached_reqs.req_ids}
-        step = SchedulerStep(
+        step = scheduler_step(
+            scheduler_output,
             step=self._step,
-            new_requests=new,
-            cached_requests=cached,
-            finished_request_ids=frozenset(scheduler_output.finished_req_ids),
             now=time.monotonic(),
+            hashes=self._hashes,
+            requests=self._requests,
         )
         self._step += 1
         meta = self._sched().build_connector_meta(step)
@@ -376,6 +378,7 @@ class KVFrameConnector(KVConnectorBase_V1):
         view = request_view(request, hashes=self._hashes, block_ids=ids, finished=True)
         self._hashes.forget(request.request_id)
         self._local_hits.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
         self._failed_loads.discard(request.request_id)
         return self._sched().request_finished(view, ids)
 

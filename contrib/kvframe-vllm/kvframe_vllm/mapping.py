@@ -10,7 +10,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvframe.spi.request import BlockIds, RequestView, block_hashes
+from kvframe.spi.connector import SchedulerStep
+from kvframe.spi.request import BlockIds, RequestView, as_block_ids, block_hashes
 
 __all__ = [
     "FINISH_REASON_BY_STATUS",
@@ -19,6 +20,7 @@ __all__ = [
     "kv_regions",
     "monotonic_from_wall",
     "request_view",
+    "scheduler_step",
 ]
 
 FINISH_REASON_BY_STATUS: Mapping[str, str] = {
@@ -140,3 +142,69 @@ def kv_regions(kv_caches: Mapping[str, Any], num_blocks: int) -> dict[str, Any]:
                 )
             out[part] = view
     return out
+
+
+def scheduler_step(
+    scheduler_output: Any,
+    *,
+    step: int,
+    now: float,
+    hashes: BlockHashCache | None = None,
+    requests: Mapping[str, Any] | None = None,
+) -> SchedulerStep:
+    """kvframe's :class:`~kvframe.spi.connector.SchedulerStep` for a vLLM ``SchedulerOutput``.
+
+    - ``new_requests``: ``scheduled_new_reqs`` and the cached requests vLLM lists in
+      ``resumed_req_ids`` (back after preemption: their old blocks were freed), with their
+      ``num_scheduled_tokens``; ``cached_requests``: the other cached ones.
+    - ``new_block_ids``: ``NewRequestData.block_ids`` (all blocks), and
+      ``CachedRequestData.new_block_ids`` (appended blocks; all blocks for a resumed request;
+      ``None`` entries are left out).
+    - ``num_computed_tokens``: vLLM's count before the step plus the scheduled tokens, minus
+      the step's speculative tokens (``scheduled_spec_decode_tokens``: they may be rejected).
+    - ``block_hashes``: kvframe's hashes of each scheduled request found in ``requests``
+      (request id → vLLM ``Request``, which the adapter keeps from
+      ``update_state_after_alloc``), computed through ``hashes``; left out without them.
+
+    Raises what ``SchedulerStep`` raises for malformed values (``ValueError``/``TypeError``).
+    """
+    counts: Mapping[str, int] = scheduler_output.num_scheduled_tokens
+    spec: Mapping[str, Any] = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    new: dict[str, int] = {}
+    cached: dict[str, int] = {}
+    blocks: dict[str, BlockIds] = {}
+    computed: dict[str, int] = {}
+
+    def after(rid: str, before: int) -> int:
+        return max(0, int(before) + counts.get(rid, 0) - len(spec.get(rid, ())))
+
+    for r in scheduler_output.scheduled_new_reqs:
+        new[r.req_id] = counts.get(r.req_id, 0)
+        blocks[r.req_id] = as_block_ids(r.block_ids)
+        computed[r.req_id] = after(r.req_id, r.num_computed_tokens)
+    c = scheduler_output.scheduled_cached_reqs
+    resumed = set(getattr(c, "resumed_req_ids", None) or ())
+    new_ids = list(getattr(c, "new_block_ids", None) or ())
+    before = list(getattr(c, "num_computed_tokens", None) or ())
+    for i, rid in enumerate(c.req_ids):
+        (new if rid in resumed else cached)[rid] = counts.get(rid, 0)
+        if i < len(new_ids) and new_ids[i] is not None:
+            blocks[rid] = as_block_ids(new_ids[i])
+        if i < len(before):
+            computed[rid] = after(rid, before[i])
+    known: dict[str, tuple[bytes, ...]] = {}
+    if hashes is not None and requests is not None:
+        for rid in (*new, *cached):
+            req = requests.get(rid)
+            if req is not None:
+                known[rid] = hashes.hashes(req)
+    return SchedulerStep(
+        step=step,
+        new_requests=new,
+        cached_requests=cached,
+        finished_request_ids=frozenset(scheduler_output.finished_req_ids),
+        now=now,
+        new_block_ids=blocks,
+        num_computed_tokens=computed,
+        block_hashes=known,
+    )
