@@ -317,7 +317,7 @@ def test_peer_reads_from_here(local: Local, peer: tuple[Peer, LayoutHandle]) -> 
     assert (got.reshape(NUM_BLOCKS, BLOCK_LENS[1])[9] == 0x5A).all()
 
 
-def test_large_read_is_byte_exact_and_reports_time() -> None:
+def test_large_read_is_byte_exact() -> None:
     lens, nb = (1 << 20,), 24
     p = Peer(f"Pbig-{os.getpid()}", seed=3, block_lens=lens, num_blocks=nb)
     buf = np.zeros(lens[0] * nb, np.uint8)
@@ -331,8 +331,7 @@ def test_large_read_is_byte_exact_and_reports_time() -> None:
             # reversed order: no run of blocks is adjacent on both sides, one message each
             h = t.post(Op.READ, loc, list(range(nb)), remote, list(range(nb))[::-1])
             assert wait(t, h) is XferState.DONE, h.error
-            assert h.transfer_seconds is not None
-            assert h.transfer_seconds > 0
+            assert h.transfer_seconds is None  # see the capability card
             assert h.nbytes == nb * lens[0]
             t.release(h)
             want = p.expected(0).reshape(nb, lens[0])[::-1]
