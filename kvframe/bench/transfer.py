@@ -8,9 +8,7 @@ Measured side by side in one run, on the same memory and the same random block s
 - **raw NIXL** — the same READ with NIXL called directly: descriptor lists prepared once with
   ``prep_xfer_dlist``, then ``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` per
   request, so the ratio kvframe/raw is kvframe's own overhead;
-- **memcpy** — ``np.copyto`` of the same blocks inside one process, the ceiling of any copy;
-- **ucx** (when kvframe-ucx is installed) — the same READ through the kvframe UCX transport,
-  which is two-sided: P's loop serves it from its ``progress()`` every 0.5 ms.
+- **memcpy** — ``np.copyto`` of the same blocks inside one process, the ceiling of any copy.
 
 for block sizes 16 KiB … 2 MiB and 1 … 256 blocks per request. A second table gives the
 per-request cost of posting (µs) against the number of descriptors, and a third the overlap
@@ -178,10 +176,6 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
     host.load()
     t = host.create_transport("nixl", TransportParams(name=f"bench-P-{os.getpid()}"))
     t.register_memory([MemoryRegion(addr=pool.ctypes.data, length=pool.nbytes)])
-    ucx: Transport | None = None
-    if "ucx" in host.transport_names():
-        ucx = host.create_transport("ucx", TransportParams(name=f"bench-P-ucx-{os.getpid()}"))
-        ucx.register_memory([MemoryRegion(addr=pool.ctypes.data, length=pool.nbytes)])
     raw: Any = nixl_cu12.nixl_agent(
         f"bench-P-raw-{os.getpid()}", nixl_cu12.nixl_agent_config(enable_prog_thread=False)
     )
@@ -193,7 +187,6 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
             "raw_meta": bytes(raw.get_agent_metadata()),
             "raw_name": raw.name,
             "addr": pool.ctypes.data,
-            "ucx_meta": ucx.local_metadata() if ucx is not None else None,
         },
     )
     unpacker = msgpack.Unpacker(raw=False)
@@ -202,8 +195,6 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
         while True:
             ready, _, _ = select.select([0], [], [], 0.0005)
             t.progress()
-            if ucx is not None:
-                ucx.progress()
             raw.get_new_notifs()
             if pd is not None:
                 pd.step()
@@ -216,9 +207,6 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
             for cmd in unpacker:
                 if cmd["op"] == "add_peer":
                     _send(reply_fd, t.add_peer(cmd["meta"]))
-                elif cmd["op"] == "add_ucx_peer":
-                    assert ucx is not None
-                    _send(reply_fd, ucx.add_peer(cmd["meta"]))
                 elif cmd["op"] == "add_raw":
                     _send(reply_fd, _as_str(raw.add_remote_agent(cmd["meta"])))
                 elif cmd["op"] == "pd_setup":
@@ -235,8 +223,6 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
     finally:
         if pd is not None:
             pd.close()
-        if ucx is not None:
-            ucx.close()
         t.close()
 
 
@@ -332,15 +318,10 @@ class Method(Protocol):
 
 class _KvframeMethod:
     """The kvframe NIXL transport with its default options (``name="kvframe"``) or with
-    ``options`` (another column); ``transport="ucx"`` for the UCX transport's column."""
+    ``options`` (another column)."""
 
     def __init__(
-        self,
-        env: BenchEnv,
-        *,
-        name: str = "kvframe",
-        options: dict[str, Any] | None = None,
-        transport: str = "nixl",
+        self, env: BenchEnv, *, name: str = "kvframe", options: dict[str, Any] | None = None
     ) -> None:
         from kvframe.runtime.plugins import PluginHost
 
@@ -348,16 +329,12 @@ class _KvframeMethod:
         host.load()
         self.name = name
         self.t: Transport = host.create_transport(
-            transport,
-            TransportParams(name=f"bench-D-{name}-{os.getpid()}", options=options or {}),
+            "nixl", TransportParams(name=f"bench-D-{name}-{os.getpid()}", options=options or {})
         )
         self.env = env
         self.t.register_memory([MemoryRegion(addr=env.pool.ctypes.data, length=env.pool.nbytes)])
-        meta_key, add_op = (
-            ("ucx_meta", "add_ucx_peer") if transport == "ucx" else ("meta", "add_peer")
-        )
-        self.peer = self.t.add_peer(env.child.hello[meta_key])
-        env.child.call(self.t.progress, add_op, meta=self.t.local_metadata())
+        self.peer = self.t.add_peer(env.child.hello["meta"])
+        env.child.call(self.t.progress, "add_peer", meta=self.t.local_metadata())
         self.local: LayoutHandle | None = None
         self.remote: LayoutHandle | None = None
 
@@ -632,14 +609,6 @@ METHOD_FACTORIES: list[Callable[[BenchEnv], Method]] = [
     _MemcpyMethod,
     _PDConnectorMethod,
 ]
-
-
-def _ucx(env: BenchEnv) -> _KvframeMethod:
-    return _KvframeMethod(env, name="ucx", transport="ucx")
-
-
-if importlib.util.find_spec("kvframe_ucx") is not None:  # the UCX column needs the plugin
-    METHOD_FACTORIES.append(_ucx)
 
 
 # -- measurements ----------------------------------------------------------------------------

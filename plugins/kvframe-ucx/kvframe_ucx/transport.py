@@ -54,6 +54,11 @@
   completion is seen only inside `progress()`, so a figure would measure the caller's polling;
   connectors then time from `post` to the `poll` that saw `DONE`.
 
+**One process, one UCX binding.** Creating this transport where NIXL (`nixl_cu12`) is loaded
+raises `ConfigError`: with ucxx loaded, NIXL in the same process reads wrong bytes after a
+release or a peer removal (ucxx-cu12 0.52, nixl-cu12 1.5.1). Use NIXL or this transport per
+process, not both.
+
 **Threads.** One caller thread at a time, like every transport; the transport starts none.
 """
 
@@ -61,6 +66,8 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
+import sys
 import time
 import uuid
 from collections import deque
@@ -248,8 +255,13 @@ class UcxTransport(Transport):
 
     def __init__(self, params: TransportParams) -> None:
         self._opts = UcxOptions.from_mapping(params.options)
-        import ucxx._lib.libucxx as ucx_api  # deferred: listing plugins must not load UCX
-
+        if "nixl_cu12" in sys.modules:
+            raise ConfigError(
+                "ucx transport: NIXL (nixl_cu12) is loaded in this process, and ucxx and NIXL "
+                "corrupt each other's UCX state in one process (NIXL then reads wrong bytes); "
+                "run the ucx transport in a process without NIXL"
+            )
+        ucx_api = _import_ucxx()
         self._api = ucx_api
         self._name = params.name
         try:
@@ -847,6 +859,32 @@ class UcxTransport(Transport):
                 del self._served[slot]
         if self._peers.get(peer.name) is peer:
             del self._peers[peer.name]
+
+
+_UCM_ENV: Final = {"UCX_MEM_MALLOC_HOOKS": "no", "UCX_MEM_MMAP_HOOK_MODE": "none"}
+
+
+def _import_ucxx() -> Any:
+    """Import ucxx's synchronous layer without its process-wide side effect.
+
+    Deferred so that listing plugins does not load UCX. Importing the ``ucxx`` package sets
+    ``UCX_MEMTYPE_CACHE=n`` in ``os.environ`` when it is unset; the UCX inside ucxx 0.52 no
+    longer reads it, while every later UCX context in the process (NIXL's, a child's) prints
+    an "unused environment variable" warning on stdout, which breaks programs whose stdout is
+    data. So the variable is removed again unless the user had set it.
+    """
+    saved = {k: os.environ.get(k) for k in (*_UCM_ENV, "UCX_MEMTYPE_CACHE")}
+    for k, v in _UCM_ENV.items():
+        os.environ.setdefault(k, v)
+    try:
+        import ucxx._lib.libucxx as ucx_api
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+    return ucx_api
 
 
 def _data_tag(slot: int, index: int) -> int:

@@ -470,3 +470,43 @@ def test_release_of_pending_read_stops_it(local: Local, peer: tuple[Peer, Layout
     assert (local.view(0)[3:5] == 0xAB).all()
     with pytest.raises(TransportClosedError):
         local.t.poll(h)
+
+
+def test_creating_a_transport_leaves_the_environment_alone() -> None:
+    # ucxx's import sets UCX_MEMTYPE_CACHE, which makes every later UCX in the process (NIXL's)
+    # print a warning on stdout; a fresh interpreter shows whether the transport undid it.
+    code = (
+        "import os\n"
+        "from kvframe_ucx import UcxTransport\n"
+        "from kvframe.spi.transport import TransportParams\n"
+        "t = UcxTransport.create(TransportParams(name='env'))\n"
+        "t.close()\n"
+        "print(repr(os.environ.get('UCX_MEMTYPE_CACHE')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MEMTYPE_CACHE"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout == "None\n", out.stdout
+
+
+def test_refuses_to_share_a_process_with_nixl() -> None:
+    code = (
+        "import nixl_cu12\n"
+        "from kvframe_ucx import UcxTransport\n"
+        "from kvframe.errors import ConfigError\n"
+        "from kvframe.spi.transport import TransportParams\n"
+        "try:\n"
+        "    UcxTransport.create(TransportParams(name='both'))\n"
+        "except ConfigError as exc:\n"
+        "    print('refused:', 'NIXL' in str(exc))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip().endswith("refused: True"), out.stdout + out.stderr

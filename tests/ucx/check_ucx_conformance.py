@@ -1,5 +1,6 @@
 """kvframe's transport conformance kit against the UCX transport, found through the plugin host
-(the entry point is tested too); the kit's second endpoint runs in a child process."""
+(the entry point is tested too); the kit's second endpoint runs in a child process. Run by
+test_ucx_isolated.py in an interpreter of its own (ucxx must not share a process with NIXL)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,58 @@
+"""Runs the UCX transport's tests (``check_*.py`` in this folder) in a separate interpreter.
+
+Loading ucxx into a process breaks NIXL in that process: with ucxx imported, NIXL's own
+conformance tests read wrong bytes after a release or a peer removal (seen with ucxx-cu12 0.52
+and nixl-cu12 1.5.1, which share one UCX build). The main test process runs the NIXL tests, so
+the UCX tests must never load ucxx there; they run here in a child pytest, and this test fails
+with the child's output when any of them fails. The check files are named ``check_*.py`` so
+the main run does not collect them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ucx
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+if importlib.util.find_spec("ucxx") is None or importlib.util.find_spec("kvframe_ucx") is None:
+    pytest.skip(
+        "the UCX tests need ucxx-cu12 and plugins/kvframe-ucx (./dev installs both)",
+        allow_module_level=True,
+    )
+
+
+def test_ucx_suite_in_its_own_interpreter() -> None:
+    assert "ucxx" not in sys.modules, "ucxx was loaded into the main test process"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "python_files=check_*.py",
+            str(HERE),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    summary = re.search(r"(\d+) passed", proc.stdout)
+    assert summary is not None, tail
+    assert int(summary.group(1)) >= 50, tail  # the checks were all collected
+    assert "failed" not in proc.stdout, tail
