@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from kvframe.config import KVTransferConfig
+from kvframe.connectors._reports import WorkerReports
 from kvframe.connectors.offload.metadata import (
     CopyJob,
     JobReport,
@@ -48,7 +49,7 @@ from kvframe.connectors.offload.metadata import (
 )
 from kvframe.connectors.offload.options import OffloadOptions
 from kvframe.connectors.offload.scheduler import build_tiers, check_components
-from kvframe.protocol.messages import ConnectorMetadata, KVEvent, Stats
+from kvframe.protocol.messages import ConnectorMetadata, Stats
 from kvframe.spi.connector import EngineInfo, KVConnectorWorker
 from kvframe.spi.offload import (
     CorruptEntryError,
@@ -78,7 +79,7 @@ class _Store:
         self.layers = layers
 
 
-class OffloadingWorker(KVConnectorWorker):
+class OffloadingWorker(WorkerReports, KVConnectorWorker):
     """Worker half of :class:`~kvframe.connectors.offload.OffloadingConnector`.
 
     ``host`` is the plugin host the tiers come from. Tiers are built and opened in
@@ -119,9 +120,7 @@ class OffloadingWorker(KVConnectorWorker):
         self._removing: dict[tuple[int, bytes], cf.Future[None]] = {}
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
-        self._invalid: set[int] = set()
-        self._failures: dict[str, str] = {}
-        self._events: list[KVEvent] = []
+        self._init_reports()
         self._counters: dict[str, int] = {}
         self._closed = False
 
@@ -367,19 +366,6 @@ class OffloadingWorker(KVConnectorWorker):
         self._events.append(
             job_event(JobReport(job_id=job_id, rank=self._rank, failed=dict(failed), error=error))
         )
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._invalid = self._invalid, set()
-        return out
-
-    def take_failures(self) -> Mapping[str, str]:
-        out, self._failures = self._failures, {}
-        return out
-
-    def take_events(self) -> tuple[KVEvent, ...]:
-        out = tuple(self._events)
-        self._events.clear()
-        return out
 
     def _count(self, name: str, n: int = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + n

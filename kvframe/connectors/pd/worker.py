@@ -26,6 +26,7 @@ import attrs
 import msgpack
 
 from kvframe.config import KVTransferConfig
+from kvframe.connectors._reports import WorkerReports
 from kvframe.connectors.pd.handshake import (
     HandshakeRequest,
     HandshakeResponse,
@@ -73,7 +74,7 @@ class _Load:
     nbytes: int = 0
 
 
-class PDConnectorWorker(KVConnectorWorker):
+class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     """Worker half of :class:`~kvframe.connectors.pd.PDConnector` (one per rank)."""
 
     def __init__(
@@ -127,9 +128,7 @@ class PDConnectorWorker(KVConnectorWorker):
         # reporting
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
-        self._invalid: set[int] = set()
-        self._failures: dict[str, str] = {}
-        self._events: list[KVEvent] = []
+        self._init_reports()
         self._counters: dict[str, float] = {}
         self._closed = False
 
@@ -267,19 +266,6 @@ class PDConnectorWorker(KVConnectorWorker):
         sending, recving = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
         return (sending or None), (recving or None)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._invalid = self._invalid, set()
-        return out
-
-    def take_failures(self) -> Mapping[str, str]:
-        out, self._failures = self._failures, {}
-        return out
-
-    def take_events(self) -> tuple[KVEvent, ...]:
-        out = tuple(self._events)
-        self._events.clear()
-        return out
 
     def get_stats(self) -> Stats:
         counters = {k: v for k, v in self._counters.items() if v}
