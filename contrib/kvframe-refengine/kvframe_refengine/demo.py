@@ -308,12 +308,14 @@ def _kill_phase(
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(batch))
     futs = [
         pool.submit(
-            post_json, f"{base['router']}/v1/completions", {"prompt": p, "max_tokens": 160}, 120
+            post_json, f"{base['router']}/v1/completions", {"prompt": p, "max_tokens": 1000}, 120
         )
         for p in batch
     ]
     got_leases = _wait_for(lambda: held() >= 2, 30, 0.02)
     time.sleep(2 * interval)  # let heartbeats flow for a while
+    # Kill right after seeing leases held (D reads a queued request as soon as a slot frees).
+    got_leases = got_leases and _wait_for(lambda: held() >= 1, 30, 0.005)
     n_held = held()
     log(f"  P holds {n_held} leases for requests queued on D; killing D (SIGKILL)")
     killed_at = procs["decode"].kill()
