@@ -35,7 +35,7 @@ the send time of the answered heartbeat is a local reading no later than P's ``h
     8      8    holder_now f64
     16     2    count      u16
     18     ...  count x (len u8, request id UTF-8, reason u8: 1 unknown, 2 consumed,
-                3 aborted, 4 expired)
+                3 aborted, 4 expired, 5 claimed by another reader)
 
 **Lease done** (D -> P, type 4): "I no longer need the lease on X, and why"; the holder
 ends it at once (consumed after a read, aborted after a release)::
@@ -131,6 +131,9 @@ class LostReason(enum.IntEnum):
     """It ended: the holder aborted it."""
     EXPIRED = 4
     """It expired (or its expiry has passed): the blocks are or will be reclaimed."""
+    CLAIMED = 5
+    """It is live but bound to another reader (the first that named it): a ticket used twice
+    is read once."""
 
 
 def _check_seq(instance: object, attribute: attrs.Attribute[int], value: int) -> None:

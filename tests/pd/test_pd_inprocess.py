@@ -113,8 +113,12 @@ def test_abort_while_loading_keeps_blocks_until_transfer_stopped(pd: tuple[Drive
     _start_load(d, "d1", params, [7, 8])
     run_until([p, d], lambda: d.worker.get_stats().gauges["loads_in_flight"] == 1)
     delay, _ = d.sched.request_finished(view("d1", 32, params, finish_reason="abort"), ((7, 8),))
-    assert delay is True
-    run_until([p, d], lambda: _ended(d, "d1"))
+    # Not delay_free: D sends nothing. The engine keeps an async load's blocks until the load
+    # is reported stopped in finished_recving (and never in finished_sending).
+    assert delay is False
+    run_until([p, d], lambda: _ended(d, "d1", "finished_recving"))
+    assert not _ended(d, "d1")
+    assert not any(o.invalid_block_ids for o in d.outputs)
     run_until([p, d], lambda: _ended(p, "r1"))
     assert not d.sched.has_pending_work()
     assert not p.sched.has_pending_work()

@@ -6,6 +6,7 @@ Registered with the codec under the tag ``pd.metadata``; see :data:`PD_CODEC`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -14,7 +15,7 @@ from kvframe.protocol.codec import DEFAULT_CODEC
 from kvframe.protocol.messages import ConnectorMetadata
 from kvframe.spi.request import BlockIds, _block_ids
 
-__all__ = ["PD_CODEC", "PDLoad", "PDMetadata", "RemoteEngineAddr", "RemoteRelease"]
+__all__ = ["PD_CODEC", "PDGrant", "PDLoad", "PDMetadata", "RemoteEngineAddr", "RemoteRelease"]
 
 
 def _checked(value: Any, cls: type) -> tuple[Any, ...]:
@@ -31,6 +32,25 @@ def _blocks(value: Any) -> BlockIds:
 
 def _loads(value: Any) -> tuple[PDLoad, ...]:
     return _checked(value, PDLoad)
+
+
+def _grants(value: Any) -> tuple[PDGrant, ...]:
+    return _checked(value, PDGrant)
+
+
+def _strs(value: Any) -> tuple[str, ...]:
+    return _checked(value, str)
+
+
+def _heartbeats(value: Any) -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for engine, ids in dict(value).items():
+        if not isinstance(engine, str):
+            raise TypeError(f"heartbeat engine id {engine!r} is not a str")
+        if isinstance(ids, str):
+            raise TypeError(f"heartbeats[{engine!r}] is one str, not a list of lease ids")
+        out[engine] = _strs(ids)
+    return out
 
 
 def _releases(value: Any) -> tuple[RemoteRelease, ...]:
@@ -73,8 +93,20 @@ class PDLoad:
     """Destination blocks per KV group."""
     remote_block_ids: BlockIds = attrs.field(converter=_blocks)
     """Source blocks per KV group, aligned with ``local_block_ids`` (same lengths)."""
-    lease_expires_at: float
-    """The initial lease expiry on the remote engine's clock, from ``kv_transfer_params``."""
+    remote_incarnations: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    """Per remote rank, the instance that granted the lease (empty: unknown). A worker whose
+    connection is to another instance reconnects before it reads."""
+
+
+@attrs.frozen(kw_only=True)
+class PDGrant:
+    """Keep one finished request's blocks under a lease for a remote reader (P side)."""
+
+    request_id: str
+    """The local request id (reported in ``finished_sending`` when the lease ends)."""
+    lease_id: str
+    """The lease id D names in its heartbeats (random, bounded: see ``docs/pd.md``)."""
+    block_ids: BlockIds = attrs.field(converter=_blocks)
 
 
 @attrs.frozen(kw_only=True)
@@ -90,13 +122,19 @@ class RemoteRelease:
 class PDMetadata(ConnectorMetadata):
     """One step's instructions from the P/D scheduler to every worker.
 
-    Generic fields used: ``saves`` (P: requests finished with ``do_remote_decode`` — grant each
-    a lease over its blocks), ``abort_request_ids`` (D: stop these loads),
-    ``heartbeats`` (D: remote engine id → remote request ids to heartbeat now).
+    Generic fields used: ``abort_request_ids`` (D: stop these loads and report them in
+    ``finished_recving`` once their transfers stopped).
     """
 
     now: float = 0.0
     """The scheduler's clock when the metadata was built (for rebasing deadlines)."""
+    grants: tuple[PDGrant, ...] = attrs.field(default=(), converter=_grants)
+    """P: requests finished with ``do_remote_decode``: grant each a lease over its blocks."""
+    pd_heartbeats: Mapping[str, tuple[str, ...]] = attrs.field(
+        factory=dict, converter=_heartbeats, hash=False
+    )
+    """D: remote engine id → lease ids to heartbeat now (the schedule's due batches and the
+    leases of requests that arrived this step, one batch per engine)."""
     pd_loads: tuple[PDLoad, ...] = attrs.field(default=(), converter=_loads)
     releases: tuple[RemoteRelease, ...] = attrs.field(default=(), converter=_releases)
     engines: tuple[RemoteEngineAddr, ...] = attrs.field(default=(), converter=_addrs)
@@ -104,7 +142,9 @@ class PDMetadata(ConnectorMetadata):
 
     @property
     def is_empty(self) -> bool:
-        return super().is_empty and not (self.pd_loads or self.releases or self.engines)
+        return super().is_empty and not (
+            self.grants or self.pd_heartbeats or self.pd_loads or self.releases or self.engines
+        )
 
 
 #: The codec that knows the P/D metadata (and every generic message).

@@ -15,7 +15,26 @@ import attrs
 
 from kvframe.errors import ConfigError
 
-__all__ = ["RemotePrefillParams", "wants_remote_decode", "wants_remote_prefill"]
+__all__ = [
+    "MAX_LEASE_ID_BYTES",
+    "MAX_RANKS",
+    "MAX_TOKEN_CHARS",
+    "RemotePrefillParams",
+    "wants_remote_decode",
+    "wants_remote_prefill",
+]
+
+#: The longest lease id (``remote_request_id``) D accepts: what one heartbeat entry can carry.
+MAX_LEASE_ID_BYTES = 255
+#: The most per-rank entries (``remote_ports``, ``remote_incarnations``) D accepts.
+MAX_RANKS = 1024
+#: The longest incarnation token D accepts.
+MAX_TOKEN_CHARS = 64
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
@@ -46,6 +65,9 @@ class RemotePrefillParams:
     remote_ports: tuple[int, ...] = ()
     """Per-rank side-channel ports when P's workers bound ephemeral ports; empty when rank
     ``r`` listens on ``remote_port + r``."""
+    remote_incarnations: tuple[str, ...] = ()
+    """Per rank, a random token naming the P worker instance that granted the lease (empty
+    when P's workers did not report theirs). D reconnects to a restarted P before reading."""
 
     def port_for(self, rank: int) -> int:
         """The side-channel port of P's worker ``rank``."""
@@ -69,6 +91,11 @@ class RemotePrefillParams:
             "lease_duration": self.lease_duration,
             "lease_expires_at": self.lease_expires_at,
             **({"remote_ports": list(self.remote_ports)} if self.remote_ports else {}),
+            **(
+                {"remote_incarnations": list(self.remote_incarnations)}
+                if self.remote_incarnations
+                else {}
+            ),
         }
 
     @classmethod
@@ -134,10 +161,27 @@ class RemotePrefillParams:
             raise ConfigError(
                 f"kv_transfer_params.remote_ports = {ports_raw!r}; expected a list of ports"
             )
+        inc_raw = params.get("remote_incarnations", [])
+        if (
+            not isinstance(inc_raw, (list, tuple))
+            or len(inc_raw) > MAX_RANKS
+            or not all(isinstance(x, str) and 0 < len(x) <= MAX_TOKEN_CHARS for x in inc_raw)
+        ):
+            raise ConfigError(
+                f"kv_transfer_params.remote_incarnations = {_short(inc_raw)}; expected a list "
+                f"of at most {MAX_RANKS} non-empty strings of at most {MAX_TOKEN_CHARS} characters"
+            )
+        lease_id = non_empty("remote_request_id")
+        if len(lease_id.encode("utf-8", "surrogatepass")) > MAX_LEASE_ID_BYTES:
+            raise ConfigError(
+                f"kv_transfer_params.remote_request_id is {len(lease_id)} characters; a lease id "
+                f"is at most {MAX_LEASE_ID_BYTES} bytes (pass P's kv_transfer_params unchanged)"
+            )
         return cls(
             remote_ports=tuple(ports_raw),
+            remote_incarnations=tuple(inc_raw),
             remote_engine_id=non_empty("remote_engine_id"),
-            remote_request_id=non_empty("remote_request_id"),
+            remote_request_id=lease_id,
             remote_host=non_empty("remote_host"),
             remote_port=port,
             remote_block_ids=tuple(groups),

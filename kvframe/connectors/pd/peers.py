@@ -6,6 +6,11 @@ so the forward loop never waits for it. Its result is applied to the transport
 (``add_peer``, ``prepare_remote``) on the engine thread, inside :meth:`RemoteEngines.poll`,
 because a transport is used from one thread only.
 
+A failed handshake is retried when a request needs the engine again, after a backoff that
+doubles per consecutive failure (``retry_after`` × 2**n, at most ``max_retry_after``) with
+±50 % jitter, so a fleet of decoders does not hammer a restarting prefill engine in lockstep;
+a request naming a new instance of the engine (another incarnation) retries at once.
+
 Remote engines unused for ``idle_ttl`` seconds are forgotten (their transport peer removed)
 without waiting for a new handshake to the same engine, so a fleet whose prefill engines come
 and go does not accumulate dead peers (vLLM #58063).
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import queue
+import random
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -61,6 +67,12 @@ class RemoteEngine:
     error: str | None = None
     last_used: float = 0.0
     failed_at: float = 0.0
+    incarnation: str | None = None
+    """The remote worker instance's token from its handshake (``None``: it sent none)."""
+    failures: int = 0
+    """Consecutive failed handshakes (the retry backoff grows with it)."""
+    retry_at: float = 0.0
+    """When a failed entry may handshake again."""
 
 
 _Key = tuple[str, int]
@@ -85,16 +97,23 @@ class RemoteEngines:
         chash: bytes,
         timeout: float,
         idle_ttl: float,
-        retry_after: float = 1.0,
+        retry_after: float = 0.05,
+        max_retry_after: float = 2.0,
         clock: Callable[[], float],
+        local_metadata: bytes | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self._transport = transport
         self._request = HandshakeRequest(
             engine_id=engine_id,
             rank=rank,
             transport=transport_name,
-            transport_metadata=transport.local_metadata(),
+            transport_metadata=(
+                local_metadata if local_metadata is not None else transport.local_metadata()
+            ),
         )
+        self._max_retry_after = max_retry_after
+        self._rng = rng or random.Random()
         self._chash = chash
         self._timeout = timeout
         self._idle_ttl = idle_ttl
@@ -135,25 +154,62 @@ class RemoteEngines:
                 result = HandshakeError(f"{type(exc).__name__}: {exc}")
             self._done.put((job, result))
 
-    def ensure(self, engine_id: str, rank: int, host: str, port: int, now: float) -> RemoteEngine:
-        """The entry for ``(engine_id, rank)``, starting a handshake when there is none (or when
-        the last one failed more than ``retry_after`` seconds ago, or the address changed)."""
+    def ensure(
+        self,
+        engine_id: str,
+        rank: int,
+        host: str,
+        port: int,
+        now: float,
+        *,
+        incarnation: str | None = None,
+    ) -> RemoteEngine:
+        """The entry for ``(engine_id, rank)``, starting a handshake when there is none, when
+        the address changed, or when the last one failed and its backoff has passed (at once
+        when ``incarnation`` names another instance than the failed one)."""
         key = (engine_id, rank)
         entry = self._engines.get(key)
         stale = entry is not None and (entry.host, entry.port) != (host, port)
+        failed = entry is not None and entry.state is PeerState.FAILED
         retry = (
-            entry is not None
-            and entry.state is PeerState.FAILED
-            and now - entry.failed_at >= self._retry_after
+            failed
+            and entry is not None
+            and (
+                now >= entry.retry_at
+                or (incarnation is not None and incarnation != entry.incarnation)
+            )
         )
         if entry is None or stale or retry:
-            if entry is not None and entry.peer is not None:
-                self._forget(entry)
-            entry = RemoteEngine(engine_id, rank, host, port, last_used=now)
-            self._engines[key] = entry
-            self._jobs.put(entry)
+            self._start(key, host, port, now, entry)
+            entry = self._engines[key]
         entry.last_used = now
         return entry
+
+    def _start(self, key: _Key, host: str, port: int, now: float, old: RemoteEngine | None) -> None:
+        if old is not None and old.peer is not None:
+            self._forget(old)
+        entry = RemoteEngine(key[0], key[1], host, port, last_used=now)
+        if old is not None and old.state is PeerState.FAILED:
+            entry.failures = old.failures
+            entry.incarnation = old.incarnation
+        self._engines[key] = entry
+        self._jobs.put(entry)
+
+    def reconnect(self, entry: RemoteEngine, now: float, *, incarnation: str | None) -> None:
+        """Drop ``entry``'s connection (the engine was replaced by instance ``incarnation``)
+        and handshake again at once."""
+        key = (entry.engine_id, entry.rank)
+        if self._engines.get(key) is not entry or entry.state is PeerState.CONNECTING:
+            return
+        self._start(key, entry.host, entry.port, now, None)
+        self._forget(entry)
+
+    def find(self, engine_id: str) -> RemoteEngine | None:
+        """The entry of ``engine_id`` (any rank: each worker talks to one rank per engine)."""
+        for (eid, _rank), entry in self._engines.items():
+            if eid == engine_id:
+                return entry
+        return None
 
     def get(self, engine_id: str, rank: int) -> RemoteEngine | None:
         """The entry for ``(engine_id, rank)``, or ``None``."""
@@ -187,6 +243,10 @@ class RemoteEngines:
                 self._apply(entry, result, now)
             changed.append(entry)
         for key, entry in list(self._engines.items()):
+            if entry.state is PeerState.FAILED and now >= entry.retry_at and busy(entry.engine_id):
+                # Loads wait for this engine: handshake again once the backoff has passed.
+                self._start(key, entry.host, entry.port, now, entry)
+                continue
             if (
                 entry.state is not PeerState.CONNECTING
                 and now - entry.last_used > self._idle_ttl
@@ -215,14 +275,20 @@ class RemoteEngines:
         for s in result.samples:
             entry.clock.add(s.t_send, s.remote_now, s.t_recv)
         entry.response = resp
+        token = resp.extra.get("incarnation")
+        entry.incarnation = token if isinstance(token, str) and token else None
         entry.state = PeerState.READY
         entry.error = None
+        entry.failures = 0
         self.handshakes += 1
 
     def _fail(self, entry: RemoteEngine, now: float, reason: str) -> None:
         entry.state = PeerState.FAILED
         entry.error = reason
         entry.failed_at = now
+        entry.failures += 1
+        backoff = min(self._max_retry_after, self._retry_after * 2 ** (entry.failures - 1))
+        entry.retry_at = now + backoff * self._rng.uniform(0.5, 1.5)
         self.handshake_failures += 1
         if entry.peer is not None:
             self._forget(entry)

@@ -20,7 +20,13 @@ import attrs
 import msgpack
 
 from kvframe.config import KVTransferConfig
-from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, RemoteEngineAddr, RemoteRelease
+from kvframe.connectors.pd.metadata import (
+    PDGrant,
+    PDLoad,
+    PDMetadata,
+    RemoteEngineAddr,
+    RemoteRelease,
+)
 from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.params import (
     RemotePrefillParams,
@@ -29,14 +35,21 @@ from kvframe.connectors.pd.params import (
 )
 from kvframe.core.heartbeat import HeartbeatTracker, StopReason
 from kvframe.core.lease import LeasePolicy
+from kvframe.core.requests import (
+    DECODE_REQUEST_TRANSITIONS,
+    DecodeRequestEvent,
+    DecodeRequestState,
+)
 from kvframe.errors import ConfigError
-from kvframe.protocol.messages import ConnectorOutput, KVEvent, SaveSpec, Stats
+from kvframe.protocol.messages import ConnectorOutput, KVEvent, Stats
 from kvframe.spi.connector import EngineInfo, KVConnectorScheduler, SchedulerStep
 from kvframe.spi.request import BlockIds, RequestView
 
 __all__ = ["PDConnectorScheduler"]
 
 _NORMAL_FINISH = frozenset({"stop", "length"})
+#: Request ids whose kv_transfer_params were refused, remembered so each is counted once.
+_REMEMBER_REJECTED = 4096
 
 
 @attrs.define(eq=False)
@@ -45,7 +58,10 @@ class _Incoming:
 
     params: RemotePrefillParams
     addr: RemoteEngineAddr
-    state: str = "waiting"  # waiting → loading → done
+    state: DecodeRequestState = DecodeRequestState.WAITING
+
+    def move(self, event: DecodeRequestEvent, request_id: str) -> None:
+        self.state = DECODE_REQUEST_TRANSITIONS.next(self.state, event, request_id)
 
 
 class PDConnectorScheduler(KVConnectorScheduler):
@@ -67,14 +83,17 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._stepped = False
         self._ports: dict[int, int] = {}
         # P side
-        self._grants: list[SaveSpec] = []
+        self._grants: list[PDGrant] = []
         self._held: dict[str, str] = {}  # local request id -> lease id
+        self._incarnations: dict[int, str] = {}
         # D side
         self._incoming: dict[str, _Incoming] = {}
         self._loads: list[PDLoad] = []
         self._releases: list[RemoteRelease] = []
         self._aborts: set[str] = set()
         self._new_engines: dict[str, RemoteEngineAddr] = {}
+        self._confirm: dict[str, dict[str, None]] = {}  # engine -> lease ids to confirm now
+        self._rejected: dict[str, None] = {}
         self._events: list[KVEvent] = []
         self._counters: dict[str, int] = {}
 
@@ -88,6 +107,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return inc
         if not (self._config.is_consumer and wants_remote_prefill(request.kv_transfer_params)):
             return None
+        if request.request_id in self._rejected:
+            return None  # refused once already (and counted then): prefilled locally
         assert request.kv_transfer_params is not None
         try:
             params = RemotePrefillParams.from_dict(request.kv_transfer_params)
@@ -116,6 +137,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
                     )
         except ConfigError as exc:
             # The request is still served, by local prefill: correct, only slower.
+            self._rejected[request.request_id] = None
+            if len(self._rejected) > _REMEMBER_REJECTED:
+                del self._rejected[next(iter(self._rejected))]
             self._count("bad_params")
             self._events.append(
                 KVEvent(
@@ -156,45 +180,45 @@ class PDConnectorScheduler(KVConnectorScheduler):
         inc = self._parse(request)
         if inc is None:
             return
+        self._start_tracking(request, inc)
+        self._count("remote_requests")
+
+    def _start_tracking(self, request: RequestView, inc: _Incoming) -> None:
+        # Heartbeat the lease from now on, and once at once: D reads only under a lease P
+        # confirmed, and the first confirmation should be back before the load is allocated.
         self._tracker.track(
             request.request_id,
             inc.addr.engine_id,
             inc.params.remote_request_id,
             self._time(request),
         )
+        self._confirm.setdefault(inc.addr.engine_id, {})[inc.params.remote_request_id] = None
         self._new_engines[inc.addr.engine_id] = inc.addr
-        self._count("remote_requests")
 
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         inc = self._parse(request)
-        if inc is None or inc.state != "waiting":
+        if inc is None or inc.state is not DecodeRequestState.WAITING:
             return 0, False
         external = self._loadable(request, inc.params) - num_computed_tokens
         if external <= 0:
             # Everything is in the local prefix cache: tell P to free at once.
-            self._finish_incoming(request.request_id, StopReason.TRANSFER_DONE, release=True)
+            self._finish_incoming(request.request_id, DecodeRequestEvent.LOCAL_HIT)
             self._count("full_local_hits")
             return 0, False
         if not self._tracker.tracked(request.request_id):
-            self._tracker.track(
-                request.request_id,
-                inc.addr.engine_id,
-                inc.params.remote_request_id,
-                self._time(request),
-            )
-            self._new_engines[inc.addr.engine_id] = inc.addr
+            self._start_tracking(request, inc)
         return external, True
 
     def update_state_after_alloc(
         self, request: RequestView, blocks: BlockIds, num_external_tokens: int
     ) -> None:
         inc = self._incoming.get(request.request_id)
-        if inc is None or inc.state != "waiting":
+        if inc is None or inc.state is not DecodeRequestState.WAITING:
             return
         if num_external_tokens <= 0:
-            self._finish_incoming(request.request_id, StopReason.TRANSFER_DONE, release=True)
+            self._finish_incoming(request.request_id, DecodeRequestEvent.LOCAL_HIT)
             return
         bs = self._engine.block_size
         first = request.num_computed_tokens // bs
@@ -207,7 +231,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 f"{[len(g) for g in blocks]} blocks for {num_external_tokens} external tokens "
                 f"after {request.num_computed_tokens} computed; blocks {first}..{last} are needed"
             )
-        inc.state = "loading"
+        inc.move(DecodeRequestEvent.ALLOCATED, request.request_id)
         self._loads.append(
             PDLoad(
                 request_id=request.request_id,
@@ -215,7 +239,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 remote_request_id=inc.params.remote_request_id,
                 local_block_ids=local,
                 remote_block_ids=remote,
-                lease_expires_at=inc.params.lease_expires_at,
+                remote_incarnations=inc.params.remote_incarnations,
             )
         )
 
@@ -223,20 +247,22 @@ class PDConnectorScheduler(KVConnectorScheduler):
         now = scheduler_output.now
         self._now = now if not self._stepped else max(self._now, now)
         self._stepped = True
-        heartbeats: dict[str, list[str]] = {}
+        # One batch per remote engine: the schedule's due batch and the new leases to confirm.
+        heartbeats: dict[str, dict[str, None]] = {}
         for batch in self._tracker.due(now):
-            heartbeats.setdefault(batch.engine_id, []).extend(batch.request_ids)
-        extra: dict[str, Any] = {}
+            heartbeats.setdefault(batch.engine_id, {}).update(dict.fromkeys(batch.request_ids))
+        for engine_id, ids in self._confirm.items():
+            heartbeats.setdefault(engine_id, {}).update(ids)
+        self._confirm.clear()
         meta = PDMetadata(
             step=scheduler_output.step,
             now=now,
-            saves=tuple(self._grants),
+            grants=tuple(self._grants),
             abort_request_ids=frozenset(self._aborts),
-            heartbeats=heartbeats,
+            pd_heartbeats={e: tuple(ids) for e, ids in heartbeats.items()},
             pd_loads=tuple(self._loads),
             releases=tuple(self._releases),
             engines=tuple(self._new_engines.values()),
-            extra=extra,
         )
         self._grants.clear()
         self._aborts.clear()
@@ -249,48 +275,64 @@ class PDConnectorScheduler(KVConnectorScheduler):
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
         for rid in output.finished_recving:
-            if rid in self._incoming:
-                self._finish_incoming(rid, StopReason.TRANSFER_DONE, release=False)
+            inc = self._incoming.get(rid)
+            if inc is not None and inc.state in (
+                DecodeRequestState.LOADING,
+                DecodeRequestState.ABORTING,
+            ):
+                self._finish_incoming(rid, DecodeRequestEvent.LOAD_STOPPED)
         for rid in output.finished_sending:
             self._held.pop(rid, None)
-            # D: a load aborted mid-flight was parked until its transfer stopped.
-            self._incoming.pop(rid, None)
         if output.failures:
             self._count("load_failures", len(output.failures))
 
-    def _finish_incoming(self, request_id: str, reason: StopReason, *, release: bool) -> None:
-        inc = self._incoming.pop(request_id, None)
+    def _finish_incoming(
+        self, request_id: str, event: DecodeRequestEvent, reason: StopReason | None = None
+    ) -> None:
+        inc = self._incoming.pop(request_id)
+        was = inc.state
+        inc.move(event, request_id)
+        if reason is None:
+            reason = (
+                StopReason.ABORTED
+                if event is DecodeRequestEvent.FINISHED
+                else StopReason.TRANSFER_DONE
+            )
         self._tracker.stop(request_id, self._now, reason)
-        if inc is not None and release:
+        if was is DecodeRequestState.WAITING:
+            # No load was ever posted: P may free at once.
             self._release(inc)
 
     def request_finished(
         self, request: RequestView, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._rejected.pop(rid, None)
         inc = self._incoming.get(rid)
         if inc is not None:
             aborted = request.finish_reason not in _NORMAL_FINISH
             reason = StopReason.ABORTED if aborted else StopReason.FINISHED
-            if inc.state == "loading":
-                # A transfer may still write into these blocks: keep them until the worker
-                # has stopped it and reports the request in finished_sending.
+            if inc.state is DecodeRequestState.LOADING:
+                # A transfer may still write into these blocks: the workers stop it, release
+                # the lease and report the request in finished_recving; the engine keeps the
+                # blocks until then (an async load's blocks are never freed before that).
+                inc.move(DecodeRequestEvent.FINISHED, rid)
                 self._tracker.stop(rid, self._now, reason)
                 self._aborts.add(rid)
-                self._release(inc)
-                inc.state = "aborting"
-                return True, None
-            if inc.state == "aborting":
-                return True, None
-            self._finish_incoming(rid, reason, release=True)
+                return False, None
+            if inc.state is DecodeRequestState.ABORTING:
+                return False, None
+            self._finish_incoming(rid, DecodeRequestEvent.FINISHED, reason)
             return False, None
         if not (self._config.is_producer and wants_remote_decode(request.kv_transfer_params)):
             return False, None
         if request.finish_reason not in _NORMAL_FINISH or not any(block_ids):
             self._count("remote_decode_not_kept")
             return False, None
-        lease_id = f"{rid}~{secrets.token_hex(8)}"
-        self._grants.append(SaveSpec(request_id=lease_id, block_ids=block_ids))
+        # The lease id is a capability of its own, not derived from the request id: 128 random
+        # bits (forged notices name nothing) in 32 characters, whatever the request id's length.
+        lease_id = secrets.token_hex(16)
+        self._grants.append(PDGrant(request_id=rid, lease_id=lease_id, block_ids=block_ids))
         self._held[rid] = lease_id
         self._count("leases_offered")
         return True, self._params_for(request, lease_id, block_ids)
@@ -312,6 +354,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
             remote_host=self._options.side_channel_host,
             remote_port=ports[0] if ports else base,
             remote_ports=ports if ports and base == 0 else (),
+            remote_incarnations=tuple(self._incarnations[r] for r in sorted(self._incarnations))
+            if len(self._incarnations) == self._engine.world_size
+            else (),
             remote_block_ids=block_ids,
             remote_num_tokens=request.num_prompt_tokens,
             tp_size=self._engine.world_size,
@@ -327,6 +372,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
             try:
                 obj = msgpack.unpackb(blob, raw=False)
                 self._ports[int(rank)] = int(obj["port"])
+                incarnation = obj.get("incarnation")
+                if isinstance(incarnation, str) and incarnation:
+                    self._incarnations[int(rank)] = incarnation
             except Exception as exc:
                 raise ConfigError(
                     f"worker {rank} sent malformed handshake metadata: {exc}"
@@ -340,8 +388,16 @@ class PDConnectorScheduler(KVConnectorScheduler):
             or self._loads
             or self._releases
             or self._aborts
+            or self._confirm
             or len(self._tracker)
         )
+
+    def next_deadline(self) -> float | None:
+        """The next heartbeat batch due (engine clock), or ``None``. Anything else that needs a
+        step (grants, loads, releases, aborts) is due at once: ``has_pending_work`` says so."""
+        if self._grants or self._loads or self._releases or self._aborts or self._confirm:
+            return self._now
+        return self._tracker.next_deadline()
 
     def get_stats(self) -> Stats:
         counters = dict(self._counters)

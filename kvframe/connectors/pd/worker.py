@@ -1,25 +1,48 @@
-"""The P/D connector's worker side: moves the bytes, holds the leases, sends the heartbeats.
+"""The P/D connector's worker side: an executor for the core's P/D machines.
 
-**Producer (P) rank.** Serves handshakes on the side channel (a background thread that only
-answers and queues the requester's transport metadata), holds a lease per finished request
-(:class:`~kvframe.core.lease.LeaseTable`), and each step: adds the peers that handshook,
-drains notifications (heartbeats renew and are acknowledged, read completions consume,
-releases abort; anything for a lease it does not hold is answered with a loss notice and
-counted), and reclaims expired leases. Every lease that ended is reported once in
-``finished_sending``.
+Every decision lives in :mod:`kvframe.core`: P's in :class:`~kvframe.core.holder.LeaseHolder`
+(renew, consume, abort, expire, who may name a lease, the replies), D's in
+:class:`~kvframe.core.reader.LeaseReader` (when a lease is confirmed, when to post, whether a
+finished read may be kept, what a loss notice or a broken peer means, when a load times out).
+This module only gathers what happened — the step's metadata, the transport's notifications,
+the transfers' states, the handshakes' results — reads the clock **once per progress point**
+(after it observed everything it reports, so a completion is never stamped earlier than it
+happened), feeds it to the machines, and carries out the actions they return, in order.
 
-**Consumer (D) rank.** Handshakes with prefill engines in the background, sends the heartbeat
-batches the scheduler asks for, and pulls KV with one READ per request — but only under a
-*confirmed* lease, and it keeps the result only if the read completed before the confirmed
-expiry (see ``docs/pd.md``, "why D never decodes garbage"). Failures of any kind end the load:
-its transfer is stopped first, then every local block of the request is reported invalid.
+Progress points are ``start_load_kv`` and ``get_finished`` (each step), and :meth:`progress`.
+
+**Producer (P) rank.** Serves handshakes on the side channel, holds a lease per finished
+request, answers heartbeats and lease-done notices, reclaims expired leases, and reports each
+ended lease once in ``finished_sending``.
+
+**Consumer (D) rank.** Handshakes with prefill engines, heartbeats the leases the scheduler
+names, reads each load under a confirmed lease, and reports each load once in
+``finished_recving`` — failed ones with every local block in ``invalid_block_ids`` and a
+reason, only after their transfers stopped.
+
+Threads
+-------
+Two background threads exist, and each shares only queues with the engine thread:
+
+- P's handshake server thread (:class:`~.handshake.HandshakeServer`) answers with values the
+  engine thread prepared before the server started (the transport metadata, the layout, the
+  incarnation token: immutable after ``register_kv_caches``) and puts each requester's
+  ``(engine id, rank, transport metadata)`` on ``_pending_peers`` (a :class:`queue.Queue`). It
+  never calls the transport; the engine thread adds the peers in its next progress point.
+- D's handshake client thread (:class:`~.peers.RemoteEngines`) takes jobs from one queue and
+  puts results on another; results are applied to the transport on the engine thread.
+
+Everything else, the transport included, is used from the engine thread only.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import queue
+import secrets
 import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -37,8 +60,19 @@ from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, RemoteEngineAddr
 from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.peers import PeerState, RemoteEngine, RemoteEngines
 from kvframe.core import wire
-from kvframe.core.heartbeat import SEQ_MODULUS, HeartbeatGuard
-from kvframe.core.lease import LeasePolicy, LeaseTable, RenewIgnored
+from kvframe.core.holder import HolderOutput, LeaseHolder
+from kvframe.core.lease import Lease, LeasePolicy, LeaseState
+from kvframe.core.reader import (
+    Action,
+    LeaseReader,
+    LoadEnded,
+    PostRead,
+    ReaderTimeouts,
+    ReadState,
+    Reconnect,
+    SendMessage,
+    StopRead,
+)
 from kvframe.errors import CodecError, KVFrameError, PeerUnreachableError, TransportError
 from kvframe.protocol.messages import ConnectorMetadata, KVEvent, Stats
 from kvframe.spi.connector import EngineInfo, KVConnectorWorker
@@ -60,18 +94,20 @@ if TYPE_CHECKING:
 
 __all__ = ["PDConnectorWorker"]
 
+_ENDED_COUNTER = {
+    LeaseState.CONSUMED: "leases_consumed",
+    LeaseState.ABORTED: "leases_aborted",
+    LeaseState.EXPIRED: "leases_expired",
+}
+
 
 @attrs.define(eq=False)
-class _Load:
+class _Read:
+    """A load the reader was told about: what to read, and its transfer once posted."""
+
     spec: PDLoad
-    engine: RemoteEngine | None = None
-    confirmed: float = float("-inf")
-    """Lower bound of the lease's expiry on this worker's clock."""
     handle: XferHandle | None = None
     posted_at: float = 0.0
-    urgent_sent: bool = False
-    urgent_at: float = 0.0
-    nbytes: int = 0
 
 
 class PDConnectorWorker(WorkerReports, KVConnectorWorker):
@@ -95,8 +131,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._clock = clock
         self._engine_id = config.engine_id
         self._policy = LeasePolicy.from_duration(config.kv_lease_duration)
-        self._margin = options.margin(self._policy)
         self._name = f"{config.engine_id}.{rank}"
+        self._incarnation = secrets.token_hex(8)
         self._transport: Transport = host.create_transport(
             options.transport,
             TransportParams(name=self._name, options=dict(options.transport_options)),
@@ -112,19 +148,27 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._local: LayoutHandle | None = None
         self._layout: BlockLayout | None = None
         self._chash = b""
+        self._local_meta = b""
         self._server: HandshakeServer | None = None
         self._engines: RemoteEngines | None = None
-        # P state
-        self._leases: LeaseTable[tuple[tuple[int, ...], ...]] = LeaseTable(self._policy)
-        self._guard = HeartbeatGuard()
-        self._lease_owner: dict[str, str] = {}  # lease id -> local request id
-        self._pending_peers: list[tuple[str, bytes]] = []
-        self._readers: dict[str, str] = {}  # transport peer name -> remote engine id
-        # D state
-        self._loads: dict[str, _Load] = {}
-        self._seq = 0
-        self._sent: dict[int, tuple[float, str | None]] = {}  # seq -> (send time, peer)
-        self._pending_done: dict[str, list[tuple[str, wire.DoneReason]]] = {}
+        # P
+        self._holder: LeaseHolder[tuple[str, tuple[tuple[int, ...], ...]]] = LeaseHolder(
+            self._policy
+        )
+        self._pending_peers: queue.Queue[tuple[str, int, bytes]] = queue.Queue()
+        self._reader_peers: dict[tuple[str, int], str] = {}  # (D engine, rank) -> peer
+        self._readers: dict[str, str] = {}  # transport peer -> D engine id
+        # D
+        self._reader = LeaseReader(
+            self._policy,
+            ReaderTimeouts.from_policy(
+                self._policy,
+                peer_timeout=2 * options.handshake_timeout,
+                margin=options.read_margin,
+            ),
+        )
+        self._reads: dict[str, _Read] = {}
+        self._pending_meta: collections.deque[PDMetadata] = collections.deque()
         # reporting
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -137,6 +181,22 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def transport(self) -> Transport:
         """The transport this worker drives (for diagnostics and tests)."""
         return self._transport
+
+    @property
+    def incarnation(self) -> str:
+        """A random token naming this worker instance (P: sent to D in the handshake and in
+        ``kv_transfer_params``; a restarted worker has a new one)."""
+        return self._incarnation
+
+    @property
+    def reader(self) -> LeaseReader:
+        """D's reader machine (read-only use: tests and diagnostics)."""
+        return self._reader
+
+    @property
+    def holder(self) -> LeaseHolder[tuple[str, tuple[tuple[int, ...], ...]]]:
+        """P's holder machine (read-only use: tests and diagnostics)."""
+        return self._holder
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Register every layer's KV tensor (block-major: dim 0 is the block id) as one region
@@ -171,6 +231,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         )
         self._transport.register_memory(regions)
         self._local = self._transport.prepare_local(self._layout)
+        # Read on the engine thread, before the server thread that answers with it exists.
+        self._local_meta = self._transport.local_metadata()
         if self._config.is_producer:
             port = self._options.side_channel_port
             self._server = HandshakeServer(
@@ -190,63 +252,41 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 timeout=self._options.handshake_timeout,
                 idle_ttl=self._options.peer_idle_ttl,
                 clock=self._clock,
+                local_metadata=self._local_meta,
             )
 
     def get_handshake_metadata(self) -> bytes | None:
         if self._server is None:
             return None
-        out: bytes = msgpack.packb({"host": self._server.host, "port": self._server.port})
+        out: bytes = msgpack.packb(
+            {"host": self._server.host, "port": self._server.port, "incarnation": self._incarnation}
+        )
         return out
 
     def _respond(self, request: HandshakeRequest) -> HandshakeResponse:
-        # Runs on the handshake thread: no transport calls here, only a queue append (atomic).
+        # Runs on the handshake server thread: immutable values and one queue put only.
         if request.transport != self._options.transport:
             raise ValueError(
                 f"this engine uses transport {self._options.transport!r}, not {request.transport!r}"
             )
         assert self._layout is not None
-        self._pending_peers.append((request.engine_id, request.transport_metadata))
+        self._pending_peers.put((request.engine_id, request.rank, request.transport_metadata))
         return HandshakeResponse(
             engine_id=self._engine_id,
             rank=self._rank,
             tp_size=self._engine.world_size,
             transport=self._options.transport,
-            transport_metadata=self._transport_metadata(),
+            transport_metadata=self._local_meta,
             layout=self._layout,
             kv_lease_duration=self._policy.duration,
+            extra={"incarnation": self._incarnation},
         )
-
-    def _transport_metadata(self) -> bytes:
-        if not hasattr(self, "_meta_cache"):
-            self._meta_cache = self._transport.local_metadata()
-        return self._meta_cache
 
     # -- per step ------------------------------------------------------------------------
     def bind_connector_metadata(self, meta: ConnectorMetadata) -> None:
         super().bind_connector_metadata(meta)
-        now = self._clock()
-        for spec in meta.saves:
-            self._grant(spec.request_id, spec.block_ids, now)
-        if not isinstance(meta, PDMetadata):
-            return
-        if self._engines is not None:
-            for addr in meta.engines:
-                self._ensure(addr, now)
-            for load in meta.pd_loads:
-                self._loads[load.request_id] = _Load(
-                    spec=load, engine=self._ensure(load.remote, now)
-                )
-                self._count("loads_requested")
-            for rid in meta.abort_request_ids:
-                self._abort_load(rid)
-            for engine_id, hb_ids in meta.heartbeats.items():
-                self._heartbeat(engine_id, hb_ids, now)
-            releases: dict[str, list[str]] = {}
-            for rel in meta.releases:
-                self._ensure(rel.remote, now)
-                releases.setdefault(rel.remote.engine_id, []).append(rel.remote_request_id)
-            for engine_id, ids in releases.items():
-                self._send_done(engine_id, [(i, wire.DoneReason.RELEASED) for i in ids], now)
+        if isinstance(meta, PDMetadata) and not meta.is_empty:
+            self._pending_meta.append(meta)
 
     def start_load_kv(self, forward_context: Any) -> None:
         self._progress()
@@ -268,12 +308,16 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         return (sending or None), (recving or None)
 
     def get_stats(self) -> Stats:
+        for name, n in self._reader.take_counts().items():
+            self._count(name, n)
+        for name, n in self._holder.take_counts().items():
+            self._count(name, n)
         counters = {k: v for k, v in self._counters.items() if v}
         self._counters.clear()
         gauges: dict[str, float] = {
-            "leases_held": self._leases.live_count,
-            "loads_in_flight": sum(1 for ld in self._loads.values() if ld.handle is not None),
-            "loads_waiting": sum(1 for ld in self._loads.values() if ld.handle is None),
+            "leases_held": self._holder.live_count,
+            "loads_in_flight": len(self._reader.loads(ReadState.POSTED)),
+            "loads_waiting": len(self._reader) - len(self._reader.loads(ReadState.POSTED)),
             "remote_engines": len(self._engines) if self._engines is not None else 0,
         }
         return Stats(counters=counters, gauges=gauges)
@@ -284,6 +328,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             key = f"{name}.{engine}"
             self._counters[key] = self._counters.get(key, 0) + n
 
+    def _event(self, kind: str, **data: Any) -> None:
+        self._events.append(KVEvent(kind=kind, data=dict(data)))
+
     # -- progress ------------------------------------------------------------------------
     def progress(self) -> None:
         """Make progress without an engine step (for a driver thread or an idle loop)."""
@@ -292,7 +339,6 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _progress(self) -> None:
         if self._closed:
             return
-        now = self._clock()
         self._add_pending_peers()
         try:
             notes = self._transport.drain_notifications()
@@ -300,48 +346,62 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count("drain_errors")
             self._event("pd.drain_error", error=str(exc))
             notes = []
+        states = [
+            (rid, self._transport.poll(rd.handle), rd.handle)
+            for rid, rd in self._reads.items()
+            if rd.handle is not None
+        ]
+        # The one clock reading of this progress point: after every observation above.
+        now = self._clock()
+        while self._pending_meta:
+            self._apply(self._pending_meta.popleft(), now)
         for note in notes:
             self._on_notification(note.sender, note.payload, now)
         if self._engines is not None:
-            for entry in self._engines.poll(now, self._engine_busy):
-                if entry.state is PeerState.FAILED:
-                    self._event("pd.handshake_failed", engine=entry.engine_id, error=entry.error)
-            self._flush_pending_done(now)
-            self._drive_loads(now)
-        for lease in self._leases.expire(now):
-            self._lease_ended(lease.request_id, "expired")
+            self._poll_peers(now)
+            for rid, state, handle in states:
+                self._transfer_state(rid, state, handle, now)
+            self._run(self._reader.tick(now), now)
+        self._lease_output(self._holder.expire(now))
 
-    def _engine_busy(self, engine_id: str) -> bool:
-        return any(
-            ld.engine is not None and ld.engine.engine_id == engine_id
-            for ld in self._loads.values()
-        )
+    def _apply(self, meta: PDMetadata, now: float) -> None:
+        for grant in meta.grants:
+            self._holder.grant(grant.lease_id, now, (grant.request_id, grant.block_ids))
+            self._count("leases_granted")
+        if self._engines is None:
+            return
+        for addr in meta.engines:
+            self._ensure(addr, now)
+        for load in meta.pd_loads:
+            self._count("loads_requested")
+            self._reads[load.request_id] = _Read(spec=load)
+            rank = self._remote_rank(load.remote)
+            incarnation = (
+                load.remote_incarnations[rank] if rank < len(load.remote_incarnations) else None
+            )
+            self._ensure(load.remote, now, incarnation)
+            self._run(
+                self._reader.add(
+                    load.request_id,
+                    load.remote.engine_id,
+                    load.remote_request_id,
+                    now,
+                    incarnation=incarnation,
+                ),
+                now,
+            )
+        for rid in meta.abort_request_ids:
+            self._run(self._reader.abort(rid, now), now)
+        for engine_id, ids in meta.pd_heartbeats.items():
+            self._run(self._reader.heartbeat(engine_id, ids, now), now)
+        releases: dict[str, list[str]] = {}
+        for rel in meta.releases:
+            self._ensure(rel.remote, now)
+            releases.setdefault(rel.remote.engine_id, []).append(rel.remote_request_id)
+        for engine_id, lids in releases.items():
+            self._run(self._reader.release(engine_id, lids, now), now)
 
-    # -- P: leases -----------------------------------------------------------------------
-    def _grant(self, lease_id: str, block_ids: tuple[tuple[int, ...], ...], now: float) -> None:
-        local_id = lease_id.rsplit("~", 1)[0]
-        self._leases.grant(lease_id, now, block_ids)
-        self._lease_owner[lease_id] = local_id
-        self._count("leases_granted")
-
-    def _lease_ended(self, lease_id: str, how: str) -> None:
-        local_id = self._lease_owner.pop(lease_id, None)
-        if local_id is not None:
-            self._finished_sending.add(local_id)
-        self._count(f"leases_{how}")
-
-    def _add_pending_peers(self) -> None:
-        while self._pending_peers:
-            engine_id, meta = self._pending_peers.pop(0)
-            try:
-                peer = self._transport.add_peer(meta)
-            except TransportError as exc:
-                self._count("peer_add_failures")
-                self._event("pd.peer_add_failed", engine=engine_id, error=str(exc))
-                continue
-            self._readers[peer] = engine_id
-            self._guard.forget(peer)
-
+    # -- notifications -------------------------------------------------------------------
     def _on_notification(self, sender: str, payload: bytes, now: float) -> None:
         try:
             msg = wire.decode(payload)
@@ -349,114 +409,130 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count("notifications_rejected")
             self._event("pd.bad_notification", sender=sender, error=str(exc))
             return
-        if isinstance(msg, wire.Heartbeat):
-            self._on_heartbeat(sender, msg, now)
-        elif isinstance(msg, wire.LeaseDone):
-            self._on_done(sender, msg, now)
-        elif isinstance(msg, wire.LeaseAck):
-            self._on_ack(sender, msg, now)
-        else:
-            self._on_lost(sender, msg, now)
-
-    def _on_heartbeat(self, sender: str, msg: wire.Heartbeat, now: float) -> None:
-        self._count("heartbeats_received")
-        sent_at = self._guard.accept(sender, msg.seq, msg.sent_at, now)
-        if sent_at is None:
-            self._count("heartbeats_stale")
+        if isinstance(msg, wire.Heartbeat | wire.LeaseDone):
+            if isinstance(msg, wire.Heartbeat):
+                self._count("heartbeats_received")
+            out = self._holder.receive(sender, msg, now)
+            self._reply(sender, out.replies)
+            self._lease_output(out)
             return
-        result = self._leases.renew(msg.request_ids, now, sent_at=sent_at)
-        self._count("leases_renewed", len(result.renewed))
-        if result.renewed:
-            self._reply(
-                sender,
-                wire.LeaseAck(echo_seq=msg.seq, holder_now=now, expiries=result.renewed.items()),
-            )
-        if result.ignored:
-            self._count("heartbeat_ids_ignored", len(result.ignored))
-            lost = [
-                (rid, _lost_reason(reason.value))
-                for rid, reason in result.ignored.items()
-                if reason is not RenewIgnored.STALE  # live: a fresher heartbeat will renew it
-            ]
-            if lost:
-                self._reply(sender, wire.LeaseLost(echo_seq=msg.seq, holder_now=now, lost=lost))
+        entry = self._engines.by_peer(sender) if self._engines is not None else None
+        if entry is None:
+            self._count("notifications_unroutable")
+            return
+        if isinstance(msg, wire.LeaseAck):
+            self._count("acks_received")
+        self._run(self._reader.receive(entry.engine_id, msg, now), now)
 
-    def _on_done(self, sender: str, msg: wire.LeaseDone, now: float) -> None:
-        lost: list[tuple[str, wire.LostReason]] = []
-        for rid, reason in msg.done:
-            state = self._leases.lease(rid)
-            if state is None or state.state.ended:
-                self._count("done_for_unknown_lease")
-                lost.append((rid, _lost_reason(self._leases.state(rid).value)))
-                continue
-            if reason is wire.DoneReason.READ:
-                self._leases.consume(rid, now)
-                self._lease_ended(rid, "consumed")
-            else:
-                self._leases.abort(rid, now)
-                self._lease_ended(rid, "aborted")
-        if lost:
-            self._reply(sender, wire.LeaseLost(echo_seq=msg.seq, holder_now=now, lost=lost))
+    def _lease_output(self, out: HolderOutput[tuple[str, tuple[tuple[int, ...], ...]]]) -> None:
+        for lease in out.ended:
+            self._lease_ended(lease)
 
-    def _reply(self, peer: str, msg: wire.Message) -> None:
-        for part in wire.split(msg, self._max_notif):
+    def _lease_ended(self, lease: Lease[tuple[str, tuple[tuple[int, ...], ...]]]) -> None:
+        self._finished_sending.add(lease.payload[0])
+        self._count(_ENDED_COUNTER.get(lease.state, "leases_ended"))
+
+    def _reply(self, peer: str, messages: Iterable[wire.Message]) -> None:
+        for msg in messages:
+            if isinstance(msg, wire.LeaseAck):
+                self._count("leases_renewed", len(msg.expiries))
+            elif isinstance(msg, wire.LeaseLost):
+                self._count("heartbeat_ids_ignored", len(msg.lost))
+            for part in wire.split(msg, self._max_notif):
+                try:
+                    self._transport.send_notification(peer, wire.encode(part))
+                except TransportError as exc:
+                    self._count("notify_failures")
+                    self._event("pd.notify_failed", peer=peer, error=str(exc))
+                    return
+
+    def _add_pending_peers(self) -> None:
+        while True:
             try:
-                self._transport.send_notification(peer, wire.encode(part))
-            except TransportError as exc:
-                self._count("notify_failures")
-                self._event("pd.notify_failed", peer=peer, error=str(exc))
+                engine_id, rank, meta = self._pending_peers.get_nowait()
+            except queue.Empty:
                 return
+            # A reader that handshakes again saw its connection fail, or restarted: rebuild
+            # ours too, so replies go over a fresh connection.
+            old = self._reader_peers.pop((engine_id, rank), None)
+            if old is not None:
+                with contextlib.suppress(TransportError):
+                    self._transport.remove_peer(old)
+                self._readers.pop(old, None)
+                self._count("peers_rebuilt")
+            try:
+                peer = self._transport.add_peer(meta)
+            except TransportError as exc:
+                self._count("peer_add_failures")
+                self._event("pd.peer_add_failed", engine=engine_id, error=str(exc))
+                continue
+            self._reader_peers[(engine_id, rank)] = peer
+            self._readers[peer] = engine_id
+            self._holder.connected(peer)
 
-    # -- D: loads ------------------------------------------------------------------------
-    def _ensure(self, addr: RemoteEngineAddr, now: float) -> RemoteEngine:
+    # -- D: peers ------------------------------------------------------------------------
+    def _remote_rank(self, addr: RemoteEngineAddr) -> int:
+        return self._rank % max(1, addr.tp_size)
+
+    def _ensure(
+        self, addr: RemoteEngineAddr, now: float, incarnation: str | None = None
+    ) -> RemoteEngine:
         assert self._engines is not None
-        rank = self._rank % max(1, addr.tp_size)
-        return self._engines.ensure(addr.engine_id, rank, addr.host, addr.port_for(rank), now)
-
-    def _next_seq(self, now: float, peer: str | None) -> int:
-        # Remember when and to whom each numbered message went: an acknowledgement counts
-        # only if it comes from that peer and answers a message we really sent.
-        self._seq = (self._seq + 1) % SEQ_MODULUS
-        self._sent[self._seq] = (now, peer)
-        if len(self._sent) > 4096:
-            for old in sorted(self._sent, key=lambda k: self._sent[k][0])[:2048]:
-                del self._sent[old]
-        return self._seq
-
-    def _heartbeat(self, engine_id: str, ids: tuple[str, ...] | list[str], now: float) -> None:
-        entry = self._engine_entry(engine_id)
-        if entry is None or entry.state is not PeerState.READY or entry.peer is None:
-            self._count("heartbeats_deferred")
-            return
-        msg = wire.Heartbeat(
-            seq=self._next_seq(now, entry.peer), sent_at=now, request_ids=tuple(ids)
+        rank = self._remote_rank(addr)
+        before = self._engines.get(addr.engine_id, rank)
+        entry = self._engines.ensure(
+            addr.engine_id, rank, addr.host, addr.port_for(rank), now, incarnation=incarnation
         )
-        self._send(entry, msg)
-        self._count("heartbeats_sent", engine=engine_id)
+        if before is not None and before is not entry and before.state is PeerState.READY:
+            # A new handshake replaced a usable connection (the engine moved).
+            self._run(self._reader.peer_lost(addr.engine_id, now), now)
+        return entry
 
-    def _send_done(
-        self, engine_id: str, done: list[tuple[str, wire.DoneReason]], now: float
-    ) -> None:
-        entry = self._engine_entry(engine_id)
-        if entry is None or entry.state is PeerState.FAILED:
-            # Best effort: without a peer the lease simply expires on P.
-            self._count("releases_dropped", len(done))
-            return
-        if entry.state is not PeerState.READY:
-            self._pending_done.setdefault(engine_id, []).extend(done)
-            return
-        seq = self._next_seq(now, entry.peer)
-        self._send(entry, wire.LeaseDone(seq=seq, sent_at=now, done=done))
-        self._count("releases_sent", len(done))
+    def _entry(self, engine_id: str) -> RemoteEngine | None:
+        assert self._engines is not None
+        return self._engines.find(engine_id)
 
-    def _flush_pending_done(self, now: float) -> None:
-        for engine_id in list(self._pending_done):
-            entry = self._engine_entry(engine_id)
-            if entry is None or entry.state is not PeerState.CONNECTING:
-                self._send_done(engine_id, self._pending_done.pop(engine_id), now)
+    def _poll_peers(self, now: float) -> None:
+        assert self._engines is not None
+        for entry in self._engines.poll(now, self._reader.engine_busy):
+            if entry.state is PeerState.READY:
+                self._run(
+                    self._reader.peer_ready(entry.engine_id, now, incarnation=entry.incarnation),
+                    now,
+                )
+            elif entry.state is PeerState.FAILED:
+                self._event("pd.handshake_failed", engine=entry.engine_id, error=entry.error)
+                self._run(
+                    self._reader.peer_failed(entry.engine_id, entry.error or "failed", now), now
+                )
 
-    def _send(self, entry: RemoteEngine, msg: wire.Message) -> None:
-        assert entry.peer is not None
+    def _peer_broke(self, entry: RemoteEngine, reason: str, now: float) -> list[Action]:
+        assert self._engines is not None
+        self._engines.mark_failed(entry, now, reason)
+        return self._reader.peer_failed(entry.engine_id, reason, now)
+
+    # -- D: executing the reader's actions -----------------------------------------------
+    def _run(self, actions: list[Action], now: float) -> None:
+        todo = collections.deque(actions)
+        while todo:
+            action = todo.popleft()
+            if isinstance(action, SendMessage):
+                todo.extend(self._send(action, now))
+            elif isinstance(action, PostRead):
+                todo.extend(self._post(action, now))
+            elif isinstance(action, StopRead):
+                self._stop(action.request_id)
+            elif isinstance(action, LoadEnded):
+                self._load_ended(action, now)
+            elif isinstance(action, Reconnect):
+                todo.extend(self._reconnect(action, now))
+
+    def _send(self, action: SendMessage, now: float) -> list[Action]:
+        entry = self._entry(action.engine)
+        if entry is None or entry.state is not PeerState.READY or entry.peer is None:
+            self._count("notifications_unsent")
+            return []
+        msg = action.message
         for part in wire.split(msg, self._max_notif):
             try:
                 self._transport.send_notification(entry.peer, wire.encode(part))
@@ -465,204 +541,127 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._event("pd.notify_failed", engine=entry.engine_id, error=str(exc))
                 if isinstance(exc, PeerUnreachableError):
                     # The prefill engine is gone: loads waiting on it fail now instead of
-                    # waiting for a lease confirmation that cannot come.
-                    assert self._engines is not None
-                    self._engines.mark_failed(entry, self._clock(), f"unreachable: {exc}")
-                return
+                    # waiting for a confirmation that cannot come.
+                    return self._peer_broke(entry, f"unreachable: {exc}", now)
+                return []
+        if isinstance(msg, wire.Heartbeat):
+            self._count("heartbeats_sent", engine=entry.engine_id)
+        return []
 
-    def _engine_entry(self, engine_id: str) -> RemoteEngine | None:
-        assert self._engines is not None
-        for entry in self._engines.entries():
-            if entry.engine_id == engine_id and entry.rank == self._rank % max(
-                1, entry.response.tp_size if entry.response else 1
-            ):
-                return entry
-        for entry in self._engines.entries():
-            if entry.engine_id == engine_id:
-                return entry
-        return None
-
-    def _on_ack(self, sender: str, msg: wire.LeaseAck, now: float) -> None:
-        record = self._sent.get(msg.echo_seq)
-        if record is None or record[1] != sender:
-            self._count("acks_unmatched")
-            return
-        sent = record[0]
-        self._count("acks_received")
-        by_remote = {ld.spec.remote_request_id: ld for ld in self._loads.values()}
-        for rid, expiry in msg.expiries:
-            load = by_remote.get(rid)
-            if load is not None:
-                # P renewed after we sent: sent + remaining is a lower bound on our clock.
-                load.confirmed = max(load.confirmed, sent + (expiry - msg.holder_now))
-
-    def _on_lost(self, sender: str, msg: wire.LeaseLost, now: float) -> None:
-        by_remote = {ld.spec.remote_request_id: ld for ld in self._loads.values()}
-        for rid, reason in msg.lost:
-            load = by_remote.get(rid)
-            if load is None:
-                continue
-            if load.handle is not None and reason is wire.LostReason.CONSUMED:
-                continue  # our own completion raced ahead of this answer
-            self._fail(load, f"prefill engine reports the lease {reason.name.lower()}", now)
-
-    def _drive_loads(self, now: float) -> None:
-        for load in list(self._loads.values()):
-            if load.handle is not None:
-                self._poll_load(load, now)
-                continue
-            entry = load.engine
-            if entry is None:
-                continue
-            if entry.state is PeerState.FAILED:
-                self._fail(load, f"prefill engine {entry.engine_id!r}: {entry.error}", now)
-                continue
-            if entry.state is not PeerState.READY:
-                continue
-            if load.confirmed == float("-inf"):
-                # The initial lease, from P's clock through the handshake's offset estimate.
-                try:
-                    load.confirmed = (
-                        entry.clock.to_local(load.spec.lease_expires_at) - entry.clock.uncertainty
-                    )
-                except KVFrameError:
-                    load.confirmed = now
-            if load.confirmed - now < self._margin:
-                if load.urgent_sent and now - load.urgent_at > self._policy.extension:
-                    # A live holder answers a heartbeat within milliseconds (an ack, or a
-                    # loss notice); silence for a whole extension means it is gone.
-                    self._fail(load, "no answer from the prefill engine to confirm the lease", now)
-                    continue
-                if not load.urgent_sent:
-                    load.urgent_sent = True
-                    load.urgent_at = now
-                    self._heartbeat(entry.engine_id, [load.spec.remote_request_id], now)
-                    self._count("urgent_heartbeats")
-                continue
-            self._post(load, entry, now)
-
-    def _post(self, load: _Load, entry: RemoteEngine, now: float) -> None:
-        assert self._local is not None
-        assert entry.remote is not None
-        assert entry.peer is not None
-        spec = load.spec
+    def _post(self, action: PostRead, now: float) -> list[Action]:
+        rd = self._reads[action.request_id]
+        entry = self._entry(action.engine)
+        if (
+            entry is None
+            or entry.state is not PeerState.READY
+            or entry.remote is None
+            or entry.peer is None
+            or self._local is None
+        ):
+            return self._reader.transfer_failed(
+                action.request_id, "no connection to the prefill engine", now
+            )
+        spec = rd.spec
         local = [b for g in spec.local_block_ids for b in g]
         remote = [b for g in spec.remote_block_ids for b in g]
         if not local:
-            self._complete(load, now)
-            return
-        done = wire.encode(
-            wire.LeaseDone(
-                seq=self._next_seq(now, entry.peer),
-                sent_at=now,
-                done=[(spec.remote_request_id, wire.DoneReason.READ)],
-            )
-        )
+            return self._reader.transfer_done(action.request_id, now)
         t0 = self._clock()
         try:
-            load.handle = self._transport.post(
-                Op.READ, self._local, local, entry.remote, remote, notification=done
+            rd.handle = self._transport.post(
+                Op.READ,
+                self._local,
+                local,
+                entry.remote,
+                remote,
+                notification=wire.encode(action.notification),
             )
         except (TransportError, ValueError) as exc:
-            self._fail(load, f"posting the read failed: {exc}", now)
-            return
-        load.posted_at = now
+            broken = isinstance(exc, PeerUnreachableError)
+            out = self._reader.transfer_failed(
+                action.request_id, f"posting the read failed: {exc}", now, peer_broken=broken
+            )
+            if broken:
+                assert self._engines is not None
+                self._engines.mark_failed(entry, now, str(exc))
+            return out
+        rd.posted_at = now
         self._count("post_seconds", self._clock() - t0)
-        self._count("descriptors", load.handle.num_descriptors)
-        self._engines_touch(entry, now)
-        self._poll_load(load, now)
-
-    def _engines_touch(self, entry: RemoteEngine, now: float) -> None:
+        self._count("descriptors", rd.handle.num_descriptors)
         assert self._engines is not None
         self._engines.touch(entry, now)
+        return []
 
-    def _poll_load(self, load: _Load, now: float) -> None:
-        assert load.handle is not None
-        state = self._transport.poll(load.handle)
-        if state is XferState.PENDING:
-            return
+    def _transfer_state(self, rid: str, state: XferState, handle: XferHandle, now: float) -> None:
+        rd = self._reads.get(rid)
+        if rd is None or rd.handle is not handle or state is XferState.PENDING:
+            return  # ended meanwhile (aborted, lost) or still moving
         if state is XferState.FAILED:
-            err = load.handle.error
-            if load.engine is not None and isinstance(err, PeerUnreachableError):
-                assert self._engines is not None
-                self._engines.mark_failed(load.engine, now, str(err))
-            self._fail(load, f"transfer failed: {err}", now)
+            err = handle.error
+            broken = isinstance(err, PeerUnreachableError)
+            actions = self._reader.transfer_failed(rid, str(err), now, peer_broken=broken)
+            if broken:
+                entry = self._entry(rd.spec.remote.engine_id)
+                if entry is not None:
+                    assert self._engines is not None
+                    self._engines.mark_failed(entry, now, str(err))
+            self._run(actions, now)
             return
-        t_done = self._clock()
-        if t_done >= load.confirmed:
-            self._fail(
-                load,
-                "the read completed after the confirmed lease expiry; the prefill engine may "
-                "have reused the blocks",
-                now,
-            )
-            return
-        self._count("bytes_read", load.handle.nbytes, engine=load.spec.remote.engine_id)
-        # The movement itself when the transport knows it; the wait as the engine saw it.
-        moved = load.handle.transfer_seconds
-        self._count("transfer_seconds", moved if moved is not None else t_done - load.posted_at)
-        self._count("load_wait_seconds", t_done - load.posted_at)
-        self._count("loads_done", engine=load.spec.remote.engine_id)
-        self._complete(load, now)
+        engine = rd.spec.remote.engine_id
+        self._count("bytes_read", handle.nbytes, engine=engine)
+        moved = handle.transfer_seconds
+        self._count("transfer_seconds", moved if moved is not None else now - rd.posted_at)
+        self._count("load_wait_seconds", now - rd.posted_at)
+        self._run(self._reader.transfer_done(rid, now), now)
 
-    def _complete(self, load: _Load, now: float) -> None:
-        if load.handle is not None:
-            self._transport.release(load.handle)
-            load.handle = None
-        del self._loads[load.spec.request_id]
-        self._finished_recving.add(load.spec.request_id)
+    def _stop(self, request_id: str) -> None:
+        rd = self._reads.get(request_id)
+        if rd is not None and rd.handle is not None:
+            # Stops the transfer: when this returns no byte of it lands any more.
+            self._transport.release(rd.handle)
+            rd.handle = None
 
-    def _fail(self, load: _Load, reason: str, now: float) -> None:
-        # Stop the transfer before reporting anything: no byte may land after the engine
-        # learns the blocks are invalid and reuses them.
-        if load.handle is not None:
-            self._transport.release(load.handle)
-            load.handle = None
-        del self._loads[load.spec.request_id]
-        for group in load.spec.local_block_ids:
-            self._invalid.update(group)
-        self._finished_recving.add(load.spec.request_id)
-        self._failures[load.spec.request_id] = reason
-        self._count("loads_failed", engine=load.spec.remote.engine_id)
-        self._event("pd.load_failed", request_id=load.spec.request_id, reason=reason)
-        # Tell P it may free at once (best effort).
-        self._send_done(
-            load.spec.remote.engine_id,
-            [(load.spec.remote_request_id, wire.DoneReason.RELEASED)],
-            now,
-        )
+    def _load_ended(self, action: LoadEnded, now: float) -> None:
+        rd = self._reads.pop(action.request_id, None)
+        if rd is not None and rd.handle is not None:
+            self._transport.release(rd.handle)
+            rd.handle = None
+        self._finished_recving.add(action.request_id)
+        engine = action.engine
+        if action.state is ReadState.DONE:
+            self._count("loads_done", engine=engine)
+        elif action.state is ReadState.ABORTED:
+            self._count("loads_aborted", engine=engine)
+        else:
+            if rd is not None:
+                for group in rd.spec.local_block_ids:
+                    self._invalid.update(group)
+            reason = action.reason or "failed"
+            self._failures[action.request_id] = reason
+            self._count("loads_failed", engine=engine)
+            self._event("pd.load_failed", request_id=action.request_id, reason=reason)
 
-    def _abort_load(self, request_id: str) -> None:
-        load = self._loads.pop(request_id, None)
-        if load is not None and load.handle is not None:
-            self._transport.release(load.handle)
-        # The scheduler parked the blocks until we say the transfer has stopped.
-        self._finished_sending.add(request_id)
-        self._count("loads_aborted")
-
-    def _event(self, kind: str, **data: Any) -> None:
-        self._events.append(KVEvent(kind=kind, data=dict(data)))
+    def _reconnect(self, action: Reconnect, now: float) -> list[Action]:
+        entry = self._entry(action.engine)
+        if entry is None:
+            return []
+        assert self._engines is not None
+        self._engines.reconnect(entry, now, incarnation=action.incarnation)
+        self._count("reconnects", engine=action.engine)
+        return self._reader.peer_lost(action.engine, now)
 
     # -- lifetime ------------------------------------------------------------------------
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for load in self._loads.values():
-            if load.handle is not None:
+        for rd in self._reads.values():
+            if rd.handle is not None:
                 with contextlib.suppress(TransportError):
-                    self._transport.release(load.handle)
-        self._loads.clear()
+                    self._transport.release(rd.handle)
+        self._reads.clear()
         if self._server is not None:
             self._server.close()
         if self._engines is not None:
             self._engines.close()
         self._transport.close()
-
-
-def _lost_reason(value: str) -> wire.LostReason:
-    return {
-        "consumed": wire.LostReason.CONSUMED,
-        "aborted": wire.LostReason.ABORTED,
-        "expired": wire.LostReason.EXPIRED,
-    }.get(value, wire.LostReason.UNKNOWN)

@@ -1,0 +1,258 @@
+"""P's side of the P/D lease protocol as one machine: notifications in; replies, ended leases out.
+
+The holder (a prefill worker) keeps finished KV blocks under leases (:class:`LeaseTable`) and
+answers the readers (decode workers) that talk to it through the transport's notifications.
+:class:`LeaseHolder` makes every decision the worker used to make inline:
+
+- a **heartbeat** renews the leases it names — only if it is not older than one already
+  accepted from that reader (:class:`~kvframe.core.heartbeat.HeartbeatGuard`), as of its send
+  time mapped onto the holder's clock (so a stale burst extends nothing) — and is answered with
+  an acknowledgement (new expiries) and, for ids with no live lease, a loss notice;
+- a **lease done** notice consumes (after a read) or aborts (after a release) each lease;
+- **one reader per lease**: the first reader that names a lease *claims* it; any other reader
+  naming it is told it is lost (``CLAIMED``) and can neither renew nor end it. A ticket that a
+  router sent to two decoders is thus read by one of them only, and a consumption by one can
+  never free blocks the other is reading;
+- :meth:`LeaseHolder.expire` reclaims leases nobody renewed in time.
+
+Like the lease table it is sans-I/O: every call takes ``now`` (the holder's monotonic clock) and
+returns what happened (:class:`HolderOutput`); :meth:`LeaseHolder.next_deadline` says when to
+call :meth:`LeaseHolder.expire` next. The caller sends the replies and frees the payloads of the
+ended leases. Malformed input never reaches it: the caller decodes notifications with
+:func:`kvframe.core.wire.decode` first and drops what does not decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Generic, TypeVar
+
+import attrs
+
+from kvframe.core import wire
+from kvframe.core.clock import DEFAULT_MAX_DRIFT
+from kvframe.core.heartbeat import HeartbeatGuard
+from kvframe.core.lease import (
+    DEFAULT_REMEMBER_ENDED,
+    Lease,
+    LeasePolicy,
+    LeaseState,
+    LeaseTable,
+    RenewIgnored,
+)
+
+__all__ = ["HolderCounters", "HolderOutput", "LeaseHolder"]
+
+_PayloadT = TypeVar("_PayloadT")
+
+_LOST_FOR_STATE = {
+    LeaseState.ABSENT: wire.LostReason.UNKNOWN,
+    LeaseState.CONSUMED: wire.LostReason.CONSUMED,
+    LeaseState.ABORTED: wire.LostReason.ABORTED,
+    LeaseState.EXPIRED: wire.LostReason.EXPIRED,
+}
+_LOST_FOR_IGNORED = {
+    RenewIgnored.UNKNOWN: wire.LostReason.UNKNOWN,
+    RenewIgnored.CONSUMED: wire.LostReason.CONSUMED,
+    RenewIgnored.ABORTED: wire.LostReason.ABORTED,
+    RenewIgnored.EXPIRED: wire.LostReason.EXPIRED,
+}
+
+
+@attrs.frozen(kw_only=True)
+class HolderOutput(Generic[_PayloadT]):
+    """What one call did: the messages to send back and the leases that ended."""
+
+    replies: tuple[wire.Message, ...] = ()
+    """Messages for the reader the input came from, in order (acks before loss notices)."""
+    ended: tuple[Lease[_PayloadT], ...] = ()
+    """Leases that ended in this call (consumed, aborted or expired), each exactly once over
+    the holder's life. Free their payloads now."""
+
+
+@attrs.frozen(kw_only=True)
+class HolderCounters:
+    """Cumulative counts of a :class:`LeaseHolder` (each a plain number)."""
+
+    heartbeats: int
+    """Heartbeats received (accepted or not)."""
+    heartbeats_stale: int
+    """Heartbeats older than one already accepted from the same reader: dropped unanswered."""
+    ids_ignored: int
+    """Ids in heartbeats that renewed nothing (unknown, ended, due, stale or claimed)."""
+    claimed_elsewhere: int
+    """Ids another reader named after the first one claimed them (answered ``CLAIMED``)."""
+    done_unknown: int
+    """Lease-done entries for leases that were not live (answered with a loss notice)."""
+
+
+class LeaseHolder(Generic[_PayloadT]):
+    """P's lease protocol: a lease table, a heartbeat guard and reader claims.
+
+    :param policy: the lease timing.
+    :param max_drift: clock-rate difference allowed between reader and holder (for the guard's
+        send-time mapping).
+    :param remember_ended: ended leases remembered for precise loss notices.
+    """
+
+    def __init__(
+        self,
+        policy: LeasePolicy,
+        *,
+        max_drift: float = DEFAULT_MAX_DRIFT,
+        remember_ended: int = DEFAULT_REMEMBER_ENDED,
+    ) -> None:
+        self._table: LeaseTable[_PayloadT] = LeaseTable(policy, remember_ended=remember_ended)
+        self._guard = HeartbeatGuard(max_drift)
+        self._claims: dict[str, str] = {}  # live lease id -> the reader that claimed it
+        self._heartbeats = 0
+        self._stale = 0
+        self._ignored = 0
+        self._claimed_elsewhere = 0
+        self._done_unknown = 0
+        self._taken = HolderCounters(
+            heartbeats=0, heartbeats_stale=0, ids_ignored=0, claimed_elsewhere=0, done_unknown=0
+        )
+
+    # -- inspection ----------------------------------------------------------------------
+    @property
+    def table(self) -> LeaseTable[_PayloadT]:
+        """The lease table (read it; change it only through the holder)."""
+        return self._table
+
+    @property
+    def live_count(self) -> int:
+        """Live leases."""
+        return self._table.live_count
+
+    def claimant(self, lease_id: str) -> str | None:
+        """The reader that claimed the live lease ``lease_id``, or ``None``."""
+        return self._claims.get(lease_id)
+
+    @property
+    def counters(self) -> HolderCounters:
+        """Cumulative counts (a snapshot)."""
+        return HolderCounters(
+            heartbeats=self._heartbeats,
+            heartbeats_stale=self._stale,
+            ids_ignored=self._ignored,
+            claimed_elsewhere=self._claimed_elsewhere,
+            done_unknown=self._done_unknown,
+        )
+
+    def take_counts(self) -> dict[str, int]:
+        """Counts since the last call, under the names the P/D connector reports
+        (``heartbeats_stale``, ``claimed_elsewhere``, ``done_for_unknown_lease``); zeros left
+        out."""
+        now, was = self.counters, self._taken
+        self._taken = now
+        out = {
+            "heartbeats_stale": now.heartbeats_stale - was.heartbeats_stale,
+            "claimed_elsewhere": now.claimed_elsewhere - was.claimed_elsewhere,
+            "done_for_unknown_lease": now.done_unknown - was.done_unknown,
+        }
+        return {k: v for k, v in out.items() if v}
+
+    def next_deadline(self) -> float | None:
+        """The earliest live expiry (call :meth:`expire` then), or ``None``."""
+        return self._table.next_deadline()
+
+    # -- inputs --------------------------------------------------------------------------
+    def grant(self, lease_id: str, now: float, payload: _PayloadT) -> Lease[_PayloadT]:
+        """Grant a lease (see :meth:`LeaseTable.grant`; raises as it does, changing nothing)."""
+        return self._table.grant(lease_id, now, payload)
+
+    def connected(self, reader: str) -> None:
+        """A reader (re)connected: its sequence numbers start again. Claims it holds stay."""
+        self._guard.forget(reader)
+
+    def receive(self, reader: str, message: wire.Message, now: float) -> HolderOutput[_PayloadT]:
+        """A decoded notification from ``reader``. Holder-bound messages are heartbeats and
+        lease-done notices; anything else (an ack or loss notice sent the wrong way) is ignored.
+
+        :raises LeaseError: ``now`` is not finite (nothing changes).
+        """
+        if isinstance(message, wire.Heartbeat):
+            return self._heartbeat(reader, message, now)
+        if isinstance(message, wire.LeaseDone):
+            return self._done(reader, message, now)
+        return HolderOutput()
+
+    def expire(self, now: float) -> HolderOutput[_PayloadT]:
+        """Reclaim every lease whose expiry is ``<= now``."""
+        ended = self._table.expire(now)
+        for lease in ended:
+            self._claims.pop(lease.request_id, None)
+        return HolderOutput(ended=tuple(ended))
+
+    def abort(self, lease_id: str, now: float) -> HolderOutput[_PayloadT]:
+        """The holder itself gives up a live lease (shutdown, a failed request). Unknown or
+        ended ids are a no-op."""
+        if self._table.state(lease_id) is not LeaseState.LIVE:
+            return HolderOutput()
+        self._claims.pop(lease_id, None)
+        return HolderOutput(ended=(self._table.abort(lease_id, now),))
+
+    # -- internals -----------------------------------------------------------------------
+    def _split_claims(self, reader: str, ids: Iterable[str]) -> tuple[list[str], list[str]]:
+        mine: list[str] = []
+        theirs: list[str] = []
+        for rid in ids:
+            owner = self._claims.get(rid)
+            if owner is None or owner == reader:
+                mine.append(rid)
+            else:
+                theirs.append(rid)
+        return mine, theirs
+
+    def _heartbeat(self, reader: str, msg: wire.Heartbeat, now: float) -> HolderOutput[_PayloadT]:
+        self._heartbeats += 1
+        sent_at = self._guard.accept(reader, msg.seq, msg.sent_at, now)
+        if sent_at is None:
+            self._stale += 1
+            return HolderOutput()
+        mine, theirs = self._split_claims(reader, msg.request_ids)
+        result = self._table.renew(mine, now, sent_at=sent_at)
+        lost: list[tuple[str, wire.LostReason]] = [(r, wire.LostReason.CLAIMED) for r in theirs]
+        self._claimed_elsewhere += len(theirs)
+        for rid in result.renewed:
+            self._claims.setdefault(rid, reader)
+        for rid, why in result.ignored.items():
+            if why is RenewIgnored.STALE:
+                continue  # live: a fresher heartbeat will renew it
+            lost.append((rid, _LOST_FOR_IGNORED[why]))
+        self._ignored += len(result.ignored) + len(theirs)
+        replies: list[wire.Message] = []
+        if result.renewed:
+            replies.append(
+                wire.LeaseAck(
+                    echo_seq=msg.seq, holder_now=float(now), expiries=result.renewed.items()
+                )
+            )
+        if lost:
+            replies.append(wire.LeaseLost(echo_seq=msg.seq, holder_now=float(now), lost=lost))
+        return HolderOutput(replies=tuple(replies))
+
+    def _done(self, reader: str, msg: wire.LeaseDone, now: float) -> HolderOutput[_PayloadT]:
+        lost: list[tuple[str, wire.LostReason]] = []
+        ended: list[Lease[_PayloadT]] = []
+        for rid, reason in msg.done:
+            state = self._table.state(rid)
+            if state is not LeaseState.LIVE:
+                self._done_unknown += 1
+                lost.append((rid, _LOST_FOR_STATE[state]))
+                continue
+            owner = self._claims.get(rid)
+            if owner is not None and owner != reader:
+                self._claimed_elsewhere += 1
+                lost.append((rid, wire.LostReason.CLAIMED))
+                continue
+            self._claims.pop(rid, None)
+            if reason is wire.DoneReason.READ:
+                ended.append(self._table.consume(rid, now))
+            else:
+                ended.append(self._table.abort(rid, now))
+        replies: tuple[wire.Message, ...] = ()
+        if lost:
+            replies = (wire.LeaseLost(echo_seq=msg.seq, holder_now=float(now), lost=lost),)
+        return HolderOutput(replies=replies, ended=tuple(ended))
