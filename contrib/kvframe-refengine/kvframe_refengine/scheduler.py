@@ -483,6 +483,10 @@ class Scheduler:
             return False
         self.counters["load_failures"] += 1
         reason = (out.failures.get(req.request_id) if out is not None else None) or "no reason"
+        # What was really loaded: the tokens of the blocks before the first bad one, past the
+        # local hits. The outputs (and the router's usage) report that, not what was asked.
+        good = min(loaded_until, first_bad * self.block_size)
+        req.num_external_tokens = max(0, good - req.num_local_hit_tokens)
         if self.failure_policy == "fail":
             self._finish(
                 req,
@@ -494,9 +498,7 @@ class Scheduler:
         # recompute: keep the good prefix (local hits and the blocks before the first bad
         # one), recompute everything from the first bad block on. Bad blocks were never
         # cached, so nobody else has read them.
-        good = min(loaded_until, first_bad * self.block_size)
         req.num_computed_tokens = good
-        req.num_external_tokens = max(0, good - req.num_local_hit_tokens)
         self.counters["external_tokens"] += req.num_external_tokens
         return True
 
