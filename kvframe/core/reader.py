@@ -320,9 +320,11 @@ class _Peer:
 class _Ticket:
     """What this reader knows of one remote lease."""
 
-    __slots__ = ("bound", "lost", "lost_at", "spent", "urgent_at", "user")
+    __slots__ = ("bound", "lost", "lost_at", "spent", "touched", "urgent_at", "user")
 
     def __init__(self) -> None:
+        self.touched = -math.inf
+        """When it was last named (heartbeat, load, release): an answer may still come."""
         self.bound = -math.inf
         """Confirmed lower bound of the lease's end, reader's clock."""
         self.lost: wire.LostReason | None = None
@@ -689,17 +691,24 @@ class LeaseReader:
             ticket = self._tickets[key] = _Ticket()
         else:
             self._tickets.move_to_end(key)
+        latest = self._clock.latest
+        ticket.touched = latest if latest is not None else -math.inf
         return ticket
 
     def _forget(self, t: float) -> None:
-        # A ticket matters while a load uses it, while its bound lies ahead (a spent one must
-        # not be read on it), and for one extension after a loss notice. Beyond that, a load
-        # naming it again asks the holder, which answers with a loss notice.
+        # A ticket matters while a load uses it, while an answer to its last heartbeat may
+        # still come, while its bound lies ahead (a spent one must not be read on it), and for
+        # one extension after a loss notice. Beyond that, a load naming it again asks the
+        # holder, which answers with a loss notice.
         keep = self._policy.extension
+        wait = self._t.confirm_timeout
         stale = [
             key
             for key, tk in self._tickets.items()
-            if tk.user is None and tk.bound < t and (tk.lost is None or t - tk.lost_at > keep)
+            if tk.user is None
+            and tk.bound < t
+            and t - tk.touched > wait
+            and (tk.lost is None or t - tk.lost_at > keep)
         ]
         for key in stale:
             del self._tickets[key]
@@ -911,7 +920,6 @@ class LeaseReader:
         completed = event in (ReadEvent.TRANSFER_DONE, ReadEvent.TRANSFER_LATE)
         if ticket.lost is None and not completed and event is not ReadEvent.PEER_FAILED:
             self._send_release(load.engine, [load.lease_id], t, out)
-        self._count(f"loads_{load.state.value}")
 
 
 def _lost_text(why: wire.LostReason) -> str:

@@ -64,6 +64,7 @@ def main() -> None:
         out.write(_LEN.pack(len(data)) + data)
         out.flush()
 
+    paused_until = 0.0
     reply({"ready": True, "pid": os.getpid()})
     while True:
         ready, _, _ = select.select([fd_in], [], [], 0.001)
@@ -126,10 +127,19 @@ def main() -> None:
                             "times": times,
                             "pending": drv.sched.has_pending_work(),
                             "gauges": dict(drv.worker.get_stats().gauges),
+                            "transport": dict(drv.worker.transport.stats()),
                             "name": drv.worker.transport.name,
                             "now": clock(),
                         }
                     )
+                elif op == "pause":
+                    # Stop stepping (no progress, no notifications drained) for a while: an
+                    # engine stalled, or idle and not stepping.
+                    paused_until = time.monotonic() + float(cmd["seconds"])
+                    reply({})
+                elif op == "load_state":
+                    state = drv.worker.reader.state(cmd["rid"])
+                    reply({"state": state.value if state is not None else None})
                 elif op == "exit":
                     reply({})
                     break
@@ -137,6 +147,8 @@ def main() -> None:
                     reply({"error": f"unknown op {op}"})
             except Exception as exc:
                 reply({"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
+        if time.monotonic() < paused_until:
+            continue
         o = drv.step()
         now = time.monotonic()
         for rid in o.finished_sending:
