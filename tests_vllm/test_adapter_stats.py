@@ -89,9 +89,11 @@ def test_class_level_requirements_come_from_the_kvframe_connector() -> None:
     from kvframe_vllm.connector import KVFrameConnector
 
     from kvframe.runtime.plugins import PluginHost
+    from kvframe.spi.connector import BuildContext
 
     host = PluginHost()
     host.load()
+    ctx = BuildContext(host=host)
     for name in ("PDConnector", "OffloadingConnector"):
         extra = {"kvframe_connector": name}
         if name == "OffloadingConnector":
@@ -99,7 +101,7 @@ def test_class_level_requirements_come_from_the_kvframe_connector() -> None:
         inner = {k: v for k, v in extra.items() if k != "kvframe_connector"}
         assert KVFrameConnector.requires_piecewise_for_cudagraph(extra) == host.connector(
             name
-        ).requires_piecewise_for_cudagraph(inner)
+        ).requires_piecewise_for_cudagraph(inner, ctx)
         vllm_config = types.SimpleNamespace(
             kv_transfer_config=types.SimpleNamespace(
                 kv_role="kv_both",

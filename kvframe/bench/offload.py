@@ -60,7 +60,7 @@ from kvframe.connectors.offload.manager import TieredOffloadManager
 from kvframe.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
 from kvframe.connectors.offload.policies import ARCPolicy, LRUPolicy
 from kvframe.connectors.offload.tiers import DiskTier
-from kvframe.spi.connector import EngineInfo
+from kvframe.spi.connector import BuildContext, EngineInfo
 from kvframe.spi.offload import PolicyConfig, TierConfig
 
 __all__ = ["add_arguments", "measure", "run"]
@@ -91,6 +91,7 @@ def _worker(layers: int, layer_bytes: int, blocks: int) -> Any:
     import torch
 
     from kvframe.connectors.offload import OffloadingConnector
+    from kvframe.runtime.plugins import PluginHost
 
     config = KVTransferConfig.from_dict(
         {
@@ -101,7 +102,10 @@ def _worker(layers: int, layer_bytes: int, blocks: int) -> Any:
             },
         }
     )
-    worker = OffloadingConnector.build_worker(config, EngineInfo(block_size=16), 0)
+    host = PluginHost()
+    host.load()
+    ctx = BuildContext(host=host)
+    worker = OffloadingConnector.build_worker(config, EngineInfo(block_size=16), 0, ctx)
     kv = {f"layers.{i}": torch.rand((blocks, layer_bytes // 4)) for i in range(layers)}
     worker.register_kv_caches(kv)
     return worker, kv

@@ -463,7 +463,7 @@ class _PDEngine:
         from kvframe.connectors.pd import PDConnector
         from kvframe.connectors.pd.metadata import PD_CODEC
         from kvframe.runtime.plugins import PluginHost
-        from kvframe.spi.connector import EngineInfo
+        from kvframe.spi.connector import BuildContext, EngineInfo
 
         self.codec = PD_CODEC
         config = KVTransferConfig.from_dict(
@@ -477,8 +477,9 @@ class _PDEngine:
         info = EngineInfo(block_size=1, model="bench")
         host = PluginHost()
         host.load()
-        self.sched = PDConnector.build_scheduler(config, info)
-        self.worker = PDConnector.build_worker(config, info, 0, host=host)
+        ctx = BuildContext(host=host)
+        self.sched = PDConnector.build_scheduler(config, info, ctx)
+        self.worker = PDConnector.build_worker(config, info, 0, ctx)
         kv = torch.from_numpy(pool[: block_size * num_blocks]).view(num_blocks, block_size)
         self.worker.register_kv_caches({"pool": kv})
         blob = self.worker.get_handshake_metadata()

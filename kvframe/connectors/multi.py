@@ -17,6 +17,9 @@ Rules (``docs/multi.md`` explains each):
   child that asked to keep them (``delay_free``) reported it in ``finished_sending``.
 - ``kv_transfer_params`` of the children are merged; two children returning the same key is a
   :class:`~kvframe.errors.ConfigError`.
+- **Children** are looked up in the plugin host of the
+  :class:`~kvframe.spi.connector.BuildContext` the MultiConnector is built with, and built
+  with that same context.
 - **Stats and events** are kept per child *instance*: names are prefixed with the child's label
   ``"<index>.<kv_connector>"`` (``"1.OffloadingConnector.store_blocks"``,
   ``"0.PDConnector.pd.bad_params"``), so two children of one class stay apart.
@@ -29,7 +32,6 @@ Rules (``docs/multi.md`` explains each):
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,10 +44,12 @@ from kvframe.protocol.aggregate import OutputAggregator
 from kvframe.protocol.codec import DEFAULT_CODEC, Codec
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
 from kvframe.spi.connector import (
+    BuildContext,
     EngineInfo,
     KVConnector,
     KVConnectorScheduler,
     KVConnectorWorker,
+    PluginLookup,
     SchedulerStep,
 )
 from kvframe.spi.hookspecs import hookimpl
@@ -118,17 +122,8 @@ def _label(index: int, config: KVTransferConfig) -> str:
     return f"{index}.{config.kv_connector}"
 
 
-def _host(host: Any) -> Any:
-    if host is None:
-        from kvframe.runtime.plugins import PluginHost
-
-        host = PluginHost()
-        host.load()
-    return host
-
-
 def _children(
-    config: KVTransferConfig, host: Any
+    config: KVTransferConfig, host: PluginLookup
 ) -> list[tuple[KVTransferConfig, type[KVConnector]]]:
     subs = config.connectors
     if not subs:
@@ -151,12 +146,6 @@ def _children(
             ) from exc
         out.append((sub, cls))
     return out
-
-
-def _build(factory: Any, *args: Any, host: Any) -> Any:
-    if "host" in inspect.signature(factory).parameters:
-        return factory(*args, host=host)
-    return factory(*args)
 
 
 def _prefixed_stats(label: str, stats: Stats) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -516,27 +505,26 @@ class MultiConnector(KVConnector):
         return {"multi.metadata": MultiMetadata}
 
     @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: Mapping[str, Any]) -> bool:
-        """True when any child needs it (asked with that child's own extra config)."""
-        from kvframe.runtime.plugins import PluginHost
-
-        host = PluginHost()
-        host.load()
+    def requires_piecewise_for_cudagraph(
+        cls, extra_config: Mapping[str, Any], ctx: BuildContext
+    ) -> bool:
+        """True when any child needs it (asked with that child's own extra config; children
+        are looked up in ``ctx.host``)."""
         subs = extra_config.get("connectors", ())
         for sub in subs:
-            child = host.connector(sub["kv_connector"])
-            if child.requires_piecewise_for_cudagraph(sub.get("kv_connector_extra_config", {})):
+            child = ctx.host.connector(sub["kv_connector"])
+            extra = sub.get("kv_connector_extra_config", {})
+            if child.requires_piecewise_for_cudagraph(extra, ctx):
                 return True
         return False
 
     @classmethod
-    def get_required_kvcache_layout(cls, config: KVTransferConfig) -> str | None:
+    def get_required_kvcache_layout(cls, config: KVTransferConfig, ctx: BuildContext) -> str | None:
         """The layout the children need: ``None`` when none needs one; raises
         :class:`~kvframe.errors.ConfigError` when two children need different ones."""
-        host = _host(None)
         wanted: dict[str, str] = {}
-        for i, (sub, child) in enumerate(_children(config, host)):
-            layout = child.get_required_kvcache_layout(sub)
+        for i, (sub, child) in enumerate(_children(config, ctx.host)):
+            layout = child.get_required_kvcache_layout(sub, ctx)
             if layout is not None:
                 wanted[_label(i, sub)] = layout
         if len(set(wanted.values())) > 1:
@@ -548,16 +536,15 @@ class MultiConnector(KVConnector):
 
     @classmethod
     def build_scheduler(
-        cls, config: KVTransferConfig, engine: EngineInfo, *, host: Any = None
+        cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
     ) -> MultiConnectorScheduler:
         """Build every child's scheduler half (in order; on error the ones built are shut
-        down). ``host`` is where the children are looked up (default: a fresh, loaded one)."""
-        host = _host(host)
-        children = _children(config, host)
+        down). The children are looked up in ``ctx.host`` and built with ``ctx``."""
+        children = _children(config, ctx.host)
         built: list[KVConnectorScheduler] = []
         try:
             for sub, child in children:
-                built.append(_build(child.build_scheduler, sub, engine, host=host))
+                built.append(child.build_scheduler(sub, engine, ctx))
         except BaseException:
             for b in built:
                 b.shutdown()
@@ -571,15 +558,14 @@ class MultiConnector(KVConnector):
 
     @classmethod
     def build_worker(
-        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, *, host: Any = None
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, ctx: BuildContext
     ) -> MultiConnectorWorker:
         """Build every child's worker half for ``rank``; as :meth:`build_scheduler`."""
-        host = _host(host)
-        children = _children(config, host)
+        children = _children(config, ctx.host)
         built: list[KVConnectorWorker] = []
         try:
             for sub, child in children:
-                built.append(_build(child.build_worker, sub, engine, rank, host=host))
+                built.append(child.build_worker(sub, engine, rank, ctx))
         except BaseException:
             for b in built:
                 b.shutdown()

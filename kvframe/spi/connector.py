@@ -47,24 +47,28 @@ from __future__ import annotations
 
 import abc
 import math
+import time
 import types
-from collections.abc import Mapping, Set
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Set
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
 from kvframe.config import KVTransferConfig
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
 from kvframe.spi.request import BLOCK_HASH_SIZE, BlockIds, RequestView, as_block_ids
+from kvframe.spi.transport import Transport, TransportParams
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BuildContext",
     "EngineInfo",
     "KVConnector",
     "KVConnectorScheduler",
     "KVConnectorWorker",
+    "PluginLookup",
     "SchedulerStep",
 ]
 
@@ -223,6 +227,77 @@ class EngineInfo:
     model: str = ""
     """What the engine serves (a model name or digest); connectors compare it in the handshake
     so that KV never moves between engines serving different models."""
+
+
+@runtime_checkable
+class PluginLookup(Protocol):
+    """The plugin host as a connector sees it: the plugins a connector builds on, by name.
+
+    :class:`kvframe.runtime.plugins.PluginHost` implements it; the engine loads the host before
+    it builds a connector. A connector asks only through this (never builds a host of its own),
+    so plugins registered by code (``host.register(...)``) and the host's block list apply to
+    what it builds too. Every method raises :class:`~kvframe.errors.PluginNotFoundError` for a
+    name nothing registered (the message lists what is installed) and
+    :class:`~kvframe.errors.PluginConflictError` for a name two plugins registered.
+    """
+
+    def connector(self, name: str) -> type[KVConnector]:
+        """The connector class registered as ``name`` (a composite connector's children)."""
+        ...
+
+    def create_transport(self, name: str, params: TransportParams) -> Transport:
+        """A new transport from the factory registered as ``name``; the caller closes it."""
+        ...
+
+    def offload_tier(self, name: str) -> Callable[..., Any]:
+        """The offload-tier factory registered as ``name``
+        (:data:`~kvframe.spi.offload.OffloadTierFactory`)."""
+        ...
+
+    def eviction_policy(self, name: str) -> Callable[..., Any]:
+        """The eviction-policy factory registered as ``name``
+        (:data:`~kvframe.spi.offload.EvictionPolicyFactory`)."""
+        ...
+
+
+def _lookup(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, PluginLookup):
+        raise TypeError(
+            f"BuildContext.host = {value!r}; it must be a plugin host with connector(), "
+            "create_transport(), offload_tier() and eviction_policy() (a loaded "
+            "kvframe.runtime.plugins.PluginHost)"
+        )
+
+
+def _clock(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not callable(value):
+        raise TypeError(f"BuildContext.clock = {value!r}; it must be callable (time.monotonic)")
+
+
+@attrs.frozen(kw_only=True)
+class BuildContext:
+    """What the engine gives a connector to build with: everything a connector may use
+    besides its configuration and :class:`EngineInfo`.
+
+    Passed to every :class:`KVConnector` class method that may need plugins
+    (:meth:`~KVConnector.build_scheduler`, :meth:`~KVConnector.build_worker`,
+    :meth:`~KVConnector.requires_piecewise_for_cudagraph`,
+    :meth:`~KVConnector.get_required_kvcache_layout`). A connector that contains others
+    (MultiConnector) passes the same context on to its children. One context serves both
+    halves and every rank; the rank is :meth:`~KVConnector.build_worker`'s own argument,
+    because it differs per worker process.
+
+    Raises ``TypeError`` at construction when ``host`` is not a :class:`PluginLookup` or
+    ``clock`` is not callable.
+    """
+
+    host: PluginLookup = attrs.field(validator=_lookup)
+    """Where the connector looks up what it builds on: transports, child connectors, offload
+    tiers and eviction policies. Loaded already."""
+    clock: Callable[[], float] = attrs.field(default=time.monotonic, validator=_clock)
+    """The worker half's monotonic clock in seconds (lease expiry, timeouts, measured
+    durations); tests pass a fake or skewed one. The scheduler half takes its time from
+    :attr:`SchedulerStep.now` instead, so scheduling decisions follow the engine's steps."""
 
 
 class KVConnectorScheduler(abc.ABC):
@@ -477,11 +552,15 @@ class KVConnector(abc.ABC):
     engine-level requirements. Never instantiated by the engine.
 
     Subclasses implement :meth:`build_scheduler` and :meth:`build_worker`; the plugin host
-    refuses a class that leaves either abstract.
+    refuses a class that leaves either abstract. Every class method that may need other
+    plugins receives the engine's :class:`BuildContext` (``ctx``): it is the only way a
+    connector reaches the plugin host and the clock.
     """
 
     @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: Mapping[str, Any]) -> bool:
+    def requires_piecewise_for_cudagraph(
+        cls, extra_config: Mapping[str, Any], ctx: BuildContext
+    ) -> bool:
         """Whether the connector needs the engine to capture CUDA graphs piecewise (so that
         the per-layer hooks ``wait_for_layer_load`` / ``save_kv_layer`` run eagerly between
         captured pieces). ``extra_config`` is ``kv_connector_extra_config``. Default: ``False``.
@@ -489,7 +568,7 @@ class KVConnector(abc.ABC):
         return False
 
     @classmethod
-    def get_required_kvcache_layout(cls, config: KVTransferConfig) -> str | None:
+    def get_required_kvcache_layout(cls, config: KVTransferConfig, ctx: BuildContext) -> str | None:
         """The KV cache memory layout the connector needs (``"NHD"`` or ``"HND"``), or
         ``None`` to accept the engine's default. Called before the KV cache is allocated.
         Default: ``None``."""
@@ -511,8 +590,11 @@ class KVConnector(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def build_scheduler(cls, config: KVTransferConfig, engine: EngineInfo) -> KVConnectorScheduler:
+    def build_scheduler(
+        cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
+    ) -> KVConnectorScheduler:
         """Build the scheduler-side half, in the scheduler process, once at engine start.
+        ``ctx.host`` is where the plugins it builds on come from.
 
         Raises :class:`~kvframe.errors.ConfigError` for connector options it rejects (in
         ``config.kv_connector_extra_config``; the message names the key path). Nothing is left
@@ -522,10 +604,11 @@ class KVConnector(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def build_worker(
-        cls, config: KVTransferConfig, engine: EngineInfo, rank: int
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, ctx: BuildContext
     ) -> KVConnectorWorker:
         """Build the worker-side half for ``rank`` (``0 .. engine.world_size - 1``), in that
-        worker's process, once at start.
+        worker's process, once at start. The transport comes from ``ctx.host``
+        (:meth:`PluginLookup.create_transport`), the time from ``ctx.clock``.
 
         Raises :class:`~kvframe.errors.ConfigError` as :meth:`build_scheduler` does, and
         :class:`~kvframe.errors.PluginNotFoundError` when the configured transport is not

@@ -21,7 +21,6 @@ from kvframe.connectors.offload.scheduler import OffloadingScheduler
 from kvframe.errors import ConfigError
 from kvframe.protocol.codec import DEFAULT_CODEC
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
-from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.connector import (
     EngineInfo,
     KVConnector,
@@ -30,6 +29,7 @@ from kvframe.spi.connector import (
     SchedulerStep,
 )
 from kvframe.spi.request import BlockIds, RequestView, block_hashes
+from tests.contexts import build_context
 
 
 def _public(cls: type) -> set[str]:
@@ -184,14 +184,17 @@ def test_required_layouts_must_agree(monkeypatch: pytest.MonkeyPatch) -> None:
             },
         }
     )
-    assert MultiConnector.get_required_kvcache_layout(cfg) is None
-    monkeypatch.setattr(PDConnector, "get_required_kvcache_layout", classmethod(lambda c, k: "HND"))
-    assert MultiConnector.get_required_kvcache_layout(cfg) == "HND"
+    ctx = build_context()
+    assert MultiConnector.get_required_kvcache_layout(cfg, ctx) is None
     monkeypatch.setattr(
-        OffloadingConnector, "get_required_kvcache_layout", classmethod(lambda c, k: "NHD")
+        PDConnector, "get_required_kvcache_layout", classmethod(lambda c, k, x: "HND")
+    )
+    assert MultiConnector.get_required_kvcache_layout(cfg, ctx) == "HND"
+    monkeypatch.setattr(
+        OffloadingConnector, "get_required_kvcache_layout", classmethod(lambda c, k, x: "NHD")
     )
     with pytest.raises(ConfigError, match="different KV cache layouts"):
-        MultiConnector.get_required_kvcache_layout(cfg)
+        MultiConnector.get_required_kvcache_layout(cfg, ctx)
 
 
 # -- P/D + offloading on D, over the in-process transport --------------------------------------
@@ -229,11 +232,10 @@ class _MultiD:
                 },
             }
         )
-        host = PluginHost()
-        host.load()
+        ctx = build_context()
         info = EngineInfo(block_size=BS, model="test-model")
-        self.sched = MultiConnector.build_scheduler(self.config, info, host=host)
-        self.worker = MultiConnector.build_worker(self.config, info, 0, host=host)
+        self.sched = MultiConnector.build_scheduler(self.config, info, ctx)
+        self.worker = MultiConnector.build_worker(self.config, info, 0, ctx)
         self.kv = {f"layer{i}": torch.zeros((32, *SHAPE)) for i in range(LAYERS)}
         self.worker.register_kv_caches(self.kv)
         self.sched.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata() or b""})

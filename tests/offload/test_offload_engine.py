@@ -16,6 +16,7 @@ from kvframe.connectors.offload import OffloadingConnector
 from kvframe.connectors.offload.tiers import DiskTier
 from kvframe.errors import ConfigError
 from kvframe.runtime.plugins import PluginHost
+from kvframe.spi.connector import BuildContext
 from kvframe.spi.hookspecs import hookimpl
 from kvframe.spi.offload import CorruptEntryError, TierConfig
 
@@ -114,27 +115,10 @@ class _FaultPlugin:
     def kvframe_register_offload_tiers(register: Any) -> None:
         register("fulldisk", _FullDisk)
 
-    @staticmethod
-    @hookimpl
-    def kvframe_register_connectors(register: Any) -> None:
-        register("FaultyOffloading", _FaultyConnector)
 
-
+# The engine builds the offloading connector with this host in its BuildContext, so the
+# connector finds the tier registered here by code.
 _HOST = PluginHost(env={}, entry_points=list)
-
-
-class _FaultyConnector(OffloadingConnector):
-    """The offloading connector, taking its tiers from the test's plugin host."""
-
-    @classmethod
-    def build_scheduler(cls, config: Any, engine: Any, *, host: Any = None) -> Any:
-        return super().build_scheduler(config, engine, host=_HOST)
-
-    @classmethod
-    def build_worker(cls, config: Any, engine: Any, rank: int, *, host: Any = None) -> Any:
-        return super().build_worker(config, engine, rank, host=_HOST)
-
-
 _HOST.load()
 _HOST.register(_FaultPlugin(), "faults")
 
@@ -142,7 +126,7 @@ _HOST.register(_FaultPlugin(), "faults")
 def test_full_disk_degrades_to_cpu_only_with_a_warning(tmp_path: Path) -> None:
     kv = KVTransferConfig.from_dict(
         {
-            "kv_connector": "FaultyOffloading",
+            "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "tiers": [
@@ -300,8 +284,9 @@ def test_failed_load_is_recomputed_with_equal_output(monkeypatch: pytest.MonkeyP
 def test_requires_piecewise_for_per_layer_loads() -> None:
     from kvframe.connectors.multi import MultiConnector
 
-    assert OffloadingConnector.requires_piecewise_for_cudagraph({}) is True
+    ctx = BuildContext(host=_HOST)
+    assert OffloadingConnector.requires_piecewise_for_cudagraph({}, ctx) is True
     pd_only = {"connectors": [{"kv_connector": "PDConnector", "kv_role": "kv_consumer"}]}
-    assert MultiConnector.requires_piecewise_for_cudagraph(pd_only) is False
+    assert MultiConnector.requires_piecewise_for_cudagraph(pd_only, ctx) is False
     both = {"connectors": [*pd_only["connectors"], {"kv_connector": "OffloadingConnector"}]}
-    assert MultiConnector.requires_piecewise_for_cudagraph(both) is True
+    assert MultiConnector.requires_piecewise_for_cudagraph(both, ctx) is True

@@ -11,9 +11,10 @@ from kvframe.config import KVTransferConfig
 from kvframe.connectors.offload import OffloadingConnector
 from kvframe.connectors.offload.policies import ARCPolicy, LRUPolicy
 from kvframe.runtime.plugins import PluginHost
-from kvframe.spi.connector import EngineInfo
+from kvframe.spi.connector import BuildContext, EngineInfo
 from kvframe.spi.hookspecs import hookimpl
 from kvframe.spi.offload import EvictionPolicy, PolicyConfig
+from tests.contexts import build_context
 
 
 def k(i: int) -> bytes:
@@ -109,7 +110,9 @@ def test_a_third_party_policy_is_found_through_the_plugin_host() -> None:
             },
         }
     )
-    sched = OffloadingConnector.build_scheduler(kv, EngineInfo(block_size=16), host=host)
+    sched = OffloadingConnector.build_scheduler(
+        kv, EngineInfo(block_size=16), BuildContext(host=host)
+    )
     sched.set_xfer_handshake_metadata({0: msgpack.packb({"block_bytes": 1024, "layout": "x"})})
     assert sched.manager is not None
     got = sched.manager.prepare_store([k(i) for i in range(4)])
@@ -129,7 +132,7 @@ def test_without_the_workers_handshake_nothing_is_offloaded_and_it_says_so() -> 
     )
     from kvframe.spi.request import RequestView
 
-    sched = OffloadingConnector.build_scheduler(kv, EngineInfo(block_size=16))
+    sched = OffloadingConnector.build_scheduler(kv, EngineInfo(block_size=16), build_context())
     req = RequestView(request_id="r", num_prompt_tokens=40)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)

@@ -20,6 +20,7 @@ from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
 from kvframe.spi.connector import EngineInfo, SchedulerStep
 from kvframe.spi.offload import offload_key
 from kvframe.spi.request import RequestView, block_hashes
+from tests.contexts import build_context
 
 BS = 16
 PROMPT = [(i * 11 + 5) % 240 + 1 for i in range(80)]  # 5 full blocks
@@ -176,8 +177,9 @@ def test_an_engine_without_per_step_state_still_stores_at_finish() -> None:
     # What an engine that fills only the old fields gets: the store at finish, delay_free.
     cfg = _kv()
     info = EngineInfo(block_size=BS)
-    sched = OffloadingConnector.build_scheduler(cfg, info)
-    worker = OffloadingConnector.build_worker(cfg, info, 0)
+    ctx = build_context()
+    sched = OffloadingConnector.build_scheduler(cfg, info, ctx)
+    worker = OffloadingConnector.build_worker(cfg, info, 0, ctx)
     kv = {f"l{i}": torch.rand((16, 2, BS, 1, 8)) for i in range(2)}
     try:
         worker.register_kv_caches(kv)
@@ -210,8 +212,9 @@ class _Pair:
     def __init__(self) -> None:
         cfg = _kv()
         info = EngineInfo(block_size=BS)
-        self.sched = OffloadingConnector.build_scheduler(cfg, info)
-        self.worker: OffloadingWorker = OffloadingConnector.build_worker(cfg, info, 0)
+        ctx = build_context()
+        self.sched = OffloadingConnector.build_scheduler(cfg, info, ctx)
+        self.worker: OffloadingWorker = OffloadingConnector.build_worker(cfg, info, 0, ctx)
         self.kv = {f"l{i}": torch.rand((16, 2, BS, 1, 8)) for i in range(2)}
         self.worker.register_kv_caches(self.kv)
         self.sched.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata() or b""})

@@ -13,6 +13,7 @@ from kvframe.protocol.aggregate import OutputAggregator
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
 from kvframe.spi.connector import EngineInfo, SchedulerStep
 from kvframe.spi.request import RequestView, block_hashes
+from tests.contexts import build_context
 
 BS = 16
 
@@ -26,8 +27,9 @@ def test_store_waits_for_both_ranks_then_loads_each_slice() -> None:
         }
     )
     info = EngineInfo(block_size=BS, world_size=2)
-    sched = OffloadingConnector.build_scheduler(cfg, info)
-    workers = [OffloadingConnector.build_worker(cfg, info, r) for r in range(2)]
+    ctx = build_context()
+    sched = OffloadingConnector.build_scheduler(cfg, info, ctx)
+    workers = [OffloadingConnector.build_worker(cfg, info, r, ctx) for r in range(2)]
     kvs = [{f"l{i}": torch.rand((16, 2, BS, 1, 8)) for i in range(2)} for _ in range(2)]
     for w, kv in zip(workers, kvs, strict=True):
         w.register_kv_caches(kv)

@@ -10,6 +10,7 @@ from kvframe.config import KVTransferConfig
 from kvframe.connectors.offload import OffloadingConnector
 from kvframe.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
 from kvframe.spi.connector import EngineInfo
+from tests.contexts import build_context
 
 
 def test_scattered_and_consecutive_blocks_round_trip_exactly() -> None:
@@ -22,7 +23,7 @@ def test_scattered_and_consecutive_blocks_round_trip_exactly() -> None:
             },
         }
     )
-    worker = OffloadingConnector.build_worker(kv_cfg, EngineInfo(block_size=16), 0)
+    worker = OffloadingConnector.build_worker(kv_cfg, EngineInfo(block_size=16), 0, build_context())
     kv = {f"l{i}": torch.rand((40, 2, 4, 16)) for i in range(3)}  # 512 bytes per block per layer
     worker.register_kv_caches(kv)
     try:

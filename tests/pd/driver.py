@@ -15,7 +15,7 @@ from kvframe.connectors.pd import PDConnector
 from kvframe.connectors.pd.metadata import PD_CODEC
 from kvframe.protocol.messages import ConnectorOutput
 from kvframe.runtime.plugins import PluginHost
-from kvframe.spi.connector import EngineInfo, SchedulerStep
+from kvframe.spi.connector import BuildContext, EngineInfo, SchedulerStep
 from kvframe.spi.request import RequestView
 
 BLOCK = 16
@@ -48,8 +48,9 @@ class Driver:
         self.clock = clock
         host = PluginHost()
         host.load()
-        self.sched = PDConnector.build_scheduler(self.config, self.info)
-        self.worker = PDConnector.build_worker(self.config, self.info, 0, host=host, clock=clock)
+        ctx = BuildContext(host=host, clock=clock)
+        self.sched = PDConnector.build_scheduler(self.config, self.info, ctx)
+        self.worker = PDConnector.build_worker(self.config, self.info, 0, ctx)
         self.kv = {f"layer{i}": torch.zeros((num_blocks, *SHAPE)) for i in range(LAYERS)}
         self.worker.register_kv_caches(self.kv)
         meta = self.worker.get_handshake_metadata()

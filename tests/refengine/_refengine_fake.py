@@ -41,6 +41,7 @@ from kvframe.protocol.messages import (
     Stats,
 )
 from kvframe.spi.connector import (
+    BuildContext,
     EngineInfo,
     KVConnector,
     KVConnectorScheduler,
@@ -329,19 +330,21 @@ class FakeWorker(KVConnectorWorker):
 
 class FakeConnector(KVConnector):
     @classmethod
-    def build_scheduler(cls, config: KVTransferConfig, engine: EngineInfo) -> KVConnectorScheduler:
+    def build_scheduler(
+        cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
+    ) -> KVConnectorScheduler:
         return FakeScheduler(config, engine)
 
     @classmethod
     def build_worker(
-        cls, config: KVTransferConfig, engine: EngineInfo, rank: int
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, ctx: BuildContext
     ) -> KVConnectorWorker:
         return FakeWorker(config, engine)
 
 
 class HNDConnector(FakeConnector):
     @classmethod
-    def get_required_kvcache_layout(cls, config: KVTransferConfig) -> str | None:
+    def get_required_kvcache_layout(cls, config: KVTransferConfig, ctx: BuildContext) -> str | None:
         return "HND"
 
 

@@ -131,11 +131,11 @@ class FakeConnector(KVConnector):
     """A concrete connector class; the host only checks the class, never builds it."""
 
     @classmethod
-    def build_scheduler(cls, config: Any, engine: Any) -> Any:
+    def build_scheduler(cls, config: Any, engine: Any, ctx: Any) -> Any:
         raise NotImplementedError
 
     @classmethod
-    def build_worker(cls, config: Any, engine: Any, rank: int) -> Any:
+    def build_worker(cls, config: Any, engine: Any, rank: int, ctx: Any) -> Any:
         raise NotImplementedError
 
 
@@ -143,5 +143,5 @@ class AbstractConnector(KVConnector):
     """Leaves ``build_worker`` abstract: the host must refuse it."""
 
     @classmethod
-    def build_scheduler(cls, config: Any, engine: Any) -> Any:
+    def build_scheduler(cls, config: Any, engine: Any, ctx: Any) -> Any:
         raise NotImplementedError

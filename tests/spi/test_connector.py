@@ -12,17 +12,40 @@ import pytest
 import torch
 
 from kvframe.config import KVTransferConfig
+from kvframe.errors import PluginNotFoundError
 from kvframe.protocol.aggregate import OutputAggregator
 from kvframe.protocol.codec import DEFAULT_CODEC
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, LoadSpec, Stats
 from kvframe.spi.connector import (
+    BuildContext,
     EngineInfo,
     KVConnector,
     KVConnectorScheduler,
     KVConnectorWorker,
+    PluginLookup,
     SchedulerStep,
 )
 from kvframe.spi.request import BlockIds, RequestView, as_block_ids
+from kvframe.spi.transport import Transport, TransportParams
+
+
+class _NoPlugins:
+    """A plugin lookup that knows nothing: what a connector needing no plugin is built with."""
+
+    def connector(self, name: str) -> type[KVConnector]:
+        raise PluginNotFoundError(f"no connector named {name!r}")
+
+    def create_transport(self, name: str, params: TransportParams) -> Transport:
+        raise PluginNotFoundError(f"no transport named {name!r}")
+
+    def offload_tier(self, name: str) -> Any:
+        raise PluginNotFoundError(f"no offload tier named {name!r}")
+
+    def eviction_policy(self, name: str) -> Any:
+        raise PluginNotFoundError(f"no eviction policy named {name!r}")
+
+
+CTX = BuildContext(host=_NoPlugins())
 
 # -- the abstract classes --------------------------------------------------------------------
 
@@ -112,13 +135,33 @@ def test_worker_defaults_and_metadata_binding() -> None:
 def test_connector_class_defaults_and_abstract_factories() -> None:
     class Half(KVConnector):
         @classmethod
-        def build_scheduler(cls, config: KVTransferConfig, engine: EngineInfo) -> Any:
+        def build_scheduler(
+            cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
+        ) -> Any:
             return _MinimalScheduler()
 
     cfg = KVTransferConfig(kv_connector="x", kv_role="kv_both")
-    assert Half.requires_piecewise_for_cudagraph({}) is False
-    assert Half.get_required_kvcache_layout(cfg) is None
+    assert Half.requires_piecewise_for_cudagraph({}, CTX) is False
+    assert Half.get_required_kvcache_layout(cfg, CTX) is None
     assert Half.__abstractmethods__ == frozenset({"build_worker"})
+
+
+def test_build_context_holds_a_plugin_lookup_and_a_clock() -> None:
+    import time
+
+    from kvframe.runtime.plugins import PluginHost
+
+    assert isinstance(PluginHost(autoload=False, env={}), PluginLookup)
+    assert CTX.clock is time.monotonic
+    ticks = iter(range(100))
+    ctx = BuildContext(host=_NoPlugins(), clock=lambda: float(next(ticks)))
+    assert (ctx.clock(), ctx.clock()) == (0.0, 1.0)
+    with pytest.raises(TypeError, match=r"BuildContext\.host = 'nixl'; it must be a plugin host"):
+        BuildContext(host="nixl")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"BuildContext\.clock = 3\.0; it must be callable"):
+        BuildContext(host=_NoPlugins(), clock=3.0)  # type: ignore[arg-type]
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        ctx.clock = time.monotonic  # type: ignore[misc]
 
 
 def test_scheduler_step_and_engine_info_validate() -> None:
@@ -268,11 +311,15 @@ class CopyWorker(KVConnectorWorker):
 
 class CopyConnector(KVConnector):
     @classmethod
-    def build_scheduler(cls, config: KVTransferConfig, engine: EngineInfo) -> CopyScheduler:
+    def build_scheduler(
+        cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
+    ) -> CopyScheduler:
         return CopyScheduler(config)
 
     @classmethod
-    def build_worker(cls, config: KVTransferConfig, engine: EngineInfo, rank: int) -> CopyWorker:
+    def build_worker(
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, ctx: BuildContext
+    ) -> CopyWorker:
         return CopyWorker(config, rank)
 
 
@@ -284,8 +331,8 @@ class MiniEngine:
 
     def __init__(self, config: KVTransferConfig, *, ranks: int = 2, num_blocks: int = 8) -> None:
         self.info = EngineInfo(block_size=4, world_size=ranks)
-        self.scheduler = CopyConnector.build_scheduler(config, self.info)
-        self.workers = [CopyConnector.build_worker(config, self.info, r) for r in range(ranks)]
+        self.scheduler = CopyConnector.build_scheduler(config, self.info, CTX)
+        self.workers = [CopyConnector.build_worker(config, self.info, r, CTX) for r in range(ranks)]
         self.caches = [
             {name: torch.zeros(num_blocks, 4, 2) for name in self.LAYERS} for _ in range(ranks)
         ]

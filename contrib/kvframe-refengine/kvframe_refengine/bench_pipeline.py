@@ -46,6 +46,7 @@ from kvframe.config import KVTransferConfig
 from kvframe.protocol.messages import ConnectorMetadata, LoadSpec
 from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.connector import (
+    BuildContext,
     EngineInfo,
     KVConnector,
     KVConnectorScheduler,
@@ -162,14 +163,12 @@ class _Scheduler(KVConnectorScheduler):
 
 
 class _Worker(KVConnectorWorker):
-    def __init__(self, config: KVTransferConfig) -> None:
+    def __init__(self, config: KVTransferConfig, ctx: BuildContext) -> None:
         extra = config.kv_connector_extra_config
         self.mode: str = extra["mode"]
         self._peer_meta = bytes.fromhex(extra["peer_meta"])
         self._peer_layout = _layout_from(extra["peer_layout"])
-        host = PluginHost()
-        host.load()
-        self.t: Transport = host.create_transport(
+        self.t: Transport = ctx.host.create_transport(
             "nixl", TransportParams(name=f"pipe-D-{os.getpid()}-{self.mode}")
         )
         self.handles: dict[int, XferHandle] = {}
@@ -239,14 +238,16 @@ class PipelineBenchConnector(KVConnector):
     """The connector the benchmark measures (registered only in the benchmark's own host)."""
 
     @classmethod
-    def build_scheduler(cls, config: KVTransferConfig, engine: EngineInfo) -> KVConnectorScheduler:
+    def build_scheduler(
+        cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
+    ) -> KVConnectorScheduler:
         return _Scheduler(config)
 
     @classmethod
     def build_worker(
-        cls, config: KVTransferConfig, engine: EngineInfo, rank: int
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, ctx: BuildContext
     ) -> KVConnectorWorker:
-        return _Worker(config)
+        return _Worker(config, ctx)
 
 
 class _Plugin:

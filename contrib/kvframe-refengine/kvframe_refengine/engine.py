@@ -30,6 +30,7 @@ from kvframe.protocol.codec import DEFAULT_CODEC, Codec
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent
 from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.connector import (
+    BuildContext,
     EngineInfo,
     KVConnector,
     KVConnectorScheduler,
@@ -96,12 +97,14 @@ class Engine:
     Args:
         config: the engine's settings.
         kv_transfer_config: which connector to use and how, or ``None`` for no connector.
-        plugin_host: where to look the connector up; default a fresh, loaded
+        plugin_host: where to look the connector up, and what it looks its own plugins up
+            in (:class:`~kvframe.spi.connector.BuildContext`); loaded here. Default a fresh
             :class:`~kvframe.runtime.plugins.PluginHost` (entry points and built-ins).
         codec: encodes the connector's metadata and output when ``config.encode_metadata``;
             default :data:`~kvframe.protocol.codec.DEFAULT_CODEC` extended with the connector's
             own message classes (``KVConnector.metadata_types``).
-        clock: the engine's monotonic clock in seconds (``SchedulerStep.now``, arrival times).
+        clock: the engine's monotonic clock in seconds (``SchedulerStep.now``, arrival times,
+            and the connector's ``BuildContext.clock``).
 
     Raises :class:`~kvframe.errors.PluginNotFoundError` for an unknown connector name,
     :class:`~kvframe.errors.ConfigError` for a connector that needs a KV layout this engine
@@ -119,17 +122,20 @@ class Engine:
     ) -> None:
         self.config = config
         self.kv_transfer_config = kv_transfer_config
-        if kv_transfer_config is not None and plugin_host is None:
-            plugin_host = PluginHost()
-        self._codec = (
-            codec if codec is not None else self._default_codec(kv_transfer_config, plugin_host)
-        )
+        # What the connector builds with: this engine's plugin host and clock, nothing hidden.
+        ctx: BuildContext | None = None
+        if kv_transfer_config is not None:
+            if plugin_host is None:
+                plugin_host = PluginHost()
+            plugin_host.load()
+            ctx = BuildContext(host=plugin_host, clock=clock)
+        self._codec = codec if codec is not None else self._default_codec(kv_transfer_config, ctx)
         self._clock = clock
         self._closed = False
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         self.model = TinyLM(config.model, device=config.device)
-        sched_conn, worker_conn = self._build_connector(kv_transfer_config, plugin_host)
+        sched_conn, worker_conn = self._build_connector(kv_transfer_config, ctx)
         self.connector_scheduler = sched_conn
         self.connector_worker = worker_conn
         self.pool = BlockPool(config.num_blocks)
@@ -172,34 +178,28 @@ class Engine:
         return EngineInfo(block_size=self.config.block_size, model=f"refengine-tinylm-{digest}")
 
     @staticmethod
-    def _default_codec(kv: KVTransferConfig | None, host: PluginHost | None) -> Codec:
+    def _default_codec(kv: KVTransferConfig | None, ctx: BuildContext | None) -> Codec:
         # The connector names its own message classes (KVConnector.metadata_types).
-        if kv is None:
+        if kv is None or ctx is None:
             return DEFAULT_CODEC
-        if host is None:
-            host = PluginHost()
-        host.load()
-        return DEFAULT_CODEC.with_types(host.connector(kv.kv_connector).metadata_types(kv))
+        return DEFAULT_CODEC.with_types(ctx.host.connector(kv.kv_connector).metadata_types(kv))
 
     def _build_connector(
-        self, kv: KVTransferConfig | None, host: PluginHost | None
+        self, kv: KVTransferConfig | None, ctx: BuildContext | None
     ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
-        if kv is None:
+        if kv is None or ctx is None:
             return None, None
-        if host is None:
-            host = PluginHost()
-        host.load()
-        cls: type[KVConnector] = host.connector(kv.kv_connector)
-        layout = cls.get_required_kvcache_layout(kv)
+        cls: type[KVConnector] = ctx.host.connector(kv.kv_connector)
+        layout = cls.get_required_kvcache_layout(kv, ctx)
         if layout not in (None, "NHD"):
             raise ConfigError(
                 f"kv_connector {kv.kv_connector!r} needs KV cache layout {layout!r}; the "
                 "reference engine stores [block, K/V, token, head, dim] (NHD) only"
             )
         info = self.engine_info()
-        sched = cls.build_scheduler(kv, info)
+        sched = cls.build_scheduler(kv, info, ctx)
         try:
-            worker = cls.build_worker(kv, info, 0)
+            worker = cls.build_worker(kv, info, 0, ctx)
         except BaseException:
             sched.shutdown()
             raise

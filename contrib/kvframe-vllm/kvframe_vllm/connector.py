@@ -31,7 +31,9 @@ vLLM calls                             kvframe receives
 =====================================  ====================================================
 
 The clock: kvframe connectors take time from ``SchedulerStep.now`` and compare it with the
-worker's ``time.monotonic()``; vLLM's wall-clock ``arrival_time`` is mapped onto it.
+worker's clock (``BuildContext.clock``: ``time.monotonic``); vLLM's wall-clock
+``arrival_time`` is mapped onto it. The build context's plugin host is the one the adapter
+loaded the kvframe connector from.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from kvframe.protocol.codec import DEFAULT_CODEC
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
 from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.connector import (
+    BuildContext,
     EngineInfo,
     KVConnector,
     KVConnectorScheduler,
@@ -157,10 +160,17 @@ def connector_class(adapter: AdapterConfig, host: PluginHost | None = None) -> t
     the name is unknown.
     """
     if host is None:
-        host = PluginHost()
-        host.load()
+        host = _loaded_host()
     cls: type[KVConnector] = host.connector(adapter.connector)
     return cls
+
+
+def _loaded_host() -> PluginHost:
+    # The adapter is the runtime here: one host per vLLM connector object (and per class-level
+    # question, which vLLM asks before any object exists).
+    host = PluginHost()
+    host.load()
+    return host
 
 
 def _engine_info(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
@@ -192,7 +202,11 @@ class KVFrameConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._adapter = AdapterConfig.from_vllm(vllm_config.kv_transfer_config)
-        self._cls = connector_class(self._adapter)
+        host = _loaded_host()
+        # The kvframe connector's build context: this host, and the worker's time.monotonic
+        # (kvframe compares it with SchedulerStep.now, which is time.monotonic() too).
+        self._ctx = BuildContext(host=host, clock=time.monotonic)
+        self._cls = connector_class(self._adapter, host)
         # The SPI's rule: the default codec plus the connector's own message classes.
         self._codec = DEFAULT_CODEC.with_types(self._cls.metadata_types(self._adapter.config))
         self._engine = _engine_info(vllm_config, kv_cache_config)
@@ -217,10 +231,14 @@ class KVFrameConnector(KVConnectorBase_V1):
         self._totals: dict[str, float] = {}
         self._gauges: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = self._cls.build_scheduler(self._adapter.config, self._engine)
+            self._scheduler = self._cls.build_scheduler(
+                self._adapter.config, self._engine, self._ctx
+            )
         else:
             rank = _tp_rank()
-            self._worker = self._cls.build_worker(self._adapter.config, self._engine, rank)
+            self._worker = self._cls.build_worker(
+                self._adapter.config, self._engine, rank, self._ctx
+            )
 
     # -- introspection -----------------------------------------------------------------
     @property
@@ -260,14 +278,18 @@ class KVFrameConnector(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         """The kvframe connector's required layout (``"NHD"``/``"HND"``) or ``None``."""
         adapter = AdapterConfig.from_vllm(vllm_config.kv_transfer_config)
-        return connector_class(adapter).get_required_kvcache_layout(adapter.config)
+        host = _loaded_host()
+        ctx = BuildContext(host=host)
+        return connector_class(adapter, host).get_required_kvcache_layout(adapter.config, ctx)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Whether the kvframe connector runs per-layer hooks that CUDA graphs would skip."""
         adapter = AdapterConfig.from_fields(kv_role="kv_both", engine_id=None, extra=extra_config)
         inner = adapter.config.kv_connector_extra_config
-        return connector_class(adapter).requires_piecewise_for_cudagraph(inner)
+        host = _loaded_host()
+        ctx = BuildContext(host=host)
+        return connector_class(adapter, host).requires_piecewise_for_cudagraph(inner, ctx)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVFrameStats:

@@ -20,7 +20,7 @@ from kvframe.connectors.offload.scheduler import OffloadingScheduler
 from kvframe.connectors.offload.tiers import CPUTier, DiskTier, create_cpu_tier, create_disk_tier
 from kvframe.connectors.offload.worker import OffloadingWorker
 from kvframe.protocol.codec import Codec
-from kvframe.spi.connector import EngineInfo, KVConnector
+from kvframe.spi.connector import BuildContext, EngineInfo, KVConnector
 from kvframe.spi.hookspecs import hookimpl
 
 __all__ = [
@@ -41,15 +41,6 @@ __all__ = [
 ]
 
 
-def _host(host: Any) -> Any:
-    if host is None:
-        from kvframe.runtime.plugins import PluginHost
-
-        host = PluginHost()
-        host.load()
-    return host
-
-
 class OffloadingConnector(KVConnector):
     """Offload KV blocks to tiers (host memory, disk, plugins) and load them back layer by
     layer. The engine encodes its metadata with :attr:`codec`."""
@@ -64,27 +55,29 @@ class OffloadingConnector(KVConnector):
         return {"offload.metadata": OffloadMetadata}
 
     @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: Mapping[str, Any]) -> bool:
+    def requires_piecewise_for_cudagraph(
+        cls, extra_config: Mapping[str, Any], ctx: BuildContext
+    ) -> bool:
         """Yes: loads run layer by layer in the forward pass (``wait_for_layer_load``) and
         stores are posted from ``save_kv_layer``."""
         return True
 
     @classmethod
     def build_scheduler(
-        cls, config: KVTransferConfig, engine: EngineInfo, *, host: Any = None
+        cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
     ) -> OffloadingScheduler:
-        """Build the scheduler half. ``host`` is the plugin host the tiers and the policy come
-        from (default: a fresh, loaded one)."""
+        """Build the scheduler half; the tiers and the eviction policy come from
+        ``ctx.host``."""
         options = OffloadOptions.from_extra(config.kv_connector_extra_config)
-        return OffloadingScheduler(config, engine, options, _host(host))
+        return OffloadingScheduler(config, engine, options, ctx.host)
 
     @classmethod
     def build_worker(
-        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, *, host: Any = None
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, ctx: BuildContext
     ) -> OffloadingWorker:
-        """Build the worker half for ``rank``; ``host`` as for :meth:`build_scheduler`."""
+        """Build the worker half for ``rank``; the tiers come from ``ctx.host``."""
         options = OffloadOptions.from_extra(config.kv_connector_extra_config)
-        return OffloadingWorker(config, engine, rank, options, _host(host))
+        return OffloadingWorker(config, engine, rank, options, ctx.host)
 
 
 @hookimpl

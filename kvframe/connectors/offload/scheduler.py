@@ -49,7 +49,7 @@ from kvframe.connectors.offload.metadata import (
 from kvframe.connectors.offload.options import OffloadOptions
 from kvframe.errors import ConfigError, KVFrameError
 from kvframe.protocol.messages import ConnectorOutput, KVEvent, Stats
-from kvframe.spi.connector import EngineInfo, KVConnectorScheduler, SchedulerStep
+from kvframe.spi.connector import EngineInfo, KVConnectorScheduler, PluginLookup, SchedulerStep
 from kvframe.spi.offload import (
     EvictionPolicy,
     LookupStatus,
@@ -89,21 +89,21 @@ class _StepStore:
     """The request's blocks up to the last one stored, to find an invalid block before them."""
 
 
-def check_components(host: Any, options: OffloadOptions) -> None:
+def check_components(host: PluginLookup, options: OffloadOptions) -> None:
     """Raise :class:`~kvframe.errors.ConfigError` naming the key when a configured tier or the
     eviction policy is not registered in ``host`` (the message lists what is)."""
     for t in options.tiers:
         try:
-            host.offload_tier_info(t.tier)
+            host.offload_tier(t.tier)
         except KVFrameError as exc:
             raise ConfigError(f"{t.path}.tier: {exc}") from exc
     try:
-        host.eviction_policy_info(options.eviction_policy)
+        host.eviction_policy(options.eviction_policy)
     except KVFrameError as exc:
         raise ConfigError(f"kv_connector_extra_config.eviction_policy: {exc}") from exc
 
 
-def build_tiers(host: Any, options: OffloadOptions, block_bytes: int) -> list[OffloadTier]:
+def build_tiers(host: PluginLookup, options: OffloadOptions, block_bytes: int) -> list[OffloadTier]:
     """Build every configured tier through its registered factory (nothing is opened).
 
     Raises :class:`~kvframe.errors.ConfigError` for a factory that refuses its options, that
@@ -152,7 +152,11 @@ class OffloadingScheduler(KVConnectorScheduler):
     """
 
     def __init__(
-        self, config: KVTransferConfig, engine: EngineInfo, options: OffloadOptions, host: Any
+        self,
+        config: KVTransferConfig,
+        engine: EngineInfo,
+        options: OffloadOptions,
+        host: PluginLookup,
     ) -> None:
         check_components(host, options)
         self._config = config

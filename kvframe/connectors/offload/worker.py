@@ -50,7 +50,7 @@ from kvframe.connectors.offload.metadata import (
 from kvframe.connectors.offload.options import OffloadOptions
 from kvframe.connectors.offload.scheduler import build_tiers, check_components
 from kvframe.protocol.messages import ConnectorMetadata, Stats
-from kvframe.spi.connector import EngineInfo, KVConnectorWorker
+from kvframe.spi.connector import EngineInfo, KVConnectorWorker, PluginLookup
 from kvframe.spi.offload import (
     CorruptEntryError,
     MemoryTier,
@@ -92,7 +92,7 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
         engine: EngineInfo,
         rank: int,
         options: OffloadOptions,
-        host: Any,
+        host: PluginLookup,
     ) -> None:
         check_components(host, options)
         self._config = config

@@ -6,8 +6,7 @@ Registered as ``"PDConnector"`` (built-in). See ``docs/pd.md`` for the protocol,
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from kvframe.config import KVTransferConfig
@@ -15,7 +14,8 @@ from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.params import RemotePrefillParams
 from kvframe.connectors.pd.scheduler import PDConnectorScheduler
 from kvframe.connectors.pd.worker import PDConnectorWorker
-from kvframe.spi.connector import EngineInfo, KVConnector
+from kvframe.errors import ConfigError
+from kvframe.spi.connector import BuildContext, EngineInfo, KVConnector
 from kvframe.spi.hookspecs import hookimpl
 
 __all__ = [
@@ -32,7 +32,9 @@ class PDConnector(KVConnector):
     """Prefill/decode disaggregation over any transport plugin with READ and notifications."""
 
     @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: Mapping[str, Any]) -> bool:
+    def requires_piecewise_for_cudagraph(
+        cls, extra_config: Mapping[str, Any], ctx: BuildContext
+    ) -> bool:
         """No: loads are asynchronous and whole-request, no per-layer hook runs."""
         return False
 
@@ -44,36 +46,27 @@ class PDConnector(KVConnector):
         return {"pd.metadata": PDMetadata}
 
     @classmethod
-    def build_scheduler(cls, config: KVTransferConfig, engine: EngineInfo) -> PDConnectorScheduler:
+    def build_scheduler(
+        cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
+    ) -> PDConnectorScheduler:
+        """Build the scheduler half (it needs no plugin: time comes from each step)."""
         return PDConnectorScheduler(
             config, engine, PDOptions.from_extra(config.kv_connector_extra_config)
         )
 
     @classmethod
     def build_worker(
-        cls,
-        config: KVTransferConfig,
-        engine: EngineInfo,
-        rank: int,
-        *,
-        host: Any = None,
-        clock: Callable[[], float] | None = None,
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, ctx: BuildContext
     ) -> PDConnectorWorker:
-        """Build a worker. ``host`` is the plugin host to find the transport in (default: a
-        fresh one, loaded); ``clock`` replaces ``time.monotonic`` (tests skew it)."""
-        from kvframe.runtime.plugins import PluginHost
-
-        if host is None:
-            host = PluginHost()
-            host.load()
+        """Build a worker: its transport comes from ``ctx.host``, its time from ``ctx.clock``
+        (tests pass a fake or skewed clock)."""
         options = PDOptions.from_extra(config.kv_connector_extra_config)
         if config.engine_id is None:
-            from kvframe.errors import ConfigError
-
             raise ConfigError("engine_id is required by PDConnector")
-        return PDConnectorWorker(
-            config, engine, rank, options, host=host, clock=clock or time.monotonic
-        )
+        # PDConnectorWorker annotates host as the concrete PluginHost; it uses only
+        # create_transport, which every PluginLookup has.
+        host: Any = ctx.host
+        return PDConnectorWorker(config, engine, rank, options, host=host, clock=ctx.clock)
 
 
 @hookimpl

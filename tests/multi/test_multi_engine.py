@@ -1,0 +1,124 @@
+"""MultiConnector inside the reference engine: its children come from the engine's own plugin
+host (connectors registered by code included)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from kvframe_refengine import Engine, EngineConfig, ModelConfig, TinyLM
+from kvframe_refengine import greedy_reference as _greedy
+
+from kvframe.config import KVTransferConfig
+from kvframe.connectors.multi import MultiConnector
+from kvframe.protocol.messages import ConnectorMetadata
+from kvframe.runtime.plugins import PluginHost
+from kvframe.spi.connector import (
+    BuildContext,
+    EngineInfo,
+    KVConnector,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    SchedulerStep,
+)
+from kvframe.spi.hookspecs import hookimpl
+from kvframe.spi.request import BlockIds, RequestView
+
+MODEL = ModelConfig(seed=3)
+_REF = TinyLM(MODEL)
+_CPU = {"tiers": [{"tier": "cpu", "capacity_bytes": 1 << 20}]}
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, MODEL.vocab_size, (n,), generator=g).tolist()
+
+
+class _WatchScheduler(KVConnectorScheduler):
+    def get_num_new_matched_tokens(self, request: RequestView, n: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: RequestView, blocks: BlockIds, k: int) -> None:
+        _Watch.seen.append(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerStep) -> ConnectorMetadata:
+        return ConnectorMetadata()
+
+
+class _WatchWorker(KVConnectorWorker):
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        pass
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+
+class _Watch(KVConnector):
+    """Loads nothing; records the requests it was told about."""
+
+    seen: ClassVar[list[str]] = []
+
+    @classmethod
+    def build_scheduler(
+        cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
+    ) -> KVConnectorScheduler:
+        return _WatchScheduler()
+
+    @classmethod
+    def build_worker(
+        cls, config: KVTransferConfig, engine: EngineInfo, rank: int, ctx: BuildContext
+    ) -> KVConnectorWorker:
+        return _WatchWorker()
+
+
+class _WatchPlugin:
+    @hookimpl
+    def kvframe_register_connectors(self, register: Any) -> None:
+        register("watch", _Watch)
+
+
+def _host() -> PluginHost:
+    host = PluginHost(autoload=False, env={})
+    host.load()
+    return host
+
+
+def test_a_child_registered_by_code_is_found_in_the_engines_host() -> None:
+    host = _host()
+    host.register(_WatchPlugin(), name="watch-plugin")
+    cfg = EngineConfig(model=MODEL, block_size=8, num_blocks=48, torch_threads=1)
+    prompt = _prompt(1, 21)
+    _Watch.seen.clear()
+    alone = KVTransferConfig.from_dict({"kv_connector": "watch", "kv_role": "kv_both"})
+    with Engine(cfg, alone, plugin_host=host) as engine:
+        (out,) = engine.generate([prompt], max_tokens=3)
+        engine.check_no_leaks()
+    assert list(out.token_ids) == _greedy(_REF, prompt, 3)
+    multi = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "connectors": [
+                    {"kv_connector": "watch"},
+                    {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": _CPU},
+                ]
+            },
+        }
+    )
+    with Engine(cfg, multi, plugin_host=host, codec=MultiConnector.codec) as engine:
+        (out,) = engine.generate([prompt], max_tokens=3)
+        engine.run_until_idle()
+        engine.check_no_leaks()
+    assert list(out.token_ids) == _greedy(_REF, prompt, 3)
+    assert _Watch.seen == ["gen-0", "gen-0"]  # alone, then as child 0
