@@ -15,8 +15,11 @@ Rules (``docs/multi.md`` explains each):
   Only the owner's ``finished_recving`` report reaches the engine, once.
 - **Saves and finishes** go to every child. A request's blocks are released only when every
   child that asked to keep them (``delay_free``) reported it in ``finished_sending``.
-- ``kv_transfer_params`` of the children are merged; two children returning the same key is a
-  :class:`~kvframe.errors.ConfigError`.
+- ``kv_transfer_params`` of the children are merged. Two children returning the same key
+  *fail the hand-off* of that request: ``request_finished`` returns no parameters (nobody can
+  read what the children keep), reports a :data:`REQUEST_FAILED_EVENT`, and keeps the blocks
+  until every child that asked to keep them reported them released (a P/D child's lease then
+  expires unread). It never raises: the request has already finished.
 - **Children** are looked up in the plugin host of the
   :class:`~kvframe.spi.connector.BuildContext` the MultiConnector is built with, and built
   with that same context.
@@ -32,6 +35,7 @@ Rules (``docs/multi.md`` explains each):
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHILD_EVENT",
     "MULTI_CODEC",
+    "REQUEST_FAILED_EVENT",
     "MultiConnector",
     "MultiConnectorScheduler",
     "MultiConnectorWorker",
@@ -71,6 +76,11 @@ __all__ = [
 
 CHILD_EVENT = "multi.child"
 """Kind of the event that carries one child's output of one rank to the scheduler side."""
+
+REQUEST_FAILED_EVENT = "multi.request_failed"
+"""Kind of the scheduler-side event for a request whose hand-off failed because its children's
+``kv_transfer_params`` clash; data: ``request_id``, ``key`` (the first clashing key),
+``children`` (the two labels) and ``reason`` (a sentence naming all three)."""
 
 
 def _holders(value: Mapping[str, Any]) -> Mapping[str, tuple[int, ...]]:
@@ -180,6 +190,7 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         self._holding: set[str] = set()
         self._aggs = [OutputAggregator(world_size) for _ in children]
         self._counters: dict[str, int] = {}
+        self._events: list[KVEvent] = []
 
     @property
     def children(self) -> tuple[KVConnectorScheduler, ...]:
@@ -260,25 +271,40 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         holders: list[int] = []
         merged: dict[str, Any] = {}
         source: dict[str, int] = {}
-        clash: str | None = None
+        clash: dict[str, Any] | None = None
         for i, child in enumerate(self._children):
             delay, params = child.request_finished(request, block_ids)
             if delay:
                 holders.append(i)
             for key, value in (params or {}).items():
                 if key in merged and clash is None:
-                    clash = (
-                        f"request {request.request_id!r}: kv_transfer_params key {key!r} is "
-                        f"returned by both {self._labels[source[key]]} and {self._labels[i]}; "
-                        "configure the children so that their parameters do not overlap"
-                    )
+                    clash = {"key": key, "children": (self._labels[source[key]], self._labels[i])}
                 merged.setdefault(key, value)
                 source.setdefault(key, i)
+        # Every child has answered, so the blocks of every child that keeps them are released
+        # only when all of those reported them (finished_sending), whatever happens next.
         if holders:
             self._new_holders[request.request_id] = tuple(holders)
             self._holding.add(request.request_id)
         if clash is not None:
-            raise ConfigError(clash)
+            # The request has finished: raising would take the engine's step down and lose
+            # the blocks. Give no parameters instead: nobody can read what the children keep,
+            # so each one's hold ends on its own (a lease expires unread).
+            first, second = clash["children"]
+            reason = (
+                f"request {request.request_id!r}: kv_transfer_params key {clash['key']!r} is "
+                f"returned by both {first} and {second}; its KV is not handed off (no "
+                "kv_transfer_params). Configure the children so that their parameters do not "
+                "overlap"
+            )
+            self._count("params_clashes")
+            self._events.append(
+                KVEvent(
+                    kind=REQUEST_FAILED_EVENT,
+                    data={"request_id": request.request_id, **clash, "reason": reason},
+                )
+            )
+            return bool(holders), None
         return bool(holders), (merged or None)
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, bytes]) -> None:
@@ -301,6 +327,18 @@ class MultiConnectorScheduler(KVConnectorScheduler):
     def has_pending_work(self) -> bool:
         return bool(self._holding) or any(c.has_pending_work() for c in self._children)
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of the children that have pending work (``-inf`` while this
+        connector itself waits for a child's report)."""
+        if self._holding:
+            return -math.inf
+        times = [
+            t
+            for c in self._children
+            if c.has_pending_work() and (t := c.next_deadline()) is not None
+        ]
+        return min(times) if times else None
+
     def get_stats(self) -> Stats:
         counters: dict[str, Any] = dict(self._counters)
         self._counters.clear()
@@ -312,7 +350,7 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         return Stats(counters=counters, gauges=gauges)
 
     def take_events(self) -> tuple[KVEvent, ...]:
-        out: list[KVEvent] = []
+        out, self._events = self._events, []
         for label, child in zip(self._labels, self._children, strict=True):
             out.extend(_prefixed_events(label, child.take_events()))
         return tuple(out)

@@ -386,7 +386,10 @@ class KVConnectorScheduler(abc.ABC):
         - ``kv_transfer_params``: JSON-compatible values returned to the client with the
           response (what a decoder needs to pull the KV), or ``None``.
 
-        Default: ``(False, None)``.
+        Must not raise: the request has already ended, and an engine could not tell which of
+        its blocks the connector still uses. A connector that cannot give its parameters
+        returns ``None`` for them (and its ``delay_free`` as it is) and reports why in an
+        event. Default: ``(False, None)``.
         """
         return False, None
 
@@ -405,6 +408,20 @@ class KVConnectorScheduler(abc.ABC):
         Called once per idle loop iteration; must be cheap. Default: ``False``.
         """
         return False
+
+    def next_deadline(self) -> float | None:
+        """When the engine must step again although nothing else happens, on the engine's clock
+        (the clock of :attr:`SchedulerStep.now`), so that an idle engine can sleep instead of
+        spinning.
+
+        Asked only while :meth:`has_pending_work` is ``True``. A time at or before now means
+        "step again at once" (keep stepping at the engine's idle pace: notifications or
+        transfers are expected at any moment); a later time lets the engine sleep until then
+        (or until a new request arrives); ``None`` means no timed work is due. Must be cheap.
+        Default: ``-inf`` while :meth:`has_pending_work` is ``True`` (the behaviour of engines
+        that do not ask: keep stepping), else ``None``.
+        """
+        return -math.inf if self.has_pending_work() else None
 
     def get_stats(self) -> Stats:
         """Scheduler-side statistics since the last call (counters) and now (gauges).

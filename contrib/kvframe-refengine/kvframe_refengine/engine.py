@@ -17,6 +17,7 @@ travel as codec bytes between them, as they would between processes.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,7 +28,7 @@ import torch
 from kvframe.config import KVTransferConfig
 from kvframe.errors import ConfigError
 from kvframe.protocol.codec import DEFAULT_CODEC, Codec
-from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
 from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.connector import (
     BuildContext,
@@ -38,11 +39,46 @@ from kvframe.spi.connector import (
 )
 from kvframe_refengine.block_pool import BlockPool
 from kvframe_refengine.model import ModelConfig, TinyLM
-from kvframe_refengine.request import Request, RequestOutput
+from kvframe_refengine.request import FinishReason, Request, RequestOutput, RequestStatus
 from kvframe_refengine.runner import ModelRunner
-from kvframe_refengine.scheduler import Scheduler
+from kvframe_refengine.scheduler import ScheduledBatch, Scheduler
 
-__all__ = ["Engine", "EngineConfig", "LeakError"]
+__all__ = ["MAX_REQUEST_ID_BYTES", "Engine", "EngineConfig", "LeakError", "check_request_id"]
+
+_log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_BYTES = 128
+"""The longest request id :meth:`Engine.add_request` (and the HTTP servers) accept, in UTF-8
+bytes: 128 ASCII characters. Connectors may carry it, or ids built from it, on their own wires
+(kvframe's heartbeat wire format carries at most 255 bytes per id), so an id without a bound
+could be accepted here and fail later, inside a step."""
+
+
+def check_request_id(value: object) -> str:
+    """Return ``value`` if it is a usable request id: a ``str`` of printable characters, 1 to
+    :data:`MAX_REQUEST_ID_BYTES` bytes in UTF-8. Raises ``ValueError`` saying what is wrong, what
+    is allowed and what to do."""
+    rule = (
+        f"a request id is 1 to {MAX_REQUEST_ID_BYTES} bytes of printable UTF-8 text "
+        f"({MAX_REQUEST_ID_BYTES} ASCII characters)"
+    )
+    if not isinstance(value, str):
+        raise ValueError(
+            f"request_id = {value!r} is of type {type(value).__name__}, not str; {rule}"
+        )
+    shown = repr(value) if len(value) <= 40 else f"{value[:40]!r}... ({len(value)} characters)"
+    if not value:
+        raise ValueError(f"request_id is empty; {rule}; leave it out to get a generated one")
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise ValueError(f"request_id = {shown} contains {bad!r}, which is not printable; {rule}")
+    size = len(value.encode("utf-8"))
+    if size > MAX_REQUEST_ID_BYTES:
+        raise ValueError(
+            f"request_id = {shown} is {size} bytes in UTF-8; {rule}; use a shorter id "
+            "(a UUID is 36 characters)"
+        )
+    return value
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -167,8 +203,14 @@ class Engine:
         )
         self.num_steps = 0
         self.num_idle_steps = 0
+        self.num_failed_steps = 0
+        """Steps that raised (see :meth:`step`)."""
+        self.last_step_error: str | None = None
+        """What the latest failed step raised, for operators (``None`` if none failed)."""
+        self._failure_streak = 0
         self._last_step_ran_tokens = False
         self._generated = 0
+        self._sched_counters: dict[str, float] = {}
 
     # -- construction helpers ----------------------------------------------------------------
     def engine_info(self) -> EngineInfo:
@@ -239,16 +281,17 @@ class Engine:
     ) -> None:
         """Queue a request; its tokens come out of later :meth:`step` calls.
 
-        Raises ``ValueError`` for an empty or reused id (a finished request whose blocks the
-        connector still holds keeps its id), an empty prompt, a token outside the vocabulary,
+        Raises ``ValueError`` for an id that :func:`check_request_id` refuses (not 1 to
+        :data:`MAX_REQUEST_ID_BYTES` bytes of printable text) or that is still in use (a
+        finished request whose blocks the connector still holds keeps its id), an empty
+        prompt, a token outside the vocabulary,
         ``max_tokens < 1``, a request longer than ``max_model_len`` or one that needs more
         blocks than the whole cache; ``TypeError`` for parameters that are not a mapping. The
         engine is unchanged then. Raises ``RuntimeError`` after :meth:`shutdown`.
         """
         self._check_open()
         sched = self.scheduler
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id = {request_id!r}; it must be a non-empty str")
+        check_request_id(request_id)
         if request_id in sched.requests or request_id in sched.held:
             raise ValueError(
                 f"request id {request_id!r} is still in use (live, or its blocks are held for "
@@ -296,16 +339,58 @@ class Engine:
         """Run one engine step (possibly with no tokens: the connector still gets its
         metadata and reports). Returns the outputs of this step: new tokens and finishes
         (finishes carry ``kv_transfer_params``). Raises ``RuntimeError`` after
-        :meth:`shutdown`; an exception from the model or the connector leaves the engine
-        unusable (shut it down)."""
+        :meth:`shutdown`.
+
+        An ``Exception`` raised while stepping (by the model, the connector or the engine
+        itself) does not escape: it is logged, counted (:attr:`num_failed_steps`,
+        :attr:`last_step_error`), and the requests it concerns end with
+        ``finish_reason=ERROR`` and an ``error`` naming it, in this step's outputs. Those are
+        the requests of the step (running) and the ones whose KV the connector is loading (its
+        worker half acts for them in every step); if the next step fails too, every live
+        request ends, queued ones included. The engine stays usable.
+        """
         self._check_open()
-        batch = self.scheduler.schedule()
-        result = self.runner.execute(batch)
+        batch: ScheduledBatch | None = None
+        try:
+            batch = self.scheduler.schedule()
+            result = self.runner.execute(batch)
+            outputs = self.scheduler.update(batch, result)
+        except Exception as exc:
+            outputs = self._fail_step(batch, exc)
+            self._last_step_ran_tokens = False
+        else:
+            self._failure_streak = 0
+            self._last_step_ran_tokens = bool(batch.seqs)
+            if not batch.seqs:
+                self.num_idle_steps += 1
         self.num_steps += 1
-        if not batch.seqs:
-            self.num_idle_steps += 1
-        self._last_step_ran_tokens = bool(batch.seqs)
-        return self.scheduler.update(batch, result)
+        return outputs
+
+    def _fail_step(self, batch: ScheduledBatch | None, exc: Exception) -> list[RequestOutput]:
+        # The scheduler's state is whole between its calls; only the requests the failed step
+        # touched may be half-done: end them (their blocks are freed, never cached half
+        # written) so that everything else can go on.
+        self.num_failed_steps += 1
+        self._failure_streak += 1
+        streak = self._failure_streak
+        sched = self.scheduler
+        what = f"engine step {sched.step_number} failed: {type(exc).__name__}: {exc}"
+        self.last_step_error = what
+        if streak & (streak - 1) == 0:  # the 1st, 2nd, 4th, 8th... of a run: no log flood
+            _log.error("%s (%d in a row)", what, streak, exc_info=exc)
+        ran = {s.request_id for s in batch.seqs} if batch is not None else set()
+        doomed: list[tuple[Request, str]] = []
+        for req in list(sched.requests.values()):
+            if req.request_id in ran or req.status is RequestStatus.RUNNING:
+                doomed.append((req, "it was running in that step"))
+            elif req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                doomed.append((req, "it was waiting for its KV, which the connector loads"))
+            elif streak > 1:
+                doomed.append((req, f"{streak} steps in a row failed, so every request ends"))
+        for req, why in doomed:
+            sched._finish(req, FinishReason.ERROR, f"{what} ({why})")
+        outputs, sched._outputs = sched._outputs, []
+        return outputs
 
     @property
     def last_step_ran_tokens(self) -> bool:
@@ -367,9 +452,38 @@ class Engine:
             self._idle_pause()
         return outputs
 
+    def idle_wait(self, cap: float = 0.05) -> float | None:
+        """How long a serving loop may sleep before the next :meth:`step`, in seconds:
+
+        - ``0`` after a step that ran tokens (more work is ready);
+        - ``idle_sleep_s`` while requests wait on the connector (a load in flight), or while
+          the connector says it must step at once (``next_deadline()`` now or past);
+        - until the connector's ``next_deadline()`` (at most ``cap``) when it has pending work
+          that is only timed (a heartbeat batch due later): an idle engine does not spin;
+        - ``None`` when there is nothing to do at all (sleep until a request arrives).
+
+        A loop that sleeps must wake up early for a new request (the reference server's loop
+        waits on its command queue with this timeout).
+        """
+        if self._last_step_ran_tokens:
+            return 0.0
+        if self.scheduler.has_requests():
+            return self.config.idle_sleep_s
+        sched = self.connector_scheduler
+        if sched is None or not sched.has_pending_work():
+            return None
+        deadline = sched.next_deadline()
+        if deadline is None:
+            return cap
+        wait = deadline - self._clock()
+        if wait <= 0:
+            return self.config.idle_sleep_s
+        return min(wait, cap)
+
     def _idle_pause(self) -> None:
-        if not self._last_step_ran_tokens and self.config.idle_sleep_s:
-            time.sleep(self.config.idle_sleep_s)
+        wait = self.idle_wait()
+        if wait:
+            time.sleep(wait)
 
     def take_events(self) -> list[KVEvent]:
         """Connector events since the last call (the worker's from its step outputs, the
@@ -379,15 +493,27 @@ class Engine:
         return events
 
     def connector_stats(self) -> dict[str, float]:
-        """The worker's connector counters summed since start, plus the scheduler half's
-        ``get_stats()`` counters and gauges of this moment (scheduler keys win a clash).
-        Empty without a connector."""
+        """The worker's connector counters summed since start, plus
+        :meth:`connector_scheduler_stats` (its counters summed since start and its gauges of
+        this moment; scheduler keys win a clash). Empty without a connector."""
         out: dict[str, float] = dict(self.scheduler.worker_counters)
-        if self.connector_scheduler is not None:
-            stats = self.connector_scheduler.get_stats()
-            out.update(stats.counters)
-            out.update(stats.gauges)
+        stats = self.connector_scheduler_stats()
+        out.update(stats.counters)
+        out.update(stats.gauges)
         return out
+
+    def connector_scheduler_stats(self) -> Stats:
+        """The scheduler half's ``get_stats()``: counters summed since the engine started,
+        gauges of this moment. Empty without a connector.
+
+        ``get_stats()`` returns the counters since its previous call, so the engine is the
+        only caller and keeps the sums: any number of readers see every count."""
+        if self.connector_scheduler is None:
+            return Stats()
+        now = self.connector_scheduler.get_stats()
+        for name, value in now.counters.items():
+            self._sched_counters[name] = self._sched_counters.get(name, 0) + value
+        return Stats(counters=dict(self._sched_counters), gauges=dict(now.gauges))
 
     def describe(self) -> dict[str, Any]:
         """Queue sizes, pool counts and counters (for logs and failing tests)."""
@@ -396,6 +522,7 @@ class Engine:
             **self.scheduler.counters,
             "steps": self.num_steps,
             "idle_steps": self.num_idle_steps,
+            "failed_steps": self.num_failed_steps,
             "evictions": self.pool.num_evictions,
             "connector_pending": self.connector_scheduler is not None
             and self.connector_scheduler.has_pending_work(),

@@ -393,10 +393,23 @@ class PDConnectorScheduler(KVConnectorScheduler):
         )
 
     def next_deadline(self) -> float | None:
-        """The next heartbeat batch due (engine clock), or ``None``. Anything else that needs a
-        step (grants, loads, releases, aborts) is due at once: ``has_pending_work`` says so."""
-        if self._grants or self._loads or self._releases or self._aborts or self._confirm:
-            return self._now
+        """When the engine must step again (engine clock). At once (``-inf``) while P holds
+        leases (heartbeats must be answered within milliseconds), while D has loads in flight
+        or instructions to pass on; otherwise, with only queued remote-prefill requests on D,
+        when their next heartbeat batch is due; ``None`` with nothing to do."""
+        loading = any(
+            inc.state is not DecodeRequestState.WAITING for inc in self._incoming.values()
+        )
+        if (
+            self._held
+            or loading
+            or self._grants
+            or self._loads
+            or self._releases
+            or self._aborts
+            or self._confirm
+        ):
+            return -math.inf
         return self._tracker.next_deadline()
 
     def get_stats(self) -> Stats:
