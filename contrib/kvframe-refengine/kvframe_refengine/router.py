@@ -11,8 +11,11 @@ engine with the ``kv_transfer_params`` the prefill engine returned, and answers 
 engine's response (plus ``router_timing``). This is the contract vLLM's routing proxies follow,
 so they work with kvframe's P/D connector too.
 
-Errors: a prefill or decode engine that cannot be reached or that fails the request gives a
-502 with ``{"error": {"message", "type"}}`` naming which side failed.
+The router checks the body as the engines do (400, 411, 413 naming the problem, before
+either engine is asked); what only an engine can check (a token outside the vocabulary, a
+request longer than ``max_model_len``) comes back with the engine's own 400. A prefill or
+decode engine that cannot be reached or that fails the request gives a 502, one that does not
+answer in time a 504, each ``{"error": {"message", "type"}}`` naming which side failed.
 """
 
 from __future__ import annotations
@@ -23,15 +26,25 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["Router", "main", "post_json"]
+from kvframe_refengine import _http
+from kvframe_refengine._http import HTTPError
+
+__all__ = ["Router", "main", "post_json", "serve"]
+
+_PASSED_THROUGH = frozenset({400, 413})
+"""An engine's answers that are about the request itself: the client gets them as they are."""
+_UPSTREAM_MARGIN_S = 5.0
+"""How much longer than the request's ``timeout_s`` the router waits for an engine (whose own
+504 then arrives first)."""
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
     """POST ``body`` as JSON; returns (status, decoded JSON). Raises ``OSError`` when the server
-    cannot be reached."""
+    cannot be reached (``TimeoutError`` when it does not answer in ``timeout`` seconds) and
+    ``ValueError`` when a 2xx answer is not JSON."""
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -42,6 +55,14 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[i
             return exc.code, json.loads(exc.read())
         except ValueError:
             return exc.code, {"error": {"message": str(exc), "type": "http_error"}}
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            raise exc.reason from exc
+        raise
+
+
+def _error(message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind}}
 
 
 class Router:
@@ -55,29 +76,26 @@ class Router:
         self._lock = threading.Lock()
 
     def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Run one request through P and D."""
+        """Run one request through P and D; returns (HTTP status, answer)."""
+        try:
+            checked = _http.parse_completion(body)
+        except HTTPError as exc:
+            return exc.status, _error(exc.message, exc.kind)
+        timeout = checked.timeout_s + _UPSTREAM_MARGIN_S
         t0 = time.monotonic()
         p_body = dict(body)
         p_body["max_tokens"] = 1
         p_body["kv_transfer_params"] = {"do_remote_decode": True}
         p_body.pop("request_id", None)
-        try:
-            code, p_resp = post_json(f"{self.prefill}/v1/completions", p_body)
-        except OSError as exc:
-            return self._fail(f"prefill engine unreachable: {exc}", "prefill_unreachable")
+        code, p_resp = self._ask("prefill", self.prefill, p_body, timeout)
         if code != 200:
-            msg = p_resp.get("error", {}).get("message", p_resp)
-            return self._fail(f"prefill engine answered {code}: {msg}", "prefill_failed")
+            return code, p_resp
         t1 = time.monotonic()
         d_body = dict(body)
         d_body["kv_transfer_params"] = p_resp.get("kv_transfer_params")
-        try:
-            code, d_resp = post_json(f"{self.decode}/v1/completions", d_body)
-        except OSError as exc:
-            return self._fail(f"decode engine unreachable: {exc}", "decode_unreachable")
+        code, d_resp = self._ask("decode", self.decode, d_body, timeout)
         if code != 200:
-            msg = d_resp.get("error", {}).get("message", d_resp)
-            return self._fail(f"decode engine answered {code}: {msg}", "decode_failed")
+            return code, d_resp
         t2 = time.monotonic()
         d_resp["router_timing"] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0}
         d_resp["prefill_id"] = p_resp.get("id")
@@ -85,60 +103,62 @@ class Router:
             self.routed += 1
         return 200, d_resp
 
-    def _fail(self, message: str, kind: str) -> tuple[int, dict[str, Any]]:
+    def _ask(
+        self, side: str, base: str, body: dict[str, Any], timeout: float
+    ) -> tuple[int, dict[str, Any]]:
+        """(200, the engine's answer), or the (status, error) to give the client."""
+        try:
+            code, resp = post_json(f"{base}/v1/completions", body, timeout=timeout)
+        except TimeoutError:
+            return self._fail(
+                504, f"the {side} engine did not answer within {timeout:g} s", f"{side}_timeout"
+            )
+        except OSError as exc:
+            return self._fail(
+                502, f"the {side} engine at {base} cannot be reached: {exc}", f"{side}_unreachable"
+            )
+        except ValueError as exc:
+            return self._fail(
+                502, f"the {side} engine answered 200 with a body that is not JSON: {exc}",
+                f"{side}_failed",
+            )  # fmt: skip
+        if code == 200:
+            return code, resp
+        err = resp.get("error")
+        if not isinstance(err, dict):
+            err = {"message": resp}
+        message = err.get("message", resp)
+        if code in _PASSED_THROUGH:
+            kind = str(err.get("type", "invalid_request"))
+            return code, _error(f"the {side} engine refused the request: {message}", kind)
+        return self._fail(502, f"the {side} engine answered {code}: {message}", f"{side}_failed")
+
+    def _fail(self, status: int, message: str, kind: str) -> tuple[int, dict[str, Any]]:
         with self._lock:
             self.failed += 1
-        return 502, {"error": {"message": message, "type": kind}}
+        return status, _error(message, kind)
 
 
-def _handler(router: Router) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+def _handler(router: Router) -> type[_http.JSONHandler]:
+    class Handler(_http.JSONHandler):
+        def get(self) -> None:
+            if self.path != "/health":
+                super().get()
+                return
+            self.send_json(200, {"ok": True, "routed": router.routed, "failed": router.failed})
 
-        def log_message(self, format: str, *args: Any) -> None:
-            return
-
-        def _send(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self._send(200, {"ok": True, "routed": router.routed, "failed": router.failed})
-            else:
-                self._send(
-                    404, {"error": {"message": f"no route {self.path}", "type": "not_found"}}
-                )
-
-        def do_POST(self) -> None:
+        def post(self) -> None:
             if self.path != "/v1/completions":
-                self._send(
-                    404, {"error": {"message": f"no route {self.path}", "type": "not_found"}}
-                )
+                super().post()
                 return
-            try:
-                length = int(self.headers.get("Content-Length", "0"))
-                body = json.loads(self.rfile.read(length) or b"{}")
-                if not isinstance(body, dict):
-                    raise ValueError("the request body must be a JSON object")
-            except ValueError as exc:
-                self._send(400, {"error": {"message": str(exc), "type": "invalid_request"}})
-                return
-            self._send(*router.complete(body))
+            self.send_json(*router.complete(self.read_json_object()))
 
     return Handler
 
 
 def serve(router: Router, host: str, port: int) -> ThreadingHTTPServer:
-    """Start the router's HTTP API on a background thread."""
-    httpd = ThreadingHTTPServer((host, port), _handler(router))
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, name="router", daemon=True).start()
-    return httpd
+    """Start the router's HTTP API on a background thread (``port`` 0: a free port)."""
+    return _http.start(host, port, _handler(router), "router")
 
 
 def main(argv: list[str] | None = None) -> int:

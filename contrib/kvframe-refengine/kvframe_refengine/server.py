@@ -5,122 +5,200 @@
     python -m kvframe_refengine.server --port 8101 --engine-id P0 --role kv_producer \\
         --transport nixl --side-channel-port 5600
 
-Endpoints (JSON in and out):
+Endpoints (JSON in and out; the limits and error codes are in the docs' HTTP API section):
 
 - ``POST /v1/completions`` — ``{"prompt": str | [int], "max_tokens": int,
-  "kv_transfer_params": {...} | null, "request_id": str?}``; answers ``{"id", "choices":
-  [{"text", "token_ids", "finish_reason"}], "kv_transfer_params", "usage", "timing"}``.
-  A request that cannot be served (bad input, a failed KV load under policy ``fail``) answers
-  400 or 500 with ``{"error": {"message", "type"}}``; the engine carries on.
-- ``GET /health`` — ``{"ok": true, "engine_id", "role"}``.
-- ``GET /stats`` — the engine's counters and the connector's accumulated statistics.
-- ``GET /metrics`` — the connector's statistics in the Prometheus text format.
+  "kv_transfer_params": {...} | null, "request_id": str?, "timeout_s": float?}``; answers
+  ``{"id", "choices": [{"text", "token_ids", "finish_reason"}], "kv_transfer_params", "usage",
+  "timing"}``. A bad body answers 400 (411, 413) naming the field; a request that fails in the
+  engine (a failed KV load under policy ``fail``, a step that raised) 500; one not done in
+  ``timeout_s`` 504 (it is aborted); a dead engine loop 503. Errors are
+  ``{"error": {"message", "type"}}``; the engine carries on.
+- ``GET /health`` — ``{"ok": true, "engine_id", "role", "step_failures", "last_step_error"}``;
+  503 with ``"ok": false`` and the reason once the engine loop has died.
+- ``GET /stats`` — the engine's counters; the connector's worker statistics (``connector``:
+  counters summed over steps, latest gauges) and its scheduler half's (``connector_scheduler``:
+  counters summed over the process's life, gauges of now).
+- ``GET /metrics`` — the same connector statistics in the Prometheus text format (the scheduler
+  half's under the ``kvframe_scheduler_`` prefix).
 - ``GET /leaks`` — the leak oracle: ``{"clean": bool, "problems": str}``.
 
 The engine runs on its own thread, stepping while it has work — including when the connector
 reports pending work with no request to run (an idle prefill engine holding leases) — and
-sleeping a millisecond otherwise. HTTP handler threads only queue commands to it.
+sleeping a millisecond otherwise. HTTP handler threads only queue commands to it. A step that
+raises ends its requests with an error and the loop goes on (:meth:`Engine.step`); if the loop
+itself dies, every waiting and later request is answered 503.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
+import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
+import attrs
+
 from kvframe.config import KVTransferConfig
-from kvframe.protocol.messages import ConnectorOutput
+from kvframe.protocol.messages import ConnectorOutput, Stats
 from kvframe.runtime.metrics import StatsAccumulator, to_prometheus
+from kvframe_refengine import _http
+from kvframe_refengine._http import Completion, HTTPError
 from kvframe_refengine.engine import Engine, EngineConfig, LeakError
 from kvframe_refengine.model import ModelConfig
 from kvframe_refengine.request import RequestOutput
-from kvframe_refengine.tokenizer import decode, encode
+from kvframe_refengine.tokenizer import decode
 
-__all__ = ["EngineService", "build_engine", "main", "serve"]
+__all__ = ["EngineLoopDied", "EngineService", "Finished", "build_engine", "main", "serve"]
+
+_log = logging.getLogger(__name__)
+
+
+class EngineLoopDied(RuntimeError):
+    """The engine's thread has stopped (or the service was closed): nothing more is served.
+    The HTTP API answers 503."""
+
+
+@attrs.frozen
+class Finished:
+    """A request's final output and its timing (``ttft_s``, ``total_s``)."""
+
+    output: RequestOutput
+    timing: dict[str, float]
+
+
+@attrs.define
+class _Waiter:
+    # Touched only by the engine thread.
+    future: Future[Finished]
+    t0: float
+    first_token: float | None = None
 
 
 class EngineService:
-    """Owns an :class:`Engine` and the thread that steps it; thread-safe front door."""
+    """Owns an :class:`Engine` and the thread that steps it; thread-safe front door.
+
+    Threads: the engine thread alone touches the engine, ``_waiters`` and ``worker_stats``;
+    other threads reach them only through :meth:`call` (a command queue). ``failed`` is set
+    once, under ``_gate``, by the dying engine thread; :meth:`call` checks it under the same
+    lock before queuing, so no command is queued after the queue was drained.
+    """
 
     def __init__(self, engine: Engine, *, engine_id: str, role: str) -> None:
         self.engine = engine
         self.engine_id = engine_id
         self.role = role
-        self.connector_stats = StatsAccumulator()
-        self._cmds: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._waiters: dict[str, tuple[Future[RequestOutput], float]] = {}
-        self._first_token: dict[str, float] = {}
-        self._timing: dict[str, dict[str, float]] = {}
+        self.worker_stats = StatsAccumulator()
+        """The connector worker's statistics, from every step's output."""
+        self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._waiters: dict[str, _Waiter] = {}
+        self._ids = itertools.count(1)
+        self._gate = threading.Lock()
         self._stop = threading.Event()
-        self._counter = 0
         self.failed: BaseException | None = None
+        """Why the engine loop stopped (``None`` while it runs)."""
         sched = engine.connector_scheduler
         if sched is not None:
             # Tap the connector's per-step output for operators (stats, /metrics).
             original = sched.update_connector_output
 
             def tap(output: ConnectorOutput) -> None:
-                self.connector_stats.add(output.stats)
+                self.worker_stats.add(output.stats)
                 original(output)
 
             sched.update_connector_output = tap  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
+    # -- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                busy = self.engine.has_unfinished_work()
-                try:
-                    cmd = self._cmds.get(timeout=0 if busy else 0.001)
-                    cmd()
-                    while True:
-                        self._cmds.get_nowait()()
-                except queue.Empty:
-                    pass
+                self._run_commands(wait=0 if self.engine.has_unfinished_work() else 0.001)
                 if not self.engine.has_unfinished_work():
                     continue
                 now = time.monotonic()
-                for out in self.engine.step():
+                for out in self.engine.step():  # contains what a step raises
                     self._on_output(out, now)
                 if not self.engine.last_step_ran_tokens:
                     time.sleep(0.0005)
         except BaseException as exc:  # the engine is unusable: fail every waiter loudly
-            self.failed = exc
-            for fut, _ in self._waiters.values():
-                if not fut.done():
-                    fut.set_exception(RuntimeError(f"engine failed: {exc!r}"))
+            self._die(exc)
 
-    def _on_output(self, out: RequestOutput, now: float) -> None:
-        if out.new_token_ids and out.request_id not in self._first_token:
-            self._first_token[out.request_id] = now
-        if not out.finished:
+    def _run_commands(self, wait: float) -> None:
+        try:
+            fn, fut = self._cmds.get(timeout=wait)
+        except queue.Empty:
             return
-        waiter = self._waiters.pop(out.request_id, None)
-        if waiter is None:
-            return
-        fut, t0 = waiter
-        first = self._first_token.pop(out.request_id, now)
-        self._timing[out.request_id] = {"ttft_s": first - t0, "total_s": now - t0}
-        fut.set_result(out)
-
-    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
-        """Run ``fn`` on the engine thread and return its result."""
-        fut: Future[Any] = Future()
-
-        def run() -> None:
+        while True:
             try:
                 fut.set_result(fn())
             except BaseException as exc:
                 fut.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            try:
+                fn, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
 
-        self._cmds.put(run)
+    def _die(self, exc: BaseException) -> None:
+        if not self._stop.is_set():
+            _log.critical("the engine loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        with self._gate:
+            self.failed = exc
+        while True:
+            try:
+                _, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if not fut.done():
+                fut.set_exception(self._died())
+        waiters, self._waiters = self._waiters, {}
+        for waiter in waiters.values():
+            if not waiter.future.done():
+                waiter.future.set_exception(self._died())
+
+    def _died(self) -> EngineLoopDied:
+        exc = self.failed
+        if isinstance(exc, _Closed):
+            return EngineLoopDied("the engine service was closed")
+        return EngineLoopDied(
+            f"the engine loop died ({type(exc).__name__}: {exc}); this server can serve "
+            "nothing more: restart it"
+        )
+
+    def _on_output(self, out: RequestOutput, now: float) -> None:
+        waiter = self._waiters.get(out.request_id)
+        if waiter is None:
+            return
+        if out.new_token_ids and waiter.first_token is None:
+            waiter.first_token = now
+        if not out.finished:
+            return
+        del self._waiters[out.request_id]
+        first = now if waiter.first_token is None else waiter.first_token
+        timing = {"ttft_s": first - waiter.t0, "total_s": now - waiter.t0}
+        waiter.future.set_result(Finished(out, timing))
+
+    # -- any thread ----------------------------------------------------------------------------
+    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn`` on the engine thread and return its result (or raise what it raised).
+        Raises :class:`EngineLoopDied` when the engine loop is not running, and
+        ``TimeoutError`` when it did not get to ``fn`` within ``timeout`` seconds."""
+        fut: Future[Any] = Future()
+        with self._gate:
+            if self.failed is not None:
+                raise self._died()
+            self._cmds.put((fn, fut))
         return fut.result(timeout)
 
     def submit(
@@ -129,36 +207,70 @@ class EngineService:
         max_tokens: int,
         kv_transfer_params: dict[str, Any] | None,
         request_id: str | None = None,
-    ) -> tuple[str, Future[RequestOutput]]:
-        """Queue a request; the future resolves with its final output."""
-        if self.failed is not None:
-            raise RuntimeError(f"engine failed: {self.failed!r}")
-        self._counter += 1
-        rid = request_id or f"{self.engine_id}-{self._counter}"
-        fut: Future[RequestOutput] = Future()
+    ) -> tuple[str, Future[Finished]]:
+        """Queue a request; the future resolves with its :class:`Finished` output, or fails
+        with :class:`EngineLoopDied`. Raises what :meth:`Engine.add_request` raises."""
+        rid = request_id or f"{self.engine_id}-{next(self._ids)}"
+        fut: Future[Finished] = Future()
 
         def add() -> None:
             self.engine.add_request(rid, prompt, max_tokens, kv_transfer_params)
-            self._waiters[rid] = (fut, time.monotonic())
+            self._waiters[rid] = _Waiter(fut, time.monotonic())
 
         self.call(add)
         return rid, fut
 
-    def timing(self, request_id: str) -> dict[str, float]:
-        return self._timing.pop(request_id, {})
+    def abandon(self, request_id: str) -> None:
+        """Stop waiting for a request and abort it (a client that gave up)."""
+
+        def drop() -> None:
+            self._waiters.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        with contextlib.suppress(EngineLoopDied, TimeoutError):
+            self.call(drop)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) for ``/health``: 503 once the engine loop is not running."""
+        base: dict[str, Any] = {"engine_id": self.engine_id, "role": self.role}
+        if self.failed is not None or not self._thread.is_alive():
+            message = str(self._died()) if self.failed is not None else "the engine loop stopped"
+            return 503, {
+                "ok": False,
+                **base,
+                "error": {"message": message, "type": "engine_loop_died"},
+            }
+        return 200, {
+            "ok": True,
+            **base,
+            "step_failures": self.engine.num_failed_steps,
+            "last_step_error": self.engine.last_step_error,
+        }
 
     def stats(self) -> dict[str, Any]:
-        snap = self.connector_stats.snapshot()
+        def collect() -> dict[str, Any]:
+            return {
+                "engine": dict(self.engine.describe()),
+                "connector": _stats_json(self.worker_stats.snapshot()),
+                "connector_scheduler": _stats_json(self.engine.connector_scheduler_stats()),
+            }
 
-        def describe() -> dict[str, Any]:
-            return dict(self.engine.describe())
+        out: dict[str, Any] = {"engine_id": self.engine_id, "role": self.role}
+        out.update(self.call(collect))
+        return out
 
-        return {
-            "engine_id": self.engine_id,
-            "role": self.role,
-            "engine": self.call(describe),
-            "connector": {"counters": dict(snap.counters), "gauges": dict(snap.gauges)},
-        }
+    def metrics(self) -> str:
+        """The connector's statistics as Prometheus text: the worker's as ``kvframe_*``, the
+        scheduler half's as ``kvframe_scheduler_*``, each sample labelled with the engine id."""
+        labels = {"engine_id": self.engine_id}
+
+        def render() -> str:
+            worker = to_prometheus(self.worker_stats.snapshot(), labels=labels)
+            sched = self.engine.connector_scheduler_stats()
+            return worker + to_prometheus(sched, prefix="kvframe_scheduler_", labels=labels)
+
+        text: str = self.call(render)
+        return text
 
     def leaks(self) -> dict[str, Any]:
         def check() -> dict[str, Any]:
@@ -174,96 +286,96 @@ class EngineService:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.failed is None and not self._thread.is_alive():
+            self._die(_Closed())
         self.engine.shutdown()
 
 
-def _handler(service: EngineService) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class _Closed(Exception):
+    """:meth:`EngineService.close` was called."""
 
-        def log_message(self, format: str, *args: Any) -> None:  # quiet
-            return
 
-        def _send(self, code: int, body: Any, ctype: str = "application/json") -> None:
-            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+def _stats_json(stats: Stats) -> dict[str, dict[str, float]]:
+    return {"counters": dict(stats.counters), "gauges": dict(stats.gauges)}
 
-        def _error(self, code: int, message: str, kind: str) -> None:
-            self._send(code, {"error": {"message": message, "type": kind}})
 
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self._send(200, {"ok": True, "engine_id": service.engine_id, "role": service.role})
-            elif self.path == "/stats":
-                self._send(200, service.stats())
-            elif self.path == "/metrics":
-                labels = {"engine_id": service.engine_id}
-                text = to_prometheus(service.connector_stats.snapshot(), labels=labels)
-                self._send(200, text, "text/plain; version=0.0.4")
-            elif self.path == "/leaks":
-                self._send(200, service.leaks())
-            else:
-                self._error(404, f"no route {self.path}", "not_found")
+@contextlib.contextmanager
+def _engine_reachable() -> Iterator[None]:
+    # A dead or stuck engine thread is the server's condition, not the request's: 503.
+    try:
+        yield
+    except EngineLoopDied as exc:
+        raise HTTPError(503, str(exc), "engine_loop_died") from None
+    except TimeoutError:
+        raise HTTPError(
+            503, "the engine thread did not take the command within 30 s", "engine_busy"
+        ) from None
 
-        def do_POST(self) -> None:
+
+def _complete(service: EngineService, c: Completion) -> dict[str, Any]:
+    try:
+        with _engine_reachable():
+            rid, fut = service.submit(c.prompt, c.max_tokens, c.kv_transfer_params, c.request_id)
+    except (ValueError, TypeError) as exc:
+        raise HTTPError(400, str(exc)) from None
+    try:
+        done = fut.result(timeout=c.timeout_s)
+    except TimeoutError:
+        service.abandon(rid)
+        raise HTTPError(
+            504,
+            f"request {rid} did not finish within timeout_s = {c.timeout_s:g} s and was "
+            "aborted; raise timeout_s or lower max_tokens",
+            "timeout",
+        ) from None
+    except EngineLoopDied as exc:
+        raise HTTPError(503, str(exc), "engine_loop_died") from None
+    out = done.output
+    if out.error:
+        raise HTTPError(500, f"request {rid} failed: {out.error}", "request_failed")
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "choices": [
+            {
+                "index": 0,
+                "text": decode(out.token_ids),
+                "token_ids": list(out.token_ids),
+                "finish_reason": out.finish_reason.value if out.finish_reason else None,
+            }
+        ],
+        "kv_transfer_params": dict(out.kv_transfer_params) if out.kv_transfer_params else None,
+        "usage": {
+            "prompt_tokens": len(c.prompt),
+            "completion_tokens": len(out.token_ids),
+            "cached_tokens": out.num_cached_tokens,
+            "external_tokens": out.num_external_tokens,
+        },
+        "timing": done.timing,
+    }
+
+
+def _handler(service: EngineService) -> type[_http.JSONHandler]:
+    class Handler(_http.JSONHandler):
+        def get(self) -> None:
+            with _engine_reachable():
+                if self.path == "/health":
+                    self.send_json(*service.health())
+                elif self.path == "/stats":
+                    self.send_json(200, service.stats())
+                elif self.path == "/metrics":
+                    self.send_json(200, service.metrics(), "text/plain; version=0.0.4")
+                elif self.path == "/leaks":
+                    self.send_json(200, service.leaks())
+                else:
+                    super().get()
+
+        def post(self) -> None:
             if self.path != "/v1/completions":
-                self._error(404, f"no route {self.path}", "not_found")
+                super().post()
                 return
-            try:
-                length = int(self.headers.get("Content-Length", "0"))
-                body = json.loads(self.rfile.read(length) or b"{}")
-                if not isinstance(body, dict):
-                    raise ValueError("the request body must be a JSON object")
-                prompt = body.get("prompt")
-                tokens = encode(prompt) if isinstance(prompt, str) else prompt
-                if not isinstance(tokens, list):
-                    raise ValueError("prompt must be a string or a list of token ids")
-                max_tokens = body.get("max_tokens", 16)
-                params = body.get("kv_transfer_params")
-                rid, fut = service.submit(tokens, max_tokens, params, body.get("request_id"))
-            except (ValueError, TypeError) as exc:
-                self._error(400, str(exc), "invalid_request")
-                return
-            except RuntimeError as exc:
-                self._error(503, str(exc), "engine_unavailable")
-                return
-            try:
-                out = fut.result(timeout=float(body.get("timeout_s", 120)))
-            except Exception as exc:
-                self._error(500, str(exc), "engine_error")
-                return
-            if out.error:
-                self._error(500, f"request {rid} failed: {out.error}", "kv_load_failed")
-                return
-            self._send(
-                200,
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "choices": [
-                        {
-                            "index": 0,
-                            "text": decode(out.token_ids),
-                            "token_ids": list(out.token_ids),
-                            "finish_reason": out.finish_reason.value if out.finish_reason else None,
-                        }
-                    ],
-                    "kv_transfer_params": dict(out.kv_transfer_params)
-                    if out.kv_transfer_params
-                    else None,
-                    "usage": {
-                        "prompt_tokens": len(tokens),
-                        "completion_tokens": len(out.token_ids),
-                        "cached_tokens": out.num_cached_tokens,
-                        "external_tokens": out.num_external_tokens,
-                    },
-                    "timing": service.timing(rid),
-                },
-            )
+            completion = _http.parse_completion(self.read_json_object())
+            self.send_json(200, _complete(service, completion))
 
     return Handler
 
@@ -309,11 +421,9 @@ def build_engine(
 
 
 def serve(service: EngineService, host: str, port: int) -> ThreadingHTTPServer:
-    """Start the HTTP API on a background thread; returns the server (``shutdown()`` it)."""
-    httpd = ThreadingHTTPServer((host, port), _handler(service))
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
-    return httpd
+    """Start the HTTP API on a background thread; returns the server (``shutdown()`` it).
+    ``port`` 0 binds a free port (``server_address[1]``)."""
+    return _http.start(host, port, _handler(service), "http")
 
 
 def main(argv: list[str] | None = None) -> int:
