@@ -7,6 +7,10 @@ a socket or logs.
 - :mod:`kvframe.core.heartbeat` — D's heartbeat tracker and P's heartbeat guard.
 - :mod:`kvframe.core.clock` — clamping, deadline rebasing, clock-offset estimation.
 - :mod:`kvframe.core.wire` — the heartbeat / lease-ack wire format.
+- :mod:`kvframe.core.holder` — P's side of the P/D protocol (:class:`LeaseHolder`).
+- :mod:`kvframe.core.reader` — D's side of the P/D protocol (:class:`LeaseReader`).
+- :mod:`kvframe.core.requests` — the P/D scheduler's request states.
+- :mod:`kvframe.core.machine` — transition tables as data, shared by the machines above.
 """
 
 from kvframe.core import wire
@@ -19,6 +23,7 @@ from kvframe.core.clock import (
     rebase_deadline,
 )
 from kvframe.core.heartbeat import HeartbeatBatch, HeartbeatGuard, HeartbeatTracker, StopReason
+from kvframe.core.holder import HolderOutput, LeaseHolder
 from kvframe.core.lease import (
     TRANSITIONS,
     Lease,
@@ -34,27 +39,47 @@ from kvframe.core.lease import (
     state_diagram,
     transition_table,
 )
+from kvframe.core.machine import Step, TransitionTable
+from kvframe.core.reader import READ_TRANSITIONS, LeaseReader, ReaderTimeouts, ReadState
+from kvframe.core.requests import (
+    DECODE_REQUEST_TRANSITIONS,
+    PREFILL_REQUEST_TRANSITIONS,
+    DecodeRequestState,
+    PrefillRequestState,
+)
 
 __all__ = [
+    "DECODE_REQUEST_TRANSITIONS",
+    "PREFILL_REQUEST_TRANSITIONS",
+    "READ_TRANSITIONS",
     "TRANSITIONS",
     "ClockOffsetEstimator",
     "ClockSample",
+    "DecodeRequestState",
     "DecoderBlocksTTL",
     "HeartbeatBatch",
     "HeartbeatGuard",
     "HeartbeatTracker",
+    "HolderOutput",
     "Lease",
     "LeaseCounters",
     "LeaseEvent",
+    "LeaseHolder",
     "LeasePolicy",
+    "LeaseReader",
     "LeaseState",
     "LeaseTable",
     "MonotonicClamp",
+    "PrefillRequestState",
+    "ReadState",
+    "ReaderTimeouts",
     "RenewIgnored",
     "RenewResult",
     "SendTimeMapper",
+    "Step",
     "StopReason",
     "Transition",
+    "TransitionTable",
     "next_state",
     "rebase_deadline",
     "state_diagram",

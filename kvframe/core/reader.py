@@ -65,6 +65,8 @@ __all__ = [
     "Reconnect",
     "SendMessage",
     "StopRead",
+    "state_diagram",
+    "transition_table",
 ]
 
 
@@ -932,3 +934,14 @@ def _lost_text(why: wire.LostReason) -> str:
         wire.LostReason.EXPIRED: "the prefill engine reports the lease expired",
         wire.LostReason.CLAIMED: "another decoder holds this lease (the ticket was used twice)",
     }.get(why, f"the prefill engine reports the lease lost ({why!r})")
+
+
+def state_diagram() -> str:
+    """The load state machine as a mermaid block, drawn from :data:`READ_TRANSITIONS`
+    (embedded in ``docs/pd.md``)."""
+    return READ_TRANSITIONS.diagram(ReadState.WAITING_PEER)
+
+
+def transition_table() -> str:
+    """:data:`READ_TRANSITIONS` as a markdown table (embedded in ``docs/pd.md``)."""
+    return READ_TRANSITIONS.markdown()

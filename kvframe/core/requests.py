@@ -29,6 +29,9 @@ __all__ = [
     "DecodeRequestState",
     "PrefillRequestEvent",
     "PrefillRequestState",
+    "decode_diagram",
+    "decode_table",
+    "prefill_table",
 ]
 
 
@@ -144,3 +147,18 @@ PREFILL_REQUEST_TRANSITIONS: TransitionTable[PrefillRequestState, PrefillRequest
     )
 )
 del _D, _DE, _P, _PE
+
+
+def decode_diagram() -> str:
+    """D's request states as a mermaid block (embedded in ``docs/pd.md``)."""
+    return DECODE_REQUEST_TRANSITIONS.diagram(DecodeRequestState.WAITING)
+
+
+def decode_table() -> str:
+    """D's request transitions as a markdown table (embedded in ``docs/pd.md``)."""
+    return DECODE_REQUEST_TRANSITIONS.markdown()
+
+
+def prefill_table() -> str:
+    """P's request transitions as a markdown table (embedded in ``docs/pd.md``)."""
+    return PREFILL_REQUEST_TRANSITIONS.markdown()
