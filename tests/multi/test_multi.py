@@ -12,6 +12,7 @@ import pytest
 from kvframe.config import KVTransferConfig
 from kvframe.connectors.multi import (
     MULTI_CODEC,
+    REQUEST_FAILED_EVENT,
     MultiConnector,
     MultiConnectorScheduler,
     MultiConnectorWorker,
@@ -108,9 +109,16 @@ def test_blocks_freed_only_when_every_holder_is_done() -> None:
 
 
 class _FakeSched(KVConnectorScheduler):
-    def __init__(self, answer: tuple[int | None, bool], params: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        answer: tuple[int | None, bool],
+        params: dict[str, Any] | None,
+        *,
+        delay: bool = False,
+    ) -> None:
         self.answer = answer
         self.params = params
+        self.delay = delay
         self.allocs: list[int] = []
 
     def get_num_new_matched_tokens(self, request: RequestView, n: int) -> tuple[int | None, bool]:
@@ -125,7 +133,7 @@ class _FakeSched(KVConnectorScheduler):
     def request_finished(
         self, request: RequestView, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
-        return False, self.params
+        return self.delay, self.params
 
 
 def _sched(*children: _FakeSched) -> MultiConnectorScheduler:
@@ -150,13 +158,40 @@ def test_first_non_zero_child_owns_the_load_and_none_means_not_known_yet() -> No
     )
 
 
-def test_kv_transfer_params_merge_and_a_clash_is_an_error() -> None:
+def test_kv_transfer_params_merge_and_a_clash_fails_the_hand_off() -> None:
     req = RequestView(request_id="r", num_prompt_tokens=4, finish_reason="stop")
     ok = _sched(_FakeSched((0, False), {"a": 1}), _FakeSched((0, False), {"b": 2}))
     assert ok.request_finished(req, ((1,),)) == (False, {"a": 1, "b": 2})
-    bad = _sched(_FakeSched((0, False), {"a": 1}), _FakeSched((0, False), {"a": 2}))
-    with pytest.raises(ConfigError, match=r"'a' is returned by both 0.Fake and 1.Fake"):
-        bad.request_finished(req, ((1,),))
+    # Child 0 keeps the blocks (a lease it granted), child 1's parameters clash with its own.
+    bad = _sched(
+        _FakeSched((0, False), {"a": 1}, delay=True),
+        _FakeSched((0, False), {"a": 2}),
+        _FakeSched((0, False), None, delay=True),
+    )
+    assert bad.request_finished(req, ((1,),)) == (True, None)  # never raises
+    (event,) = bad.take_events()
+    assert event.kind == REQUEST_FAILED_EVENT
+    assert event.data["request_id"] == "r"
+    assert event.data["key"] == "a"
+    assert event.data["children"] == ("0.Fake", "1.Fake")
+    assert "'a' is returned by both 0.Fake and 1.Fake" in event.data["reason"]
+    assert bad.get_stats().counters["params_clashes"] == 1
+    # Both children that keep blocks are still waited for: the blocks come back once both
+    # reported them released, never earlier, never twice.
+    meta = bad.build_connector_meta(SchedulerStep(step=0, now=0.0))
+    assert meta.holders == {"r": (0, 2)}
+    assert bad.has_pending_work()
+    a, b, c = _FakeWorker(), _FakeWorker(), _FakeWorker()
+    w = MultiConnectorWorker(["0.Fake", "1.Fake", "2.Fake"], [a, b, c], [DEFAULT_CODEC] * 3, 0)
+    blobs = tuple(DEFAULT_CODEC.encode(ConnectorMetadata()) for _ in range(3))
+    w.bind_connector_metadata(MultiMetadata(children=blobs, holders=meta.holders))
+    a.sending = {"r"}
+    assert w.build_connector_worker_output().finished_sending == frozenset()
+    c.sending = {"r"}
+    out = w.build_connector_worker_output()
+    assert out.finished_sending == {"r"}
+    bad.update_connector_output(out)
+    assert not bad.has_pending_work()
 
 
 def test_required_layouts_must_agree(monkeypatch: pytest.MonkeyPatch) -> None:
