@@ -24,10 +24,12 @@ Endpoints (JSON in and out; the limits and error codes are in the docs' HTTP API
 - ``GET /leaks`` — the leak oracle: ``{"clean": bool, "problems": str}``.
 
 The engine runs on its own thread, stepping while it has work — including when the connector
-reports pending work with no request to run (an idle prefill engine holding leases) — and
-sleeping a millisecond otherwise. HTTP handler threads only queue commands to it. A step that
-raises ends its requests with an error and the loop goes on (:meth:`Engine.step`); if the loop
-itself dies, every waiting and later request is answered 503.
+reports pending work with no request to run (an idle prefill engine holding leases), at
+:data:`_IDLE_PACE` between steps that ran no tokens — and otherwise waiting for a command as
+long as :meth:`Engine.idle_wait` allows (until the connector's ``next_deadline()``, at most
+:data:`_IDLE_BLOCK`): an idle engine does not spin. HTTP handler threads only queue commands
+to it. A step that raises ends its requests with an error and the loop goes on
+(:meth:`Engine.step`); if the loop itself dies, every waiting and later request is answered 503.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ from kvframe_refengine.tokenizer import decode
 __all__ = ["EngineLoopDied", "EngineService", "Finished", "build_engine", "main", "serve"]
 
 _log = logging.getLogger(__name__)
+
+#: Seconds between two steps that ran no tokens while the connector must keep stepping.
+_IDLE_PACE = 0.0005
+#: The longest the loop waits for a command when the engine has nothing to do.
+_IDLE_BLOCK = 0.1
 
 
 class EngineLoopDied(RuntimeError):
@@ -122,16 +129,26 @@ class EngineService:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._run_commands(wait=0 if self.engine.has_unfinished_work() else 0.001)
+                self._run_commands(wait=self._idle_wait())
                 if not self.engine.has_unfinished_work():
                     continue
                 now = time.monotonic()
                 for out in self.engine.step():  # contains what a step raises
                     self._on_output(out, now)
-                if not self.engine.last_step_ran_tokens:
-                    time.sleep(0.0005)
         except BaseException as exc:  # the engine is unusable: fail every waiter loudly
             self._die(exc)
+
+    def _idle_wait(self) -> float:
+        # How long to wait for a command before the next step (a command wakes the loop at
+        # once): nothing after a step that ran tokens; the idle pace while the connector must
+        # step at once (a P holding leases, a load in flight); until the connector's next
+        # deadline when its work is only timed; up to _IDLE_BLOCK with nothing to do.
+        wait = self.engine.idle_wait(cap=_IDLE_BLOCK)
+        if wait is None:
+            return _IDLE_BLOCK
+        if 0 < wait <= self.engine.config.idle_sleep_s:
+            return _IDLE_PACE
+        return wait
 
     def _run_commands(self, wait: float) -> None:
         try:
