@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from kvframe.spi.request import BlockIds, as_block_ids
+from kvframe.protocol.blocks import BlockIds, as_block_ids
 
 __all__ = [
     "ConnectorMetadata",
@@ -249,25 +249,6 @@ def _events(value: Iterable[KVEvent]) -> tuple[KVEvent, ...]:
     return _check_items(value, KVEvent)
 
 
-def _heartbeats(value: Mapping[str, Iterable[str]]) -> Mapping[str, tuple[str, ...]]:
-    if not isinstance(value, Mapping):
-        raise TypeError(f"heartbeats must map remote engine ids to request ids, got {value!r}")
-    out: dict[str, tuple[str, ...]] = {}
-    for engine, ids in value.items():
-        if not isinstance(engine, str) or not engine:
-            raise TypeError(f"heartbeats key {engine!r}: remote engine ids are non-empty str")
-        if isinstance(ids, (str, bytes)):
-            raise TypeError(
-                f"heartbeats[{engine!r}] = {ids!r}; give a sequence of request ids, not one str"
-            )
-        tup = tuple(ids)
-        for r in tup:
-            if not isinstance(r, str):
-                raise TypeError(f"heartbeats[{engine!r}] contains {r!r}; request ids are str")
-        out[engine] = tup
-    return types.MappingProxyType(out)
-
-
 def _step(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if type(value) is not int or value < 0:
         raise ValueError(f"step = {value!r}; it must be a non-negative int")
@@ -298,11 +279,6 @@ class ConnectorMetadata:
     abort_request_ids: frozenset[str] = attrs.field(default=frozenset(), converter=_str_set)
     """Requests to abandon: stop their transfers (destination bytes become undefined), release
     everything, and report them finished so their blocks can be freed."""
-    heartbeats: Mapping[str, tuple[str, ...]] = attrs.field(
-        factory=dict, converter=_heartbeats, hash=False
-    )
-    """Heartbeats to send this step: remote engine id → remote request ids whose leases this
-    engine still needs."""
     extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_extra, hash=False)
     """Connector-specific plain values."""
 
@@ -314,7 +290,6 @@ class ConnectorMetadata:
             or self.saves
             or self.free_request_ids
             or self.abort_request_ids
-            or self.heartbeats
             or self.extra
         )
 

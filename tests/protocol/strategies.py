@@ -65,7 +65,6 @@ metadata = st.builds(
     saves=st.lists(save_specs, max_size=3),
     free_request_ids=st.frozensets(ids, max_size=4),
     abort_request_ids=st.frozensets(ids, max_size=4),
-    heartbeats=st.dictionaries(ids, st.lists(ids, max_size=3), max_size=3),
     extra=plain_maps,
 )
 outputs = st.builds(

@@ -306,10 +306,10 @@ def test_decode_refuses_non_bytes() -> None:
 
 
 def test_decoded_values_are_read_only() -> None:
-    msg = ConnectorMetadata(extra={"a": [1, {"b": 2}]}, heartbeats={"p": ["r"]})
+    msg = ConnectorMetadata(extra={"a": [1, {"b": 2}], "m": {"p": ["r"]}})
     back = DEFAULT_CODEC.decode_as(DEFAULT_CODEC.encode(msg), ConnectorMetadata)
     assert back.extra["a"] == (1, {"b": 2})
     with pytest.raises(TypeError):
         back.extra["a"][1]["b"] = 3  # type: ignore[index]
     with pytest.raises(TypeError):
-        back.heartbeats["q"] = ()  # type: ignore[index]
+        back.extra["m"]["q"] = ()  # type: ignore[index]

@@ -42,7 +42,6 @@ def _load(**kw: object) -> LoadSpec:
         (lambda: ConnectorMetadata(step=-1), ValueError, "step"),
         (lambda: ConnectorMetadata(free_request_ids="abc"), TypeError, "single value"),
         (lambda: ConnectorMetadata(loads=[object()]), TypeError, "expected a LoadSpec"),
-        (lambda: ConnectorMetadata(heartbeats={"p": "r1"}), TypeError, "not one str"),
         (lambda: ConnectorMetadata(extra={"k": {1, 2}}), TypeError, r"extra\['k'\] has type set"),
         (lambda: ConnectorMetadata(extra={"k": 2**64}), TypeError, "64 bits"),
         (lambda: ConnectorMetadata(extra={1: 2}), TypeError, "keys must be str"),
@@ -62,12 +61,9 @@ def test_malformed_messages_are_refused_with_a_precise_message(
 
 
 def test_messages_are_frozen_and_normalised() -> None:
-    meta = ConnectorMetadata(
-        loads=[_load()], free_request_ids=["a", "a"], heartbeats={"p": ["x"]}, extra={"l": [1]}
-    )
+    meta = ConnectorMetadata(loads=[_load()], free_request_ids=["a", "a"], extra={"l": [1]})
     assert meta.loads == (_load(),)
     assert meta.free_request_ids == frozenset({"a"})
-    assert meta.heartbeats["p"] == ("x",)
     assert meta.extra["l"] == (1,)
     with pytest.raises(AttributeError):
         meta.step = 3  # type: ignore[misc]

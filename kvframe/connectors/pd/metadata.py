@@ -6,7 +6,8 @@ Registered with the codec under the tag ``pd.metadata``; see :data:`PD_CODEC`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import types
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -42,15 +43,23 @@ def _strs(value: Any) -> tuple[str, ...]:
     return _checked(value, str)
 
 
-def _heartbeats(value: Any) -> dict[str, tuple[str, ...]]:
+def _heartbeats(value: Mapping[str, Iterable[str]]) -> Mapping[str, tuple[str, ...]]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"pd_heartbeats must map remote engine ids to lease ids, got {value!r}")
     out: dict[str, tuple[str, ...]] = {}
-    for engine, ids in dict(value).items():
-        if not isinstance(engine, str):
-            raise TypeError(f"heartbeat engine id {engine!r} is not a str")
-        if isinstance(ids, str):
-            raise TypeError(f"heartbeats[{engine!r}] is one str, not a list of lease ids")
-        out[engine] = _strs(ids)
-    return out
+    for engine, ids in value.items():
+        if not isinstance(engine, str) or not engine:
+            raise TypeError(f"pd_heartbeats key {engine!r}: remote engine ids are non-empty str")
+        if isinstance(ids, (str, bytes)):
+            raise TypeError(
+                f"pd_heartbeats[{engine!r}] = {ids!r}; give a sequence of lease ids, not one str"
+            )
+        tup = tuple(ids)
+        for r in tup:
+            if not isinstance(r, str):
+                raise TypeError(f"pd_heartbeats[{engine!r}] contains {r!r}; lease ids are str")
+        out[engine] = tup
+    return types.MappingProxyType(out)
 
 
 def _releases(value: Any) -> tuple[RemoteRelease, ...]:
