@@ -6,6 +6,10 @@
   versioned, tagged envelope; never pickle).
 - :mod:`kvframe.protocol.aggregate` — :class:`OutputAggregator`, which combines the outputs of
   several worker ranks.
+- :mod:`kvframe.protocol.blocks` — :data:`~kvframe.protocol.blocks.BlockIds`, how messages and
+  the SPI name blocks (re-exported by :mod:`kvframe.spi.request`).
+
+The protocol sits below the SPI: it imports nothing from :mod:`kvframe.spi`.
 """
 
 from kvframe.protocol.aggregate import OutputAggregator

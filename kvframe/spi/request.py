@@ -21,6 +21,8 @@ from typing import Any
 
 import attrs
 
+from kvframe.protocol.blocks import BlockIds, as_block_ids
+
 __all__ = [
     "BLOCK_HASH_SIZE",
     "FINISH_REASONS",
@@ -32,13 +34,6 @@ __all__ = [
     "root_block_hash",
 ]
 
-BlockIds = tuple[tuple[int, ...], ...]
-"""Block ids per KV cache group: ``block_ids[g]`` lists group ``g``'s blocks in token order.
-
-A model with one attention type has one group; hybrid models (full attention plus sliding
-window, say) have one group per KV cache layout.
-"""
-
 BLOCK_HASH_SIZE = 32
 """Length in bytes of every block hash (SHA-256)."""
 
@@ -47,22 +42,6 @@ _ROOT_DOMAIN = b"kvframe.block_hash.v1\x00"
 # vocabulary, and fixed width so that the byte string of a block is unambiguous.
 _TOKEN = struct.Struct("<Q")
 _MAX_TOKEN = 2**64 - 1
-
-
-def as_block_ids(value: Any) -> BlockIds:
-    """Convert nested sequences of block ids to :data:`BlockIds` (an attrs converter).
-
-    Raises ``TypeError`` for a str or bytes (a common slip) and ``ValueError`` for an id that
-    is not a non-negative int, naming the group.
-    """
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"block_ids must be a sequence of sequences of ints, got {value!r}")
-    out = tuple(tuple(group) for group in value)
-    for g, group in enumerate(out):
-        for b in group:
-            if type(b) is not int or b < 0:
-                raise ValueError(f"block_ids[{g}] contains {b!r}; block ids are non-negative ints")
-    return out
 
 
 # Kept for modules that imported the converter before it was public.
