@@ -4,7 +4,6 @@ P/D + offloading on D never storing blocks that did not finish loading (vLLM #34
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Set
 from typing import Any
 
 import pytest
@@ -31,6 +30,7 @@ from kvframe.spi.connector import (
 )
 from kvframe.spi.request import BlockIds, RequestView, block_hashes
 from tests.contexts import build_context
+from tests.multi.fakes import NullWorker
 
 
 def _public(cls: type) -> set[str]:
@@ -52,32 +52,6 @@ def test_every_spi_method_is_handled(base: type, multi: type) -> None:
     assert not missing, f"{multi.__name__} does not handle {missing}"
 
 
-class _FakeWorker(KVConnectorWorker):
-    def __init__(self) -> None:
-        self.recving: set[str] = set()
-        self.sending: set[str] = set()
-
-    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        pass
-
-    def start_load_kv(self, forward_context: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass
-
-    def get_finished(self, finished_req_ids: Set[str]) -> tuple[set[str] | None, set[str] | None]:
-        s, r = self.sending, self.recving
-        self.sending, self.recving = set(), set()
-        return s or None, r or None
-
-
 def _bind(w: MultiConnectorWorker, **kw: Any) -> None:
     blobs = tuple(DEFAULT_CODEC.encode(ConnectorMetadata()) for _ in range(2))
     w.bind_connector_metadata(
@@ -86,7 +60,7 @@ def _bind(w: MultiConnectorWorker, **kw: Any) -> None:
 
 
 def test_finished_recving_only_from_the_owner_and_once() -> None:
-    a, b = _FakeWorker(), _FakeWorker()
+    a, b = NullWorker(), NullWorker()
     w = MultiConnectorWorker(["0.A", "1.B"], [a, b], [DEFAULT_CODEC, DEFAULT_CODEC], 0)
     _bind(w, load_owners={"r": 0})
     a.recving, b.recving = {"r"}, {"r"}  # both report it: vLLM's union would report it twice
@@ -99,7 +73,7 @@ def test_finished_recving_only_from_the_owner_and_once() -> None:
 
 
 def test_blocks_freed_only_when_every_holder_is_done() -> None:
-    a, b = _FakeWorker(), _FakeWorker()
+    a, b = NullWorker(), NullWorker()
     w = MultiConnectorWorker(["0.A", "1.B"], [a, b], [DEFAULT_CODEC, DEFAULT_CODEC], 0)
     _bind(w, holders={"r": (0, 1)})
     a.sending = {"r"}
@@ -181,7 +155,7 @@ def test_kv_transfer_params_merge_and_a_clash_fails_the_hand_off() -> None:
     meta = bad.build_connector_meta(SchedulerStep(step=0, now=0.0))
     assert meta.holders == {"r": (0, 2)}
     assert bad.has_pending_work()
-    a, b, c = _FakeWorker(), _FakeWorker(), _FakeWorker()
+    a, b, c = NullWorker(), NullWorker(), NullWorker()
     w = MultiConnectorWorker(["0.Fake", "1.Fake", "2.Fake"], [a, b, c], [DEFAULT_CODEC] * 3, 0)
     blobs = tuple(DEFAULT_CODEC.encode(ConnectorMetadata()) for _ in range(3))
     w.bind_connector_metadata(MultiMetadata(children=blobs, holders=meta.holders))

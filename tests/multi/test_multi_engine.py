@@ -4,7 +4,6 @@ clash fail that request's hand-off without raising out of the step or leaking a 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -26,6 +25,7 @@ from kvframe.spi.connector import (
 from kvframe.spi.hookspecs import hookimpl
 from kvframe.spi.request import BlockIds, RequestView
 from kvframe.testing import FakeClock
+from tests.multi.fakes import NullWorker
 
 MODEL = ModelConfig(seed=3)
 _REF = TinyLM(MODEL)
@@ -48,23 +48,6 @@ class _WatchScheduler(KVConnectorScheduler):
         return ConnectorMetadata()
 
 
-class _WatchWorker(KVConnectorWorker):
-    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        pass
-
-    def start_load_kv(self, forward_context: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass
-
-
 class _Watch(KVConnector):
     """Loads nothing; records the requests it was told about."""
 
@@ -80,7 +63,7 @@ class _Watch(KVConnector):
     def build_worker(
         cls, config: KVTransferConfig, engine: EngineInfo, rank: int, ctx: BuildContext
     ) -> KVConnectorWorker:
-        return _WatchWorker()
+        return NullWorker()
 
 
 class _WatchPlugin:
