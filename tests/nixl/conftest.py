@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,10 @@ class Peer:
         block_lens: tuple[int, ...] = BLOCK_LENS,
         num_blocks: int = NUM_BLOCKS,
         options: dict[str, Any] | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
+        """Start the child; ``prefix`` goes before the interpreter on its command line (for
+        example ``ip netns exec NAME`` to run it inside a network namespace)."""
         self.name = name
         self.seed = seed
         self.block_lens = block_lens
@@ -61,7 +64,7 @@ class Peer:
         }
         r, w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER_SCRIPT), str(w), name, json.dumps(spec)],
+            [*prefix, sys.executable, str(PEER_SCRIPT), str(w), name, json.dumps(spec)],
             stdin=subprocess.PIPE,
             pass_fds=[w],
         )

@@ -429,6 +429,124 @@ def test_peer_killed_mid_transfer_then_restarted(local: Local, peer: tuple[Peer,
         victim.kill()
 
 
+def _notify_both_ways(local: Local, p: Peer, tag: bytes) -> None:
+    local.t.send_notification(p.name, b"to-peer-" + tag)
+    deadline = time.monotonic() + 5
+    got: list[Any] = []
+    while not got and time.monotonic() < deadline:
+        got = p.call("drain", drive=local.t)
+    assert got == [[local.t.name, b"to-peer-" + tag]]
+    p.call("notify", drive=local.t, peer=local.t.name, payload=b"to-local-" + tag)
+    assert drain_until(local, 1) == [(p.name, b"to-local-" + tag)]
+
+
+def _read_exact(local: Local, p: Peer, remote: Any, dst: list[int], src: list[int]) -> None:
+    h = local.t.post(Op.READ, local.local, dst, remote, src)
+    assert wait(local, h) is XferState.DONE, h.error
+    local.t.release(h)
+    for r in range(len(BLOCK_LENS)):
+        want = p.expected(r).reshape(NUM_BLOCKS, -1)[src]
+        np.testing.assert_array_equal(local.view(r)[dst], want, err_msg=f"region {r}")
+
+
+def test_add_peer_again_rebuilds_the_connection(
+    local: Local, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """add_peer of a known name with the same metadata (the peer handshook again, as after a
+    failure) tears NIXL's connection down and makes a new one, because NIXL never repairs a
+    connection it saw fail. The remote layout handle is prepared again on the new connection
+    and keeps working; READs and notifications work both ways, and the peer's own connection
+    to us is unaffected. remove_peer then add_peer rebuilds too, and drops the handle."""
+    p = Peer(f"R-{local.t.name}", seed=11)
+    agent = local.t._agent
+    removed: list[str] = []
+    real_remove = agent.remove_remote_agent
+
+    def spy(name: str | bytes) -> Any:
+        removed.append(name.decode() if isinstance(name, bytes) else name)
+        return real_remove(name)
+
+    monkeypatch.setattr(agent, "remove_remote_agent", spy)
+    try:
+        remote = local.connect(p)
+        _read_exact(local, p, remote, [0, 1], [2, 3])
+        old_list = remote.native.dlist
+        rebuilt = local.t.stats()["peers_rebuilt"]
+        # Same metadata again: a rebuild, not a no-op.
+        assert local.t.add_peer(p.meta) == p.name
+        assert removed == [p.name]
+        assert local.t.stats()["peers_rebuilt"] == rebuilt + 1
+        assert remote.native.dlist is not old_list  # a new NIXL list, on the new connection
+        assert local.t.prepare_remote(p.name, p.layout) is remote
+        _read_exact(local, p, remote, [4, 5], [6, 7])
+        _notify_both_ways(local, p, b"after-add")
+        # The peer still reads from us over its own connection, and we are told.
+        reply = p.call(
+            "post",
+            drive=local.t,
+            kind="read",
+            peer=local.t.name,
+            local=[8],
+            remote=[9],
+            notification=b"peer-read",
+        )
+        assert reply == ["done", None]
+        assert drain_until(local, 1) == [(p.name, b"peer-read")]
+        # Twice in a row is a rebuild each time.
+        assert local.t.add_peer(p.meta) == p.name
+        _read_exact(local, p, remote, [10], [11])
+        # remove_peer then add_peer: also a rebuild, and the old handle is gone.
+        local.t.remove_peer(p.name)
+        assert removed == [p.name] * 3
+        assert local.t.add_peer(p.meta) == p.name
+        assert removed == [p.name] * 3  # nothing left to tear down
+        with pytest.raises(PeerUnreachableError, match="removed or replaced"):
+            local.t.post(Op.READ, local.local, [0], remote, [0])
+        remote2 = local.t.prepare_remote(p.name, p.layout)
+        assert remote2 is not remote
+        _read_exact(local, p, remote2, [12, 13], [14, 15])
+        _notify_both_ways(local, p, b"after-remove-add")
+    finally:
+        p.stop()
+        local.t.remove_peer(p.name)
+
+
+def test_add_peer_recovers_when_nixl_kept_the_old_agent(
+    local: Local, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If NIXL refuses to remove a peer's agent (the removal never raises), it still holds it,
+    and refuses new metadata under that name (nixlNotAllowedError); add_peer then removes the
+    agent again and loads the restarted peer's metadata."""
+    name = f"K-{local.t.name}"
+    first = Peer(name, seed=12)
+    restarted = None
+    agent = local.t._agent
+    real_remove = agent.remove_remote_agent
+    refuse = [True]
+
+    def flaky(peer: str | bytes) -> Any:
+        if refuse and refuse.pop():
+            raise RuntimeError("refused once, by the test")
+        return real_remove(peer)
+
+    try:
+        local.connect(first)
+        first.kill()
+        restarted = Peer(name, seed=13)
+        monkeypatch.setattr(agent, "remove_remote_agent", flaky)
+        assert local.t.add_peer(restarted.meta) == name  # its removal of the old one: refused
+        assert not refuse
+        restarted.call("add_peer", drive=local.t, meta=local.t.local_metadata())
+        remote = local.t.prepare_remote(name, restarted.layout)
+        _read_exact(local, restarted, remote, [16], [17])
+        _notify_both_ways(local, restarted, b"after-refused-removal")
+    finally:
+        first.kill()
+        if restarted is not None:
+            restarted.stop()
+        local.t.remove_peer(name)
+
+
 def test_peer_killed_while_idle(local: Local, peer: tuple[Peer, Any]) -> None:
     victim = Peer(f"I-{local.t.name}", seed=9)
     try:

@@ -6,10 +6,12 @@ with length-prefixed msgpack frames (never pickle). Used by the cross-process P/
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
 import select
+import signal
 import struct
 import sys
 import time
@@ -34,6 +36,13 @@ def _read_exact(fd: int, n: int) -> bytes:
 
 
 def main() -> None:
+    # Replies go to the pipe that was stdout; fd 1 becomes stderr, because libraries write
+    # there (UCX logs its warnings and errors to stdout, NIXL's logger too), and one such line
+    # in the pipe breaks the framing: the parent then waits for a reply that never parses.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    # Node.dump_stacks: a node that stops answering prints where every thread is.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     engine_id, role, lease, skew, transport = sys.argv[1:6]
     extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     offset = float(skew)
@@ -56,7 +65,6 @@ def main() -> None:
     failures: dict[str, str] = {}
     counters: dict[str, float] = {}
     times: dict[str, float] = {}
-    out = sys.stdout.buffer
     fd_in = sys.stdin.fileno()
 
     def reply(obj: Any) -> None:

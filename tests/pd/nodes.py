@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,17 @@ class Node:
         skew: float = 0.0,
         transport: str = "nixl",
         extra: dict[str, Any] | None = None,
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        """Start the node. ``prefix`` goes before the interpreter on the command line (e.g.
+        ``ip netns exec NAME`` to run it inside a network namespace); ``env`` adds to the
+        environment (e.g. ``UCX_*`` settings)."""
+        environ = {**os.environ, **(env or {})}
+        environ["PYTHONPATH"] = str(ROOT) + os.pathsep + environ.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
             [
+                *prefix,
                 sys.executable,
                 "-m",
                 "tests.pd.node",
@@ -46,7 +53,7 @@ class Node:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=ROOT,
-            env=env,
+            env=environ,
         )
         self.engine_id = engine_id
         hello = self._recv(timeout=60)
@@ -103,6 +110,12 @@ class Node:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.engine_id}: condition not met; status {st}")
             time.sleep(interval)
+
+    def dump_stacks(self) -> None:
+        """Ask the node to print every thread's stack to its stderr (for one that stopped
+        answering)."""
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGUSR1)
 
     def kill(self) -> float:
         os.kill(self.pid, signal.SIGKILL)

@@ -36,22 +36,34 @@
       the backends are created (UCX reads its configuration then), e.g.
       `{"UCX_TLS": "tcp", "UCX_TCP_USER_TIMEOUT": "5s"}`. Without `UCX_TCP_USER_TIMEOUT` a cut
       TCP link stalls transfers without bound.
+- **Peers:** `add_peer` of a name already known is always a rebuild, with the same metadata
+  or new: the old connection is torn down (`remove_remote_agent`, the peer's NIXL descriptor
+  lists released, its in-flight transfers failed) and a new one made, so the next READ and
+  notification use it. This is how a connection either side saw fail is recovered: NIXL never
+  repairs one (after a healed partition the old connection stays dead while
+  `check_remote_metadata` still answers True), so both sides re-add the other when they
+  handshake again. With the same metadata (the same incarnation) the peer's prepared remote
+  layouts are prepared again on the new connection and their handles keep working; with new
+  metadata (a restarted peer) they are dropped and raise `PeerUnreachableError` when used.
+  `remove_peer` then `add_peer` rebuilds too, and drops every prepared layout. Call
+  `add_peer` again only to reconnect; it is not a cheap lookup.
 - **Progress:** the caller calls `progress()` or `drain_notifications()` at least once per
   engine step and at least every millisecond while it waits for anything, *including while a
   peer connects to it*: with the progress thread off, an endpoint that is not polled never
   completes a peer's connection setup.
 - **Failure:** NIXL reports failures as exceptions, translated in one place (`_translate` /
   `_translate_exc`): a dead or disconnected peer becomes `PeerUnreachableError` (`post`
-  raises it, or `poll` answers `FAILED` with it; `remove_peer` and a fresh `add_peer`
-  recover), a backend error on one transfer `TransferFailedError`, an unsupported request
-  `CapabilityError`. A peer killed mid-transfer is noticed within milliseconds under `cma`,
-  and the destination blocks are then partly written. A dead peer that is only a target is
-  noticed when it is next used. With `post_thread` on, errors NIXL raises while posting
-  arrive through `poll` rather than from `post`.
+  raises it, or `poll` answers `FAILED` with it; `add_peer` again, with or without
+  `remove_peer` first, recovers), a backend error on one transfer `TransferFailedError`, an
+  unsupported request `CapabilityError`. A peer killed mid-transfer is noticed within
+  milliseconds under `cma`, and the destination blocks are then partly written. A dead peer
+  that is only a target is noticed when it is next used. With `post_thread` on, errors NIXL
+  raises while posting arrive through `poll` rather than from `post`.
 - **Telemetry:** `stats()` keys: `bytes` (of completed transfers), `transfers_posted`,
   `transfers_done`, `transfers_failed`, `descriptors` (posted), `post_time_us` (caller time
   spent in `post`), `nixl_post_us` and `nixl_xfer_us` (NIXL's own telemetry of completed
-  transfers), `notifications_sent`, `notifications_received`, `peers`.
+  transfers), `notifications_sent`, `notifications_received`, `peers_rebuilt` (`add_peer`
+  calls that replaced a known peer), `peers`.
 
 **Threads.** Like every transport, one caller thread at a time. With `post_thread` on, a
 private worker thread makes the NIXL calls of posting; the caller's `poll`, `progress` and
@@ -527,6 +539,7 @@ class NixlTransport(Transport):
                 "nixl_xfer_us",
                 "notifications_sent",
                 "notifications_received",
+                "peers_rebuilt",
             ),
             0.0,
         )
@@ -652,13 +665,25 @@ class NixlTransport(Transport):
         return name, agent
 
     def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's metadata; returns its name.
+        """Load a peer's metadata and connect afresh; returns its name.
 
-        The same metadata again is a no-op. New metadata under a known name (a restarted
-        peer) first removes the old entry (its in-flight transfers fail, its prepared remote
-        layouts become unusable). Raises :class:`~kvframe.errors.PeerUnreachableError` when
-        the metadata is not usable (not from this transport, a wrong version, one's own
-        metadata, NIXL refuses it); the transport stays usable and no peer was added.
+        Adding a name that is already known is always a **rebuild**, whether the metadata is
+        the same (the peer handshook again, e.g. after a failure or a healed partition) or
+        new (a restarted peer): the old connection is torn down as :meth:`remove_peer` does
+        (its in-flight transfers poll ``FAILED`` with
+        :class:`~kvframe.errors.PeerUnreachableError`, its NIXL descriptor lists are released,
+        NIXL's remote agent is removed) and the peer is loaded again, so the next transfer and
+        notification use a new connection. NIXL cannot repair a connection it saw fail (a
+        healed link stays dead although ``check_remote_metadata`` answers True), so a caller
+        that re-handshakes needs exactly this. With the same metadata (the same incarnation,
+        its memory unchanged) the peer's prepared remote layouts are prepared again on the new
+        connection and their handles keep working; with new metadata they are dropped and
+        raise ``PeerUnreachableError`` when used (prepare again). ``remove_peer`` then
+        ``add_peer`` is the same rebuild, except that every prepared layout is dropped.
+
+        Raises :class:`~kvframe.errors.PeerUnreachableError` when the metadata is not usable
+        (not from this transport, a wrong version, one's own metadata, NIXL refuses it); the
+        transport stays usable, and no peer of that name is left (a known one was removed).
         """
         self._check_open()
         if not isinstance(metadata, bytes | bytearray | memoryview):
@@ -670,13 +695,24 @@ class NixlTransport(Transport):
                 f"peer metadata names this endpoint itself ({name!r}); give every endpoint a "
                 "unique name"
             )
-        known = self._peers.get(name)
-        if known is not None:
-            if known.metadata == metadata:
-                return name
+        old = self._peers.get(name)
+        # Same metadata: the same incarnation, whose memory is unchanged, so its prepared
+        # layouts stay meaningful and are prepared again on the new connection below.
+        keep = list(old.prepared.values()) if old is not None and old.metadata == metadata else []
+        if old is not None:
+            # A rebuild, even with equal metadata: the old connection may be one that failed.
             self.remove_peer(name)
+            self._stats["peers_rebuilt"] += 1
         with self._lock, _translate("adding a peer", peer=name, default=PeerUnreachableError):
-            loaded = _as_str(self._agent.add_remote_agent(agent_md))
+            try:
+                loaded = _as_str(self._agent.add_remote_agent(agent_md))
+            except Exception as exc:
+                if _nixl_error_name(exc) != "nixlNotAllowedError":
+                    raise
+                # NIXL still holds an agent of this name that this transport does not know
+                # (an earlier removal failed): drop it and load the new metadata.
+                self._agent.remove_remote_agent(name)
+                loaded = _as_str(self._agent.add_remote_agent(agent_md))
         if loaded != name:
             with contextlib.suppress(Exception), self._lock:
                 self._agent.remove_remote_agent(loaded)
@@ -684,8 +720,25 @@ class NixlTransport(Transport):
                 f"peer metadata is inconsistent: envelope names {name!r}, agent blob {loaded!r}"
             )
         self._epoch += 1
-        self._peers[name] = _Peer(name=name, metadata=metadata, epoch=self._epoch)
+        entry = _Peer(name=name, metadata=metadata, epoch=self._epoch)
+        self._peers[name] = entry
+        for lh in keep:
+            self._reprepare(entry, lh)
         return name
+
+    def _reprepare(self, entry: _Peer, lh: LayoutHandle) -> None:
+        """Give a released remote layout handle a new NIXL list on ``entry``'s connection, so
+        a caller's handles survive a rebuild with the same metadata. A list NIXL refuses
+        leaves the handle released (it raises ``PeerUnreachableError`` when used)."""
+        prep: _Prepared = lh.native
+        descs, mem = self._descs(lh.layout)
+        try:
+            with self._lock:
+                dlist = self._agent.prep_xfer_dlist(entry.name, descs, mem)
+        except Exception:
+            return
+        prep.dlist, prep.epoch, prep.released = dlist, entry.epoch, False
+        entry.prepared[lh.layout] = lh
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer: its in-flight transfers stop and poll ``FAILED`` with
