@@ -72,12 +72,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 #: Imports that break the layers today, each with why and who removes it. The list may only
 #: shrink: an entry that no longer occurs fails ``test_known_layer_breaks_still_exist``.
-KNOWN_LAYER_BREAKS: dict[tuple[str, str], str] = {
-    ("kvframe/connectors/pd/worker.py", "kvframe.runtime.plugins"): (
-        "type-only: PDConnectorWorker annotates its host as the concrete PluginHost; it should "
-        "take kvframe.spi.connector.PluginLookup (the file belongs to the P/D rewrite)"
-    ),
-}
+KNOWN_LAYER_BREAKS: dict[tuple[str, str], str] = {}
 
 _MODULES = {
     ".".join(p.relative_to(ROOT).with_suffix("").parts[: -1 if p.name == "__init__.py" else None])

@@ -63,10 +63,7 @@ class PDConnector(KVConnector):
         options = PDOptions.from_extra(config.kv_connector_extra_config)
         if config.engine_id is None:
             raise ConfigError("engine_id is required by PDConnector")
-        # PDConnectorWorker annotates host as the concrete PluginHost; it uses only
-        # create_transport, which every PluginLookup has.
-        host: Any = ctx.host
-        return PDConnectorWorker(config, engine, rank, options, host=host, clock=ctx.clock)
+        return PDConnectorWorker(config, engine, rank, options, host=ctx.host, clock=ctx.clock)
 
 
 @hookimpl

@@ -75,7 +75,7 @@ from kvframe.core.reader import (
 )
 from kvframe.errors import CodecError, KVFrameError, PeerUnreachableError, TransportError
 from kvframe.protocol.messages import ConnectorMetadata, KVEvent, Stats
-from kvframe.spi.connector import EngineInfo, KVConnectorWorker
+from kvframe.spi.connector import EngineInfo, KVConnectorWorker, PluginLookup
 from kvframe.spi.transport import (
     BlockLayout,
     LayoutHandle,
@@ -89,8 +89,6 @@ from kvframe.spi.transport import (
 
 if TYPE_CHECKING:
     import torch
-
-    from kvframe.runtime.plugins import PluginHost
 
 __all__ = ["PDConnectorWorker"]
 
@@ -120,7 +118,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         rank: int,
         options: PDOptions,
         *,
-        host: PluginHost,
+        host: PluginLookup,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         assert config.engine_id is not None
