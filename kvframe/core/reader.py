@@ -311,12 +311,13 @@ class ReaderTimeouts:
 
 # -- internal records --------------------------------------------------------------------------
 class _Peer:
-    __slots__ = ("incarnation", "pending_release", "ready")
+    __slots__ = ("incarnation", "pending_heartbeat", "pending_release", "ready")
 
     def __init__(self) -> None:
         self.ready = False
         self.incarnation: str | None = None
         self.pending_release: dict[str, None] = {}  # ordered set of lease ids
+        self.pending_heartbeat: dict[str, None] = {}
 
 
 class _Ticket:
@@ -581,6 +582,10 @@ class LeaseReader:
         peer.pending_release.clear()
         if pending:
             self._send_release(engine, pending, t, out)
+        waiting = [lid for lid in peer.pending_heartbeat if lid not in pending]
+        peer.pending_heartbeat.clear()
+        if waiting:
+            self._urgent.setdefault(engine, {}).update(dict.fromkeys(waiting))
         for load in list(self._loads.values()):
             if load.engine != engine or load.state is not ReadState.WAITING_PEER:
                 continue
@@ -618,19 +623,24 @@ class LeaseReader:
     # -- inputs: messages ----------------------------------------------------------------
     def heartbeat(self, engine: str, lease_ids: Iterable[str], now: float) -> list[Action]:
         """The scheduler wants these leases heartbeated now (its schedule, or new requests to
-        confirm early). Sent at once when ``engine`` is connected, else dropped and counted
-        (the confirmation heartbeat of each load covers it)."""
+        confirm early). Sent at once when ``engine`` is connected; otherwise kept (at most
+        ``remember`` ids) and sent in one heartbeat as soon as it is."""
         t = self._advance(now)
         ids = list(dict.fromkeys(lease_ids))
         out: list[Action] = []
-        peer = self._peers.get(engine)
         if not ids:
-            return out
-        if peer is None or not peer.ready:
-            self._count("heartbeats_deferred")
             return out
         for lid in ids:
             self._ticket(engine, lid)
+        peer = self._peers.get(engine)
+        if peer is None or not peer.ready:
+            if peer is None:
+                peer = self._peers[engine] = _Peer()
+            self._count("heartbeats_deferred")
+            peer.pending_heartbeat.update(dict.fromkeys(ids))
+            while len(peer.pending_heartbeat) > self._remember:
+                del peer.pending_heartbeat[next(iter(peer.pending_heartbeat))]
+            return out
         self._emit_heartbeat(engine, ids, t, out)
         return out
 
@@ -877,6 +887,7 @@ class LeaseReader:
             if peer.pending_release:
                 self._count("releases_dropped", len(peer.pending_release))
             peer.pending_release.clear()
+            peer.pending_heartbeat.clear()
         for load in list(self._loads.values()):
             if load.engine != engine:
                 continue
