@@ -224,9 +224,11 @@ def test_bad_params_fall_back_to_local_prefill(pd: tuple[Driver, Driver]) -> Non
     req = view("d1", 32, bad)
     d.sched.on_new_request(req)
     assert d.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # the engine asks again
     events = d.sched.take_events()
-    assert events[0].kind == "pd.bad_params"
+    assert [e.kind for e in events] == ["pd.bad_params"]  # once per request, however often asked
     assert "kv_transfer_params" in events[0].data["error"]
+    assert d.sched.get_stats().counters["bad_params"] == 1
     assert not d.sched.has_pending_work()
 
 
