@@ -245,3 +245,33 @@ def test_unreachable_prefill_engine_fails_the_load(pd: tuple[Driver, Driver]) ->
         assert "handshake" in reason
     finally:
         d2.shutdown()
+
+
+def test_p_without_its_workers_ports_frees_at_once_and_gives_no_ticket() -> None:
+    """side_channel_port 0 and an engine that never forwarded the workers' handshake metadata:
+    P cannot say where D should connect. request_finished must not raise (it runs inside the
+    engine's step): the blocks are freed now and the router gets no ticket."""
+    from kvframe.config import KVTransferConfig
+    from kvframe.connectors.pd import PDConnector
+    from kvframe.runtime.plugins import PluginHost
+    from kvframe.spi.connector import BuildContext, EngineInfo
+
+    host = PluginHost()
+    host.load()
+    config = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "PDConnector",
+            "kv_role": "kv_producer",
+            "engine_id": "Pnoports",
+            "kv_connector_extra_config": {"transport": "inprocess"},
+        }
+    )
+    sched = PDConnector.build_scheduler(config, EngineInfo(block_size=16), BuildContext(host=host))
+    delay, params = sched.request_finished(
+        view("r", 16, {"do_remote_decode": True}, finish_reason="length"), ((1,),)
+    )
+    assert (delay, params) == (False, None)
+    (event,) = sched.take_events()
+    assert event.kind == "pd.not_kept"
+    assert "side_channel_port" in event.data["error"]
+    assert not sched.has_pending_work()

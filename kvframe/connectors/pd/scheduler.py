@@ -332,10 +332,20 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # The lease id is a capability of its own, not derived from the request id: 128 random
         # bits (forged notices name nothing) in 32 characters, whatever the request id's length.
         lease_id = secrets.token_hex(16)
+        try:
+            params = self._params_for(request, lease_id, block_ids)
+        except ConfigError as exc:
+            # Never raise out of request_finished: the blocks are freed now, the router gets
+            # no ticket and D prefills the request itself.
+            self._count("remote_decode_not_kept")
+            self._events.append(
+                KVEvent(kind="pd.not_kept", data={"request_id": rid, "error": str(exc)})
+            )
+            return False, None
         self._grants.append(PDGrant(request_id=rid, lease_id=lease_id, block_ids=block_ids))
         self._held[rid] = lease_id
         self._count("leases_offered")
-        return True, self._params_for(request, lease_id, block_ids)
+        return True, params
 
     def _params_for(
         self, request: RequestView, lease_id: str, block_ids: BlockIds
