@@ -14,7 +14,7 @@ The life of a transport, in the order a connector calls it::
     peer = t.add_peer(remote_blob)               # once per remote engine (and after a restart)
     remote = t.prepare_remote(peer, remote_layout)   # once per peer and region set
     h = t.post(READ, local, [3, 4], remote, [10, 11], notification=b"done")  # per request
-    while t.poll(h) is XferState.PENDING: ...    # or poll many handles once per engine step
+    while not t.poll(h).stopped: ...             # or poll many handles once per engine step
     t.release(h)                                 # always, whatever the state
     t.send_notification(peer, b"...")            # small control messages
     for n in t.drain_notifications(): ...        # also drives progress; call it often
@@ -25,8 +25,23 @@ blocks (a KV cache of one layer is typically one or two regions: K and V). Block
 ``r`` is the byte range ``[base_r + b * block_len_r, base_r + (b + 1) * block_len_r)``.
 :meth:`Transport.post` moves the listed blocks of the listed regions; local block ``i`` of the
 request pairs with remote block ``i``. Transports prepare descriptor lists once in
-``prepare_local``/``prepare_remote`` and compute per-request descriptor indices vectorised, so
-the per-request cost is independent of the layout's size.
+``prepare_local``/``prepare_remote`` and compute per-request descriptor indices vectorised
+(:func:`kvframe.spi.transport_kit.pair_descriptors`), so the per-request cost is independent
+of the layout's size.
+
+**Handles and status.** :meth:`Transport.post` returns a frozen :class:`XferHandle` (what the
+transfer moves); :meth:`Transport.poll` answers a frozen :class:`XferStatus` (what it has done:
+state, error, bytes landed, transfer time). Nothing a caller holds changes under it.
+
+**Peers.** :meth:`Transport.add_peer` of a name that is already known is a *rebuild*: the old
+connection is torn down first (its in-flight transfers fail with
+:class:`~kvframe.errors.PeerUnreachableError`) and a new one is made. Remote layouts prepared
+for the same incarnation (the same metadata) keep working; those of an older incarnation, or
+prepared before a :meth:`~Transport.remove_peer`, are refused with ``PeerUnreachableError``.
+
+The shared code every shipped transport uses for these rules — descriptor pairing, payload
+checks, the peer table, option parsing, the closed guard, transfer records — is
+:mod:`kvframe.spi.transport_kit`.
 
 **Threads.** A transport is used from one thread at a time (the connector's). Methods are not
 re-entrant. Implementations may use threads internally but must not call back into the caller.
@@ -43,7 +58,7 @@ per plugin (``raise ... from native``):
 - :class:`~kvframe.errors.TransportClosedError` — *you* used something after ``close()`` or
   ``release()``. Nothing happened.
 - :class:`~kvframe.errors.PeerUnreachableError` — the peer is gone or unknown. In-flight
-  transfers with it are stopped (``poll`` answers ``FAILED``); remove and re-add it to reuse.
+  transfers with it are stopped (``poll`` answers ``FAILED``); add it again to reuse it.
 - :class:`~kvframe.errors.TransferFailedError` — one transfer failed; it has stopped and its
   destination bytes are undefined. The transport stays usable.
 - :class:`~kvframe.errors.CapabilityError` — not supported (memory kind, WRITE, a notification
@@ -64,7 +79,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from kvframe.errors import CapabilityError, TransportError
+from kvframe.errors import TransportError
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -82,7 +97,7 @@ __all__ = [
     "TransportParams",
     "XferHandle",
     "XferState",
-    "descriptor_ids",
+    "XferStatus",
 ]
 
 
@@ -112,7 +127,8 @@ class XferState(enum.Enum):
     DONE = "done"
     """Every byte landed. The notification (if any) was sent to the peer."""
     FAILED = "failed"
-    """Stopped without completing; destination bytes are undefined. ``handle.error`` says why."""
+    """Stopped without completing; destination bytes are undefined. ``XferStatus.error`` says
+    why."""
 
 
 @attrs.frozen(kw_only=True)
@@ -265,23 +281,103 @@ class LayoutHandle:
     """The plugin's own object (a NIXL prepared-list handle, ...)."""
 
 
-@attrs.define(eq=False, kw_only=True)
+@attrs.frozen(eq=False, kw_only=True)
 class XferHandle:
-    """One posted transfer. Poll it until it stops, then release it."""
+    """One posted transfer: what it moves, a frozen value. Pass it to :meth:`Transport.poll`
+    until that answers a stopped :class:`XferStatus`, then to :meth:`Transport.release`.
+
+    The handle never changes; what a transfer has done so far is the :class:`XferStatus`
+    ``poll`` answers. Handles compare by identity (two posts of the same blocks are two
+    transfers).
+    """
 
     op: Op
     peer: str
+    """The name of the peer the transfer moves blocks from (``READ``) or to (``WRITE``)."""
     nbytes: int
+    """Bytes the transfer moves when it completes."""
     num_descriptors: int
+    """Descriptors (region × block pairs) the transfer was posted with."""
     native: Any = attrs.field(default=None, repr=False)
-    state: XferState = XferState.PENDING
-    error: TransportError | None = None
-    """Why it failed, once ``state`` is ``FAILED``."""
-    transfer_seconds: float | None = None
+    """The transport's own record of the transfer (a :class:`~kvframe.spi.transport_kit.Transfer`
+    for the shipped transports); callers never touch it."""
+
+
+def _check_status_error(
+    instance: XferStatus, attribute: attrs.Attribute[Any], value: TransportError | None
+) -> None:
+    if instance.state is XferState.FAILED:
+        if not isinstance(value, TransportError):
+            raise ValueError(
+                f"a FAILED XferStatus needs the TransportError that says why, got {value!r}"
+            )
+    elif value is not None:
+        raise ValueError(f"an XferStatus in state {instance.state.name} carries no error")
+
+
+def _check_status_nbytes(instance: XferStatus, attribute: attrs.Attribute[Any], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"nbytes = {value}; a transfer cannot move a negative number of bytes")
+    if value and instance.state is not XferState.DONE:
+        raise ValueError(
+            f"nbytes = {value} in state {instance.state.name}; only a DONE transfer counts its "
+            "bytes (a failed one's destination is undefined)"
+        )
+
+
+def _check_status_seconds(
+    instance: XferStatus, attribute: attrs.Attribute[Any], value: float | None
+) -> None:
+    if value is None:
+        return
+    if instance.state is not XferState.DONE:
+        raise ValueError(f"transfer_seconds is only known once DONE, not {instance.state.name}")
+    if not value >= 0:
+        raise ValueError(f"transfer_seconds = {value!r}; give a duration >= 0")
+
+
+@attrs.frozen(kw_only=True)
+class XferStatus:
+    """What :meth:`Transport.poll` answers: a frozen snapshot of one transfer.
+
+    Build one with :meth:`pending`, :meth:`done` or :meth:`failed`; the validators refuse a
+    status that contradicts itself (an error on a ``DONE`` transfer, bytes on a ``FAILED``
+    one), with ``ValueError``.
+    """
+
+    state: XferState
+    error: TransportError | None = attrs.field(default=None, validator=_check_status_error)
+    """Why it failed: set exactly when ``state`` is ``FAILED``."""
+    nbytes: int = attrs.field(default=0, validator=_check_status_nbytes)
+    """Bytes that landed: the handle's ``nbytes`` once ``DONE``, else 0 (the destination of a
+    failed or pending transfer is undefined, so nothing counts as moved)."""
+    transfer_seconds: float | None = attrs.field(default=None, validator=_check_status_seconds)
     """How long the data movement itself took, once ``DONE``, when the transport knows it (a
     backend's telemetry or its own timing); ``None`` otherwise. Unlike the time from ``post``
     to the ``poll`` that saw ``DONE``, it does not depend on how often the caller polls."""
-    released: bool = False
+
+    @classmethod
+    def pending(cls) -> XferStatus:
+        """Still moving (the same value every time)."""
+        return _PENDING
+
+    @classmethod
+    def done(cls, nbytes: int, transfer_seconds: float | None = None) -> XferStatus:
+        """Every byte landed; ``nbytes`` is the handle's size."""
+        return cls(state=XferState.DONE, nbytes=nbytes, transfer_seconds=transfer_seconds)
+
+    @classmethod
+    def failed(cls, error: TransportError) -> XferStatus:
+        """Stopped without completing, because of ``error``."""
+        return cls(state=XferState.FAILED, error=error)
+
+    @property
+    def stopped(self) -> bool:
+        """``DONE`` or ``FAILED``: the transfer writes no more bytes."""
+        return self.state is not XferState.PENDING
+
+
+_PENDING = XferStatus(state=XferState.PENDING)
 
 
 class Transport(abc.ABC):
@@ -316,15 +412,23 @@ class Transport(abc.ABC):
     def add_peer(self, metadata: bytes) -> str:
         """Make a peer reachable from its :meth:`local_metadata`; returns the peer's name.
 
-        Adding a peer that is already known with the same metadata is a no-op; a peer that
-        restarted (same name, new metadata) replaces the old entry, whose in-flight transfers
-        fail. Raises :class:`~kvframe.errors.PeerUnreachableError` when the metadata is not
-        usable (the transport stays usable).
+        Adding a name that is already known is a **rebuild**, with the same metadata or new:
+        the old connection is torn down first (its in-flight transfers poll ``FAILED`` with
+        :class:`~kvframe.errors.PeerUnreachableError`) and a new one made, so the next
+        transfer and notification use it. Remote layouts prepared for the same incarnation
+        keep working; with new metadata (a restarted peer) they raise
+        ``PeerUnreachableError`` when used: prepare them again. Call it again only to
+        reconnect (after a failure or a restart), not as a lookup.
+
+        Raises :class:`~kvframe.errors.PeerUnreachableError` when the metadata is not usable;
+        the transport stays usable, and no peer of that name is left (a known one was torn
+        down).
         """
 
     @abc.abstractmethod
     def remove_peer(self, peer: str) -> None:
-        """Forget a peer. Its in-flight transfers stop and poll ``FAILED``. Unknown names are
+        """Forget a peer. Its in-flight transfers stop and poll ``FAILED``; its prepared remote
+        layouts are refused from now on, even after it is added again. Unknown names are
         ignored."""
 
     @abc.abstractmethod
@@ -358,18 +462,23 @@ class Transport(abc.ABC):
         move one layer at a time; both layouts must have the same block length in each selected
         region. ``notification`` is delivered to the peer after every byte landed.
 
-        Raises ``ValueError`` for mismatched lists or out-of-range indices,
-        :class:`~kvframe.errors.CapabilityError` for an unsupported op,
-        :class:`~kvframe.errors.PeerUnreachableError` when the peer is gone, and
+        Raises ``ValueError`` for mismatched lists, out-of-range indices or a notification
+        that is not bytes, :class:`~kvframe.errors.CapabilityError` for an unsupported op or
+        an oversized notification, :class:`~kvframe.errors.PeerUnreachableError` when the
+        peer is gone or the remote layout was prepared for an older incarnation, and
         :class:`~kvframe.errors.TransferFailedError` when the backend refuses the post. On any
         error no handle exists and no byte moved.
         """
 
     @abc.abstractmethod
-    def poll(self, handle: XferHandle) -> XferState:
-        """Check progress. Never raises for a failed transfer: it answers ``FAILED`` and sets
-        ``handle.error``. Raises :class:`~kvframe.errors.TransportClosedError` for a released
-        handle."""
+    def poll(self, handle: XferHandle) -> XferStatus:
+        """Check progress and answer the transfer's :class:`XferStatus`.
+
+        Never raises for a failed transfer: it answers a ``FAILED`` status whose ``error``
+        says why. Once a status is ``DONE`` or ``FAILED``, every later poll answers an equal
+        one. Raises :class:`~kvframe.errors.TransportClosedError` for a released handle or a
+        closed transport, ``ValueError`` for a handle another transport posted.
+        """
 
     @abc.abstractmethod
     def release(self, handle: XferHandle) -> None:
@@ -382,9 +491,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def send_notification(self, peer: str, payload: bytes) -> None:
         """Send a small message. Delivery is best effort: a send that returns may still be
-        lost or delayed if the peer or link fails. Raises
-        :class:`~kvframe.errors.CapabilityError` for a payload over
-        ``capabilities.max_notification_bytes`` and
+        lost or delayed if the peer or link fails. Raises ``ValueError`` for a payload that is
+        not bytes, :class:`~kvframe.errors.CapabilityError` for a payload over
+        ``capabilities.max_notification_bytes`` (or when notifications are unsupported) and
         :class:`~kvframe.errors.PeerUnreachableError` for an unknown or failed peer."""
 
     @abc.abstractmethod
@@ -416,41 +525,8 @@ class Transport(abc.ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- helpers for implementations ----------------------------------------------------
-    def _require(self, what: str, supported: bool) -> None:
-        if not supported:
-            raise CapabilityError(f"transport {type(self).__name__!r} does not support {what}")
-
 
 class TransportFactory(Protocol):
     """What a plugin registers: a callable that builds a transport."""
 
     def __call__(self, params: TransportParams) -> Transport: ...
-
-
-def descriptor_ids(
-    layout: BlockLayout, blocks: Iterable[int] | npt.NDArray[Any], regions: Sequence[int] | None
-) -> npt.NDArray[Any]:
-    """Indices into a prepared list laid out region-major (``r * num_blocks + b``).
-
-    Vectorised with numpy; validates ranges. Shared by the shipped transports.
-    """
-    import numpy as np
-
-    blk = np.asarray(blocks, dtype=np.int64).reshape(-1)
-    if blk.size and (blk.min() < 0 or blk.max() >= layout.num_blocks):
-        raise ValueError(
-            f"block index out of range: layout has {layout.num_blocks} blocks, "
-            f"got min {int(blk.min())}, max {int(blk.max())}"
-        )
-    reg = (
-        np.arange(layout.num_regions, dtype=np.int64)
-        if regions is None
-        else np.asarray(regions, dtype=np.int64).reshape(-1)
-    )
-    if reg.size and (reg.min() < 0 or reg.max() >= layout.num_regions):
-        raise ValueError(
-            f"region index out of range: layout has {layout.num_regions} regions, got {regions!r}"
-        )
-    out: npt.NDArray[Any] = (reg[:, None] * layout.num_blocks + blk[None, :]).reshape(-1)
-    return out
