@@ -17,7 +17,8 @@ completion               asynchronous: a transfer moves its bytes on a *later*
                          ``drain_notifications``), never inside ``post``
 =======================  =========================================================
 
-Options (``TransportParams.options``; unknown keys raise :class:`~kvframe.errors.ConfigError`):
+Options (``TransportParams.options``; unknown keys and bad values raise
+:class:`~kvframe.errors.ConfigError` naming the key):
 
 - ``fabric`` — the :class:`InProcessFabric` to join. Default: the process's default fabric
   (:func:`default_fabric`), which is what the factory registered under the name ``inprocess``
@@ -28,18 +29,24 @@ Options (``TransportParams.options``; unknown keys raise :class:`~kvframe.errors
 - ``max_notification_bytes`` (int ≥ 1, default 65536).
 - ``read``, ``write``, ``notifications`` (bool, default True) — switch a capability off.
 
-Fault injection
----------------
+Peers: ``add_peer`` of a known name is a rebuild (the SPI's rule): the old entry's pending
+transfers fail with :class:`~kvframe.errors.PeerUnreachableError`; remote layouts prepared for
+the same incarnation of the peer keep working, those of a closed endpoint's older incarnation
+are refused.
 
-Every fabric owns a :class:`Faults` object. Rules added to it select operations by endpoint,
-by peer, by operation, by the n-th matching operation or by a predicate over a
-:class:`FaultEvent`, and then drop, delay or corrupt notifications, delay or fail transfers
-(before any byte or after some of them), or make an endpoint vanish::
+Hooks
+-----
 
-    fabric = InProcessFabric()
-    fabric.faults.fail_transfers(peer="P", nth=2, written=0.5)  # 2nd transfer to P: half lands
-    fabric.faults.drop_notifications(endpoint="D", when=lambda e: e.payload == b"done")
-    fabric.faults.vanish("P")  # every transfer with P fails
+Before a transfer moves its bytes and before a notification is queued, the fabric asks its
+:attr:`InProcessFabric.hooks` (a :class:`FabricHooks`) what to do, and whether an endpoint is
+cut off. The default hooks change nothing. Fault injection — dropping, delaying or corrupting
+notifications, failing or delaying transfers, making an endpoint vanish — is
+:class:`kvframe.testing.faults.Faults`, which installs itself as a fabric's hooks::
+
+    from kvframe.testing.faults import Faults
+
+    faults = Faults.of(fabric)
+    faults.fail_transfers(peer="P", nth=2, written=0.5)  # 2nd transfer to P: half lands
 
 Nothing here reads a clock: delays are counted in progress steps, so tests are deterministic.
 """
@@ -50,8 +57,8 @@ import ctypes
 import itertools
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import msgpack
@@ -65,6 +72,7 @@ from kvframe.errors import (
     TransportClosedError,
     TransportError,
 )
+from kvframe.spi import transport_kit as kit
 from kvframe.spi.hookspecs import TransportRegistrar, hookimpl
 from kvframe.spi.transport import (
     BlockLayout,
@@ -77,8 +85,7 @@ from kvframe.spi.transport import (
     TransportCapabilities,
     TransportParams,
     XferHandle,
-    XferState,
-    descriptor_ids,
+    XferStatus,
 )
 
 if TYPE_CHECKING:
@@ -87,11 +94,11 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_NOTIFICATION_BYTES",
     "TRANSPORT_NAME",
-    "FaultEvent",
-    "FaultRule",
-    "Faults",
+    "FabricHooks",
     "InProcessFabric",
     "InProcessTransport",
+    "NotificationVerdict",
+    "TransferVerdict",
     "capabilities",
     "default_fabric",
     "kvframe_register_transports",
@@ -102,9 +109,6 @@ TRANSPORT_NAME = "inprocess"
 #: Default limit of a notification payload.
 DEFAULT_MAX_NOTIFICATION_BYTES = 64 * 1024
 
-_OPTION_KEYS = frozenset(
-    {"fabric", "completion_polls", "max_notification_bytes", "read", "write", "notifications"}
-)
 _METADATA_VERSION = 1
 _HOST = -1  # device id used for host memory in descriptor arrays
 
@@ -142,256 +146,61 @@ def capabilities(
     )
 
 
-# -- fault injection ------------------------------------------------------------------------
+# -- hooks ----------------------------------------------------------------------------------
 
 
 @attrs.frozen(kw_only=True)
-class FaultEvent:
-    """One operation as fault rules see it."""
+class TransferVerdict:
+    """What :meth:`FabricHooks.transfer` answers for one transfer."""
 
-    kind: Literal["transfer", "notification"]
-    endpoint: str
-    """The endpoint that posted the transfer or sent the notification."""
-    peer: str
-    """The other endpoint: the transfer's remote side or the notification's receiver."""
-    op: Op | None = None
-    """``READ`` or ``WRITE`` for a transfer; ``None`` for a notification."""
-    nbytes: int = 0
-    """Bytes the transfer moves, or the notification's payload size."""
-    payload: bytes | None = None
-    """The notification's payload (``None`` for a transfer)."""
+    delay: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """More progress steps to wait before the bytes move (asked once per transfer)."""
+    fail_after: float | None = attrs.field(default=None)
+    """Fail the transfer with :class:`~kvframe.errors.TransferFailedError` after copying this
+    fraction of its descriptors (0.0: no byte lands); ``None``: it succeeds."""
 
-
-_Action = Literal["drop", "delay", "corrupt", "fail", "delay_transfer"]
+    @fail_after.validator
+    def _check_fail_after(self, attribute: attrs.Attribute[Any], value: float | None) -> None:
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"fail_after={value}: give a fraction between 0.0 and 1.0")
 
 
-def _flip_bits(payload: bytes) -> bytes:
-    return bytes(b ^ 0xFF for b in payload) if payload else b"\xff"
+@attrs.frozen(kw_only=True)
+class NotificationVerdict:
+    """What :meth:`FabricHooks.notification` answers for one notification."""
+
+    payload: bytes | None
+    """What the receiver gets; ``None`` drops the notification (the send still returns)."""
+    delay: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Progress steps of the receiver before it can drain it; later notifications from the
+    same sender wait behind it."""
 
 
-@attrs.define(eq=False, kw_only=True)
-class FaultRule:
-    """One rule of a :class:`Faults` object; returned by the methods that add rules.
+_GO = TransferVerdict()
 
-    A rule *matches* an event when every given selector agrees (``endpoint``, ``peer``,
-    ``op``, ``when``). It *fires* on every match, or only on the ``nth`` match (1-based) when
-    ``nth`` is given, and at most ``times`` times when ``times`` is given. ``matched`` and
-    ``fired`` count what happened so far; :meth:`cancel` removes the rule.
+
+class FabricHooks:
+    """What a fabric asks before it acts. This base changes nothing; override what you need.
+
+    :class:`kvframe.testing.faults.Faults` is the fault-injecting subclass. Hooks are called
+    from the transport's caller thread, inside ``post``/``poll``/``progress``/
+    ``drain_notifications``/``send_notification``; they must not call the transport back.
     """
 
-    action: _Action
-    kind: Literal["transfer", "notification"]
-    endpoint: str | None = None
-    peer: str | None = None
-    op: Op | None = None
-    nth: int | None = None
-    when: Callable[[FaultEvent], bool] | None = None
-    times: int | None = None
-    polls: int = 0
-    """Delay in progress steps (for the delay actions)."""
-    written: float = 0.0
-    """Fraction of descriptors copied before an injected transfer failure."""
-    corrupt: Callable[[bytes], bytes] = _flip_bits
-    matched: int = 0
-    fired: int = 0
-    active: bool = True
-    _owner: Faults | None = attrs.field(default=None, repr=False, alias="owner")
+    def transfer(self, *, endpoint: str, peer: str, op: Op, nbytes: int) -> TransferVerdict:
+        """Asked once per transfer, when it is first due: ``endpoint`` posted it to ``peer``."""
+        return _GO
 
-    def cancel(self) -> None:
-        """Remove the rule; later operations are not affected by it. Idempotent."""
-        self.active = False
-        if self._owner is not None and self in self._owner._rules:
-            self._owner._rules.remove(self)
+    def notification(self, *, endpoint: str, peer: str, payload: bytes) -> NotificationVerdict:
+        """Asked once per notification ``endpoint`` sends to ``peer`` (standalone or after a
+        transfer)."""
+        return NotificationVerdict(payload=payload)
 
-    def _check(self, event: FaultEvent) -> bool:
-        if not self.active or event.kind != self.kind:
-            return False
-        if self.endpoint is not None and event.endpoint != self.endpoint:
-            return False
-        if self.peer is not None and event.peer != self.peer:
-            return False
-        if self.op is not None and event.op is not self.op:
-            return False
-        if self.when is not None and not self.when(event):
-            return False
-        self.matched += 1
-        if self.nth is not None and self.matched != self.nth:
-            return False
-        if self.times is not None and self.fired >= self.times:
-            return False
-        self.fired += 1
-        return True
-
-
-def _check_selectors(nth: int | None, times: int | None) -> None:
-    if nth is not None and nth < 1:
-        raise ValueError(f"nth={nth}: operations are counted from 1")
-    if times is not None and times < 1:
-        raise ValueError(f"times={times}: a rule must be allowed to fire at least once")
-
-
-class Faults:
-    """Fault injection for one :class:`InProcessFabric` (``fabric.faults``).
-
-    Every method that adds a rule takes the same selectors — ``endpoint`` (the posting or
-    sending side), ``peer`` (the other side), ``nth`` (fire only on the n-th matching
-    operation, counted from 1), ``when`` (a predicate over a :class:`FaultEvent`) and ``times``
-    (fire at most that often) — and returns the :class:`FaultRule`, which counts matches and
-    can be cancelled. Rules apply in the order they were added. Raises ``ValueError`` for a
-    selector or parameter out of range; then no rule was added.
-    """
-
-    def __init__(self) -> None:
-        self._rules: list[FaultRule] = []
-        self._vanished: set[str] = set()
-
-    # -- notifications ----------------------------------------------------------------------
-    def drop_notifications(
-        self,
-        *,
-        endpoint: str | None = None,
-        peer: str | None = None,
-        nth: int | None = None,
-        when: Callable[[FaultEvent], bool] | None = None,
-        times: int | None = None,
-    ) -> FaultRule:
-        """Lose matching notifications silently (the send still returns normally)."""
-        return self._add("drop", "notification", endpoint, peer, None, nth, when, times)
-
-    def delay_notifications(
-        self,
-        polls: int,
-        *,
-        endpoint: str | None = None,
-        peer: str | None = None,
-        nth: int | None = None,
-        when: Callable[[FaultEvent], bool] | None = None,
-        times: int | None = None,
-    ) -> FaultRule:
-        """Hold matching notifications back for ``polls`` progress steps of the receiver.
-
-        Later notifications from the same sender wait behind a delayed one (order per sender
-        is kept, as on a real link that stalls and then delivers a burst).
-        """
-        if polls < 1:
-            raise ValueError(f"polls={polls}: a delay must be at least one progress step")
-        rule = self._add("delay", "notification", endpoint, peer, None, nth, when, times)
-        rule.polls = polls
-        return rule
-
-    def corrupt_notifications(
-        self,
-        corrupt: Callable[[bytes], bytes] = _flip_bits,
-        *,
-        endpoint: str | None = None,
-        peer: str | None = None,
-        nth: int | None = None,
-        when: Callable[[FaultEvent], bool] | None = None,
-        times: int | None = None,
-    ) -> FaultRule:
-        """Replace matching payloads by ``corrupt(payload)`` (default: every bit flipped)."""
-        rule = self._add("corrupt", "notification", endpoint, peer, None, nth, when, times)
-        rule.corrupt = corrupt
-        return rule
-
-    # -- transfers --------------------------------------------------------------------------
-    def fail_transfers(
-        self,
-        *,
-        written: float = 0.0,
-        endpoint: str | None = None,
-        peer: str | None = None,
-        op: Op | None = None,
-        nth: int | None = None,
-        when: Callable[[FaultEvent], bool] | None = None,
-        times: int | None = None,
-    ) -> FaultRule:
-        """Make matching transfers fail with :class:`~kvframe.errors.TransferFailedError`.
-
-        ``written`` is the fraction of the transfer's descriptors copied before it fails
-        (0.0: no byte lands; 0.5: the first half lands). Its notification is not sent.
-        """
-        if not 0.0 <= written <= 1.0:
-            raise ValueError(f"written={written}: give a fraction between 0.0 and 1.0")
-        rule = self._add("fail", "transfer", endpoint, peer, op, nth, when, times)
-        rule.written = written
-        return rule
-
-    def delay_transfers(
-        self,
-        polls: int,
-        *,
-        endpoint: str | None = None,
-        peer: str | None = None,
-        op: Op | None = None,
-        nth: int | None = None,
-        when: Callable[[FaultEvent], bool] | None = None,
-        times: int | None = None,
-    ) -> FaultRule:
-        """Make matching transfers take ``polls`` more progress steps to complete."""
-        if polls < 1:
-            raise ValueError(f"polls={polls}: a delay must be at least one progress step")
-        rule = self._add("delay_transfer", "transfer", endpoint, peer, op, nth, when, times)
-        rule.polls = polls
-        return rule
-
-    # -- peers ------------------------------------------------------------------------------
-    def vanish(self, endpoint: str) -> None:
-        """Cut ``endpoint`` off, as if its process died: every transfer with it (either way)
-        fails with :class:`~kvframe.errors.PeerUnreachableError` on the next progress step,
-        new posts, notifications and ``add_peer`` with it raise it, and notifications it sent
-        that were not yet drained are lost. The endpoint itself stays open."""
-        self._vanished.add(endpoint)
-
-    def restore(self, endpoint: str) -> None:
-        """Undo :meth:`vanish`. Transfers that already failed stay failed; as after a real
-        outage, peers should ``remove_peer`` and ``add_peer`` again."""
-        self._vanished.discard(endpoint)
-
-    def is_vanished(self, endpoint: str) -> bool:
-        """Whether :meth:`vanish` cut ``endpoint`` off."""
-        return endpoint in self._vanished
-
-    @property
-    def rules(self) -> tuple[FaultRule, ...]:
-        """The active rules, in the order they apply."""
-        return tuple(self._rules)
-
-    def clear(self) -> None:
-        """Cancel every rule and restore every vanished endpoint."""
-        for rule in list(self._rules):
-            rule.cancel()
-        self._vanished.clear()
-
-    def _add(
-        self,
-        action: _Action,
-        kind: Literal["transfer", "notification"],
-        endpoint: str | None,
-        peer: str | None,
-        op: Op | None,
-        nth: int | None,
-        when: Callable[[FaultEvent], bool] | None,
-        times: int | None,
-    ) -> FaultRule:
-        _check_selectors(nth, times)
-        rule = FaultRule(
-            action=action,
-            kind=kind,
-            endpoint=endpoint,
-            peer=peer,
-            op=op,
-            nth=nth,
-            when=when,
-            times=times,
-            owner=self,
-        )
-        self._rules.append(rule)
-        return rule
-
-    def _firing(self, event: FaultEvent) -> list[FaultRule]:
-        # Every rule sees every event (so nth counts all matches), in insertion order.
-        return [rule for rule in list(self._rules) if rule._check(event)]
+    def cut_off(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` is unreachable, as if its process died: transfers with it fail
+        with :class:`~kvframe.errors.PeerUnreachableError`, sends and ``add_peer`` with it
+        raise it, and what it sent but nobody drained is lost."""
+        return False
 
 
 # -- the fabric -----------------------------------------------------------------------------
@@ -400,15 +209,17 @@ class Faults:
 class InProcessFabric:
     """A registry through which in-process transports of one process find each other.
 
-    Each fabric is independent: endpoint names, peers and :attr:`faults` never cross
-    fabrics, so a test that builds its own fabric cannot see another test's endpoints.
+    Each fabric is independent: endpoint names, peers and :attr:`hooks` never cross fabrics,
+    so a test that builds its own fabric cannot see another test's endpoints.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hooks: FabricHooks | None = None) -> None:
+        """An empty fabric asking ``hooks`` (default: hooks that change nothing)."""
         self.id = uuid.uuid4().hex
         """Identifies the fabric in endpoint metadata."""
-        self.faults = Faults()
-        """The fault rules applied to every endpoint of this fabric."""
+        self.hooks: FabricHooks = hooks if hooks is not None else FabricHooks()
+        """What the fabric asks before it moves bytes or delivers a notification; replace it
+        to inject faults (:meth:`kvframe.testing.faults.Faults.of` does)."""
         self._endpoints: dict[str, InProcessTransport] = {}
         self._incarnations = itertools.count(1)
         self._notification_seq = itertools.count()  # orders one drain across senders
@@ -422,8 +233,8 @@ class InProcessFabric:
         options = dict(params.options)
         if "fabric" in options and options["fabric"] is not self:
             raise ConfigError(
-                "option 'fabric' names another fabric than the one whose create() was called; "
-                "drop the option or call that fabric's create()"
+                "inprocess transport_options.fabric names another fabric than the one whose "
+                "create() was called; drop the option or call that fabric's create()"
             )
         options["fabric"] = self
         return InProcessTransport(TransportParams(name=params.name, options=options))
@@ -472,18 +283,20 @@ def default_fabric() -> InProcessFabric:
 # -- the transport --------------------------------------------------------------------------
 
 
-@attrs.define(eq=False)
-class _Prepared:
-    owner: InProcessTransport
-    peer: InProcessTransport | None  # the peer object the layout was prepared for
+@attrs.frozen(eq=False)
+class _Table:
+    """A layout's descriptors, region-major: address, length and device (``_HOST``) each."""
+
     addrs: npt.NDArray[np.int64]
     lens: npt.NDArray[np.int64]
     devs: npt.NDArray[np.int64]
 
 
 @attrs.define(eq=False)
-class _Transfer:
-    handle: XferHandle
+class _Copy:
+    """What a pending in-process transfer copies, and when."""
+
+    op: Op
     peer: InProcessTransport
     src: npt.NDArray[np.int64]
     dst: npt.NDArray[np.int64]
@@ -492,8 +305,8 @@ class _Transfer:
     dst_devs: npt.NDArray[np.int64]
     due: int
     notification: bytes | None
-    checked: bool = False  # fault rules are consulted once per transfer
-    failing: FaultRule | None = None
+    asked: bool = False  # the hooks are asked once per transfer
+    fail_after: float | None = None
 
 
 @attrs.define(eq=False)
@@ -504,14 +317,17 @@ class _Incoming:
     ready_at: int
 
 
-def _option(options: Mapping[str, Any], key: str, default: Any, kind: type) -> Any:
-    value = options.get(key, default)
-    # bool is an int subclass; a flag given as 1 or a count given as True is a config mistake
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(
-            f"in-process transport option {key!r} = {value!r}: expected {kind.__name__}"
-        )
-    return value
+_OPTIONS = kit.TransportOptions(
+    TRANSPORT_NAME,
+    kit.instance("fabric", InProcessFabric, None),
+    kit.integer(
+        "completion_polls", 1, minimum=1, note="transfers complete on a later progress step"
+    ),
+    kit.integer("max_notification_bytes", DEFAULT_MAX_NOTIFICATION_BYTES, minimum=1),
+    kit.flag("read", True),
+    kit.flag("write", True),
+    kit.flag("notifications", True),
+)
 
 
 class InProcessTransport(Transport):
@@ -523,44 +339,27 @@ class InProcessTransport(Transport):
     """
 
     def __init__(self, params: TransportParams) -> None:
-        unknown = set(params.options) - _OPTION_KEYS
-        if unknown:
-            raise ConfigError(
-                f"unknown in-process transport option(s) {sorted(unknown)}; "
-                f"known options are {sorted(_OPTION_KEYS)}"
-            )
+        opts = _OPTIONS.parse(params.options)
         if not params.name:
             raise ConfigError("an in-process endpoint needs a non-empty name")
-        opts = params.options
-        fabric = opts.get("fabric", None)
-        if fabric is None:
-            fabric = default_fabric()
-        if not isinstance(fabric, InProcessFabric):
-            raise ConfigError(f"option 'fabric' = {fabric!r}: expected an InProcessFabric")
-        self._completion_polls: int = _option(opts, "completion_polls", 1, int)
-        if self._completion_polls < 1:
-            raise ConfigError(
-                f"option 'completion_polls' = {self._completion_polls}: transfers complete on "
-                "a later progress step, so it must be at least 1"
-            )
-        max_notif: int = _option(
-            opts, "max_notification_bytes", DEFAULT_MAX_NOTIFICATION_BYTES, int
-        )
-        if max_notif < 1:
-            raise ConfigError(f"option 'max_notification_bytes' = {max_notif}: must be >= 1")
+        fabric: InProcessFabric = opts["fabric"] or default_fabric()
+        self._completion_polls: int = opts["completion_polls"]
         self.capabilities = capabilities(
-            read=_option(opts, "read", True, bool),
-            write=_option(opts, "write", True, bool),
-            notifications=_option(opts, "notifications", True, bool),
-            max_notification_bytes=max_notif,
+            read=opts["read"],
+            write=opts["write"],
+            notifications=opts["notifications"],
+            max_notification_bytes=opts["max_notification_bytes"],
         )
         self._name = params.name
+        self._who = f"in-process transport {params.name!r}"
         self._fabric = fabric
-        self._closed = False
+        self._guard = kit.OpenGuard(self._who)
         self._tick = 0
         self._regions: list[MemoryRegion] = []
-        self._peers: dict[str, InProcessTransport] = {}
-        self._pending: list[_Transfer] = []
+        self._peers: kit.PeerTable[InProcessTransport] = kit.PeerTable(
+            self._who, self._teardown_peer
+        )
+        self._pending: list[kit.Transfer[_Copy]] = []
         self._inbox: dict[str, deque[_Incoming]] = {}
         self._stats: dict[str, float] = dict.fromkeys(
             (
@@ -585,19 +384,24 @@ class InProcessTransport(Transport):
         """The fabric this endpoint belongs to."""
         return self._fabric
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._guard.closed
+
     # -- memory -----------------------------------------------------------------------------
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
         """Record regions as transferable. ``DEVICE`` memory needs torch with CUDA.
 
         Raises :class:`~kvframe.errors.CapabilityError` for an unsupported memory kind and
-        ``TypeError`` for something that is not a :class:`MemoryRegion`; then nothing was
+        ``ValueError`` for something that is not a :class:`MemoryRegion`; then nothing was
         registered.
         """
-        self._check_open()
+        self._guard.check()
         regions = list(regions)
         for region in regions:
             if not isinstance(region, MemoryRegion):
-                raise TypeError(f"expected MemoryRegion, got {type(region).__name__}")
+                raise ValueError(f"expected MemoryRegion, got {type(region).__name__}")
             if region.kind not in self.capabilities.memory_kinds:
                 raise CapabilityError(
                     f"in-process transport cannot register {region.kind.value} memory here "
@@ -607,7 +411,7 @@ class InProcessTransport(Transport):
 
     def local_metadata(self) -> bytes:
         """msgpack of the fabric id, this endpoint's name and its incarnation."""
-        self._check_open()
+        self._guard.check()
         blob: bytes = msgpack.packb(
             {
                 "v": _METADATA_VERSION,
@@ -620,17 +424,19 @@ class InProcessTransport(Transport):
         return blob
 
     def add_peer(self, metadata: bytes) -> str:
-        """Find the endpoint the metadata describes in this fabric; see the SPI contract.
+        """Find the endpoint the metadata describes in this fabric; see the SPI contract (a
+        known name is rebuilt: its pending transfers fail).
 
         Raises :class:`~kvframe.errors.PeerUnreachableError` for metadata that does not
-        decode, comes from another fabric (or process), names a closed endpoint or an older
-        incarnation, or names a vanished endpoint.
+        decode or comes from another fabric (or process) — a known peer is left as it was
+        then — and for metadata that names a closed endpoint, an older incarnation or a
+        vanished endpoint — a known peer of that name was torn down first then.
         """
-        self._check_open()
+        self._guard.check()
         try:
             meta = msgpack.unpackb(metadata, raw=False)
             version, fabric_id = meta["v"], meta["fabric"]
-            name, incarnation = meta["name"], meta["incarnation"]
+            name, incarnation = str(meta["name"]), meta["incarnation"]
         except Exception as exc:
             raise PeerUnreachableError(
                 "in-process peer metadata does not decode; pass the bytes another in-process "
@@ -643,33 +449,34 @@ class InProcessTransport(Transport):
                 f"peer {name!r} belongs to another InProcessFabric (or another process); "
                 "in-process endpoints only reach endpoints of their own fabric"
             )
-        peer = self._fabric._lookup(name)
-        if peer is None or peer._incarnation != incarnation:
-            raise PeerUnreachableError(f"in-process peer {name!r} is closed (stale metadata)")
-        if self._cut_off(name):
-            raise PeerUnreachableError(f"in-process peer {name!r} is unreachable (vanished)")
-        old = self._peers.get(name)
-        if old is not None and old is not peer:
-            self._fail_peer_transfers(old, f"peer {name!r} restarted")
-        self._peers[name] = peer
-        return str(name)
+
+        def connect() -> InProcessTransport:
+            peer = self._fabric._lookup(name)
+            if peer is None or peer._incarnation != incarnation:
+                raise PeerUnreachableError(f"in-process peer {name!r} is closed (stale metadata)")
+            if self._cut_off(name):
+                raise PeerUnreachableError(f"in-process peer {name!r} is unreachable (vanished)")
+            return peer
+
+        self._peers.add(name, incarnation, connect)
+        return name
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``; its pending transfers answer ``FAILED`` (PeerUnreachableError)."""
-        self._check_open()
-        old = self._peers.pop(peer, None)
-        if old is not None:
-            # notifications it sent before the removal arrived already; they stay drainable
-            self._fail_peer_transfers(old, f"peer {peer!r} was removed")
+        self._guard.check()
+        # notifications it sent before the removal arrived already; they stay drainable
+        self._peers.remove(peer)
 
     def prepare_local(self, layout: BlockLayout) -> LayoutHandle:
         """Descriptors for a layout of this endpoint's registered memory.
 
         Raises ``ValueError`` when a region of the layout is not inside registered memory.
         """
-        self._check_open()
-        self._check_inside(layout, self._regions, "this endpoint")
-        return LayoutHandle(layout=layout, peer=None, native=self._descriptors(layout, None))
+        self._guard.check()
+        kit.check_inside(layout, self._regions, "this endpoint")
+        return LayoutHandle(
+            layout=layout, peer=None, native=kit.Prepared.local(self, _table(layout))
+        )
 
     def prepare_remote(self, peer: str, layout: BlockLayout) -> LayoutHandle:
         """Descriptors for a peer's layout.
@@ -677,10 +484,11 @@ class InProcessTransport(Transport):
         Raises :class:`~kvframe.errors.PeerUnreachableError` for an unknown or unreachable
         peer and ``ValueError`` when the layout is not inside the peer's registered memory.
         """
-        self._check_open()
+        self._guard.check()
         target = self._reachable(peer)
-        self._check_inside(layout, target._regions, f"peer {peer!r}")
-        return LayoutHandle(layout=layout, peer=peer, native=self._descriptors(layout, target))
+        kit.check_inside(layout, target._regions, f"peer {peer!r}")
+        prepared = self._peers.prepared(self, peer, _table(layout))
+        return LayoutHandle(layout=layout, peer=peer, native=prepared)
 
     # -- transfers --------------------------------------------------------------------------
     def post(
@@ -695,102 +503,64 @@ class InProcessTransport(Transport):
         notification: bytes | None = None,
     ) -> XferHandle:
         """Queue a transfer; its bytes move on a later progress step. See the SPI contract."""
-        self._check_open()
+        self._guard.check()
+        req = kit.check_post(
+            self, self._peers, op, local, local_blocks, remote, remote_blocks,
+            regions=regions, notification=notification,
+        )  # fmt: skip
+        target = self._reachable(req.peer.name)
+        lt: _Table = req.local
+        rt: _Table = req.remote
+        lids, rids = req.pairs.local, req.pairs.remote
         if op is Op.READ:
-            self._require("READ", self.capabilities.read)
-        elif op is Op.WRITE:
-            self._require("WRITE", self.capabilities.write)
+            src, sdev, dst, ddev = rt.addrs[rids], rt.devs[rids], lt.addrs[lids], lt.devs[lids]
         else:
-            raise ValueError(f"op must be Op.READ or Op.WRITE, got {op!r}")
-        lp = self._own_handle(local, local=True)
-        rp = self._own_handle(remote, local=False)
-        lids = descriptor_ids(local.layout, local_blocks, regions)
-        rids = descriptor_ids(remote.layout, remote_blocks, regions)
-        if lids.size != rids.size:
-            n_local, n_remote = np.size(local_blocks), np.size(remote_blocks)
-            if n_local != n_remote:
-                raise ValueError(
-                    f"local_blocks has {n_local} entries but remote_blocks has {n_remote}; "
-                    "they pair one to one"
-                )
-            raise ValueError(
-                f"the local layout has {local.layout.num_regions} regions and the remote one "
-                f"{remote.layout.num_regions}; pass regions= to select regions both have"
-            )
-        lens = lp.lens[lids]
-        if not np.array_equal(lens, rp.lens[rids]):
-            raise ValueError(
-                "local and remote block lengths differ in a selected region; both layouts "
-                "must cut each selected region into blocks of the same size"
-            )
-        if notification is not None:
-            self._check_payload(notification)
-        assert remote.peer is not None
-        target = self._reachable(remote.peer)
-        if rp.peer is not target:
-            raise PeerUnreachableError(
-                f"peer {remote.peer!r} was re-added since this remote layout was prepared; "
-                "call prepare_remote again"
-            )
-        if op is Op.READ:
-            src, sdev, dst, ddev = rp.addrs[rids], rp.devs[rids], lp.addrs[lids], lp.devs[lids]
-        else:
-            src, sdev, dst, ddev = lp.addrs[lids], lp.devs[lids], rp.addrs[rids], rp.devs[rids]
-        handle = XferHandle(
-            op=op, peer=target.name, nbytes=int(lens.sum()), num_descriptors=int(lids.size)
-        )
-        xfer = _Transfer(
-            handle=handle,
+            src, sdev, dst, ddev = lt.addrs[lids], lt.devs[lids], rt.addrs[rids], rt.devs[rids]
+        copy = _Copy(
+            op=op,
             peer=target,
             src=src,
             dst=dst,
-            lens=lens,
+            lens=lt.lens[lids],
             src_devs=sdev,
             dst_devs=ddev,
             due=self._tick + self._completion_polls,
-            notification=notification,
+            notification=req.notification,
         )
-        handle.native = xfer
-        self._pending.append(xfer)
+        handle, tr = kit.Transfer.post(self, copy, op=op, peer=target.name, pairs=req.pairs)
+        self._pending.append(tr)
         return handle
 
-    def poll(self, handle: XferHandle) -> XferState:
-        """Make one progress step, then answer the handle's state."""
-        self._check_open()
-        if handle.released:
-            raise TransportClosedError("this transfer handle was released; do not poll it again")
-        if not isinstance(handle.native, _Transfer) or handle.native.handle is not handle:
-            raise ValueError("this handle was not posted by an in-process transport")
+    def poll(self, handle: XferHandle) -> XferStatus:
+        """Make one progress step, then answer the transfer's status."""
+        self._guard.check()
+        tr = kit.Transfer.of(handle, self, _Copy)
+        tr.polled()  # raises for a released handle
         self._step()
-        return handle.state
+        return tr.status
 
     def release(self, handle: XferHandle) -> None:
         """Stop a pending transfer (none of its bytes move) and forget it. Idempotent."""
-        if handle.released:
-            return
-        handle.released = True
-        xfer = handle.native
-        if isinstance(xfer, _Transfer) and xfer in self._pending:
-            self._pending.remove(xfer)
-            handle.state = XferState.FAILED
-            handle.error = TransferFailedError("released while pending")
+        tr = kit.Transfer.of(handle, self, _Copy)
+        if tr.release() and tr in self._pending:
+            self._pending.remove(tr)
+            tr.fail(TransferFailedError("released while pending"))
 
     # -- notifications ----------------------------------------------------------------------
     def send_notification(self, peer: str, payload: bytes) -> None:
-        """Deliver ``payload`` to ``peer``'s inbox (subject to the fabric's faults)."""
-        self._check_open()
-        self._require("notifications", self.capabilities.notifications)
-        self._check_payload(payload)
+        """Deliver ``payload`` to ``peer``'s inbox (subject to the fabric's hooks)."""
+        self._guard.check()
+        data = kit.check_notification(payload, self.capabilities, self._who)
         target = self._reachable(peer)
-        self._deliver(target, bytes(payload))
+        self._deliver(target, data)
 
     def drain_notifications(self) -> list[Notification]:
         """Make one progress step, then return every ready notification, oldest first."""
-        self._check_open()
+        self._guard.check()
         self._step()
         ready: list[_Incoming] = []
         for sender, queue in list(self._inbox.items()):
-            if self._fabric.faults.is_vanished(sender):
+            if self._fabric.hooks.cut_off(sender):
                 queue.clear()  # sent by an endpoint that "died" before we drained it
             while queue and queue[0].ready_at <= self._tick:
                 ready.append(queue.popleft())
@@ -800,7 +570,7 @@ class InProcessTransport(Transport):
 
     def progress(self) -> None:
         """Make one progress step: due transfers move their bytes."""
-        self._check_open()
+        self._guard.check()
         self._step()
 
     def stats(self) -> Mapping[str, float]:
@@ -811,195 +581,122 @@ class InProcessTransport(Transport):
     def close(self) -> None:
         """Leave the fabric and forget everything; pending transfers move no more bytes.
         Idempotent."""
-        if self._closed:
+        if not self._guard.close():
             return
-        self._closed = True
-        for xfer in self._pending:
-            xfer.handle.state = XferState.FAILED
-            xfer.handle.error = TransportClosedError("the transport was closed")
+        for tr in self._pending:
+            tr.fail(TransportClosedError(f"{self._who} was closed"))
         self._pending.clear()
-        self._peers.clear()
+        self._peers.clear("the transport was closed")
         self._inbox.clear()
         self._regions.clear()
         self._fabric._leave(self)
 
     # -- internals --------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosedError(f"in-process transport {self._name!r} is closed")
-
-    def _check_payload(self, payload: bytes) -> None:
-        if not isinstance(payload, bytes | bytearray | memoryview):
-            raise TypeError(f"a notification payload is bytes, got {type(payload).__name__}")
-        self._require("notifications", self.capabilities.notifications)
-        limit = self.capabilities.max_notification_bytes
-        if len(payload) > limit:
-            raise CapabilityError(
-                f"notification of {len(payload)} bytes exceeds this transport's limit of "
-                f"{limit} bytes (capabilities.max_notification_bytes)"
-            )
-
     def _cut_off(self, peer: str) -> bool:
-        faults = self._fabric.faults
-        return faults.is_vanished(peer) or faults.is_vanished(self._name)
+        hooks = self._fabric.hooks
+        return hooks.cut_off(peer) or hooks.cut_off(self._name)
 
     def _alive(self, peer: InProcessTransport) -> bool:
         return (
-            not peer._closed
+            not peer.closed
             and self._fabric._lookup(peer.name) is peer
             and not self._cut_off(peer.name)
         )
 
     def _reachable(self, name: str) -> InProcessTransport:
-        peer = self._peers.get(name)
-        if peer is None:
-            raise PeerUnreachableError(f"unknown peer {name!r}; call add_peer first")
+        peer = self._peers.get(name).conn
         if not self._alive(peer):
             raise PeerUnreachableError(f"peer {name!r} is unreachable (closed or vanished)")
         return peer
 
-    def _own_handle(self, handle: LayoutHandle, *, local: bool) -> _Prepared:
-        prep = handle.native
-        if not isinstance(prep, _Prepared) or prep.owner is not self:
-            raise ValueError("unknown layout handle: prepare it with this transport first")
-        if local and handle.peer is not None:
-            raise ValueError("the local layout handle came from prepare_remote")
-        if not local and handle.peer is None:
-            raise ValueError("the remote layout handle came from prepare_local")
-        return prep
-
-    @staticmethod
-    def _check_inside(layout: BlockLayout, registered: Sequence[MemoryRegion], who: str) -> None:
-        for i, region in enumerate(layout.regions):
-            span = layout.block_lens[i] * layout.num_blocks
-            if not any(
-                reg.kind is region.kind
-                and reg.device_id == region.device_id
-                and reg.addr <= region.addr
-                and region.addr + span <= reg.addr + reg.length
-                for reg in registered
-            ):
-                raise ValueError(
-                    f"layout region {i} ({region.kind.value} memory at {region.addr:#x}, "
-                    f"{span} bytes used) is not inside memory registered by {who}; "
-                    "register_memory it first"
-                )
-
-    def _descriptors(self, layout: BlockLayout, peer: InProcessTransport | None) -> _Prepared:
-        nb = layout.num_blocks
-        base = np.array([r.addr for r in layout.regions], dtype=np.int64)
-        blen = np.array(layout.block_lens, dtype=np.int64)
-        dev = np.array(
-            [r.device_id if r.kind is MemoryKind.DEVICE else _HOST for r in layout.regions],
-            dtype=np.int64,
-        )
-        blocks = np.arange(nb, dtype=np.int64)
-        # region-major, matching descriptor_ids: index r * num_blocks + b
-        addrs = (base[:, None] + blocks[None, :] * blen[:, None]).reshape(-1)
-        lens = np.repeat(blen, nb)
-        devs = np.repeat(dev, nb)
-        return _Prepared(owner=self, peer=peer, addrs=addrs, lens=lens, devs=devs)
+    def _teardown_peer(self, peer: InProcessTransport, why: str) -> None:
+        for tr in list(self._pending):
+            if tr.record.peer is peer:
+                self._finish(tr, PeerUnreachableError(why))
 
     def _step(self) -> None:
         self._tick += 1
-        for xfer in list(self._pending):
-            if xfer not in self._pending:
-                continue  # stopped by a fault rule's callback
-            if not self._alive(xfer.peer):
+        for tr in list(self._pending):
+            if tr not in self._pending:
+                continue  # stopped by a hook meanwhile
+            if not self._alive(tr.record.peer):
                 self._finish(
-                    xfer, PeerUnreachableError(f"peer {xfer.peer.name!r} became unreachable")
+                    tr, PeerUnreachableError(f"peer {tr.record.peer.name!r} became unreachable")
                 )
-            elif xfer.due <= self._tick:
-                self._execute(xfer)
+            elif tr.record.due <= self._tick:
+                self._execute(tr)
 
-    def _execute(self, xfer: _Transfer) -> None:
-        handle = xfer.handle
-        if not xfer.checked:
-            xfer.checked = True
-            event = FaultEvent(
-                kind="transfer",
-                endpoint=self._name,
-                peer=xfer.peer.name,
-                op=handle.op,
-                nbytes=handle.nbytes,
+    def _execute(self, tr: kit.Transfer[_Copy]) -> None:
+        copy = tr.record
+        if not copy.asked:
+            copy.asked = True
+            verdict = self._fabric.hooks.transfer(
+                endpoint=self._name, peer=copy.peer.name, op=tr.record.op, nbytes=tr.nbytes
             )
-            delay = 0
-            for rule in self._fabric.faults._firing(event):
-                if rule.action == "fail" and xfer.failing is None:
-                    xfer.failing = rule
-                elif rule.action == "delay_transfer":
-                    delay += rule.polls
-            if delay:
-                xfer.due = self._tick + delay
+            copy.fail_after = verdict.fail_after
+            if verdict.delay:
+                copy.due = self._tick + verdict.delay
                 return
-        failing = xfer.failing
-        n = len(xfer.lens)
-        count = n if failing is None else int(n * failing.written)
+        n = len(copy.lens)
+        count = n if copy.fail_after is None else int(n * copy.fail_after)
         try:
-            _copy(xfer.src[:count], xfer.dst[:count], xfer.lens[:count], xfer, count)
+            _copy(copy.src[:count], copy.dst[:count], copy.lens[:count], copy, count)
         except Exception as exc:
-            self._finish(xfer, TransferFailedError(f"copy failed: {exc}"))
+            self._finish(tr, TransferFailedError(f"copy failed: {exc}"))
             return
-        if failing is not None:
+        if copy.fail_after is not None:
             self._finish(
-                xfer,
+                tr,
                 TransferFailedError(
-                    f"injected fault: transfer to {xfer.peer.name!r} failed after "
+                    f"injected fault: transfer to {copy.peer.name!r} failed after "
                     f"{count} of {n} descriptors"
                 ),
             )
             return
-        key = "bytes_read" if handle.op is Op.READ else "bytes_written"
-        self._stats[key] += handle.nbytes
-        self._finish(xfer, None)
-        if xfer.notification is not None:
-            self._deliver(xfer.peer, xfer.notification)
+        key = "bytes_read" if tr.record.op is Op.READ else "bytes_written"
+        self._stats[key] += tr.nbytes
+        self._finish(tr, None)
+        if copy.notification is not None:
+            self._deliver(copy.peer, copy.notification)
 
-    def _finish(self, xfer: _Transfer, error: TransportError | None) -> None:
-        self._pending.remove(xfer)
+    def _finish(self, tr: kit.Transfer[_Copy], error: TransportError | None) -> None:
+        self._pending.remove(tr)
         if error is None:
-            xfer.handle.state = XferState.DONE
+            tr.done()
             self._stats["transfers_done"] += 1
         else:
-            xfer.handle.state = XferState.FAILED
-            xfer.handle.error = error
+            tr.fail(error)
             self._stats["transfers_failed"] += 1
-
-    def _fail_peer_transfers(self, peer: InProcessTransport, why: str) -> None:
-        for xfer in list(self._pending):
-            if xfer.peer is peer:
-                self._finish(xfer, PeerUnreachableError(why))
 
     def _deliver(self, target: InProcessTransport, payload: bytes) -> None:
         self._stats["notifications_sent"] += 1
-        event = FaultEvent(
-            kind="notification",
-            endpoint=self._name,
-            peer=target.name,
-            nbytes=len(payload),
-            payload=payload,
+        verdict = self._fabric.hooks.notification(
+            endpoint=self._name, peer=target.name, payload=payload
         )
-        delay = 0
-        for rule in self._fabric.faults._firing(event):
-            if rule.action == "drop":
-                return
-            if rule.action == "corrupt":
-                payload = bytes(rule.corrupt(payload))
-            elif rule.action == "delay":
-                delay += rule.polls
+        if verdict.payload is None:
+            return
         queue = target._inbox.setdefault(self._name, deque())
         # keep per-sender order: nothing overtakes a delayed notification
-        ready_at = target._tick + delay
+        ready_at = target._tick + verdict.delay
         if queue:
             ready_at = max(ready_at, queue[-1].ready_at)
         queue.append(
             _Incoming(
                 seq=next(self._fabric._notification_seq),
                 sender=self,
-                payload=payload,
+                payload=bytes(verdict.payload),
                 ready_at=ready_at,
             )
         )
+
+
+def _table(layout: BlockLayout) -> _Table:
+    addrs, lens = kit.block_table(layout)
+    dev = np.array(
+        [r.device_id if r.kind is MemoryKind.DEVICE else _HOST for r in layout.regions],
+        dtype=np.int64,
+    )
+    return _Table(addrs=addrs, lens=lens, devs=np.repeat(dev, layout.num_blocks))
 
 
 class _CudaPointer:
@@ -1028,7 +725,7 @@ def _copy(
     src: npt.NDArray[np.int64],
     dst: npt.NDArray[np.int64],
     lens: npt.NDArray[np.int64],
-    xfer: _Transfer,
+    xfer: _Copy,
     count: int,
 ) -> None:
     if count == 0:

@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from kvframe.testing.faults import Faults
 from tests.pd.driver import Driver, run_until, view
 
 _ids = itertools.count()
@@ -109,7 +110,7 @@ def test_abort_before_scheduling_frees_p_at_once(pd: tuple[Driver, Driver]) -> N
 def test_abort_while_loading_keeps_blocks_until_transfer_stopped(pd: tuple[Driver, Driver]) -> None:
     p, d = pd
     params = prefill(p, "r1", [3, 4], tokens=32)
-    d.worker.transport.fabric.faults.delay_transfers(50, endpoint=d.worker.transport.name)
+    Faults.of(d.worker.transport.fabric).delay_transfers(50, endpoint=d.worker.transport.name)
     _start_load(d, "d1", params, [7, 8])
     run_until([p, d], lambda: d.worker.get_stats().gauges["loads_in_flight"] == 1)
     delay, _ = d.sched.request_finished(view("d1", 32, params, finish_reason="abort"), ((7, 8),))
@@ -161,7 +162,9 @@ def test_heartbeats_keep_a_queued_request_alive_for_three_durations() -> None:
 def test_failed_transfer_reports_every_block_invalid(pd: tuple[Driver, Driver]) -> None:
     p, d = pd
     params = prefill(p, "r1", [3, 4, 5], tokens=48)
-    d.worker.transport.fabric.faults.fail_transfers(endpoint=d.worker.transport.name, written=0.5)
+    Faults.of(d.worker.transport.fabric).fail_transfers(
+        endpoint=d.worker.transport.name, written=0.5
+    )
     _start_load(d, "d1", params, [7, 8, 9])
     run_until([p, d], lambda: _ended(d, "d1", "finished_recving"))
     invalid = set().union(*(o.invalid_block_ids for o in d.outputs))

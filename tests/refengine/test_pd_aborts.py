@@ -22,7 +22,8 @@ from kvframe.config import KVTransferConfig
 from kvframe.connectors.pd.metadata import PD_CODEC
 from kvframe.core.reader import ReadState
 from kvframe.runtime.plugins import PluginHost
-from kvframe.spi.transport import XferState
+from kvframe.spi.transport import XferStatus
+from kvframe.testing.faults import Faults
 
 MODEL = ModelConfig(seed=5)
 _ids = itertools.count()
@@ -152,9 +153,7 @@ def test_abort_while_waiting_for_the_lease(pd: tuple[Engine, Engine]) -> None:
     p, d = pd
     params = _prefill(p, "r", _prompt(3))
     # Everything D sends to P is lost: the lease is never confirmed.
-    rule = d.connector_worker.transport.fabric.faults.drop_notifications(  # type: ignore[union-attr]
-        endpoint=_d_transport(d).name
-    )
+    rule = Faults.of(_d_transport(d).fabric).drop_notifications(endpoint=_d_transport(d).name)
     d.add_request("d", _prompt(3), 4, params)
     _step_until([p, d], lambda: _load_state(d, "d") is ReadState.CONFIRMING)
     rule.cancel()
@@ -164,7 +163,7 @@ def test_abort_while_waiting_for_the_lease(pd: tuple[Engine, Engine]) -> None:
 def test_abort_with_the_transfer_in_flight(pd: tuple[Engine, Engine]) -> None:
     p, d = pd
     params = _prefill(p, "r", _prompt(4))
-    faults = _d_transport(d).fabric.faults
+    faults = Faults.of(_d_transport(d).fabric)
     rule = faults.delay_transfers(10_000, endpoint=_d_transport(d).name)
     d.add_request("d", _prompt(4), 4, params)
     _step_until([p, d], lambda: _load_state(d, "d") is ReadState.POSTED)
@@ -187,7 +186,7 @@ def test_abort_with_the_transfer_done_but_not_reported(
 
     def poll(handle: Any) -> Any:
         state = real_poll(handle)  # the copy happens here ...
-        return XferState.PENDING if hide["on"] else state  # ... and the worker is not told
+        return XferStatus.pending() if hide["on"] else state  # ... and the worker is not told
 
     monkeypatch.setattr(transport, "poll", poll)
     d.add_request("d", _prompt(5), 4, params)
@@ -201,7 +200,7 @@ def test_a_failed_load_reports_no_external_tokens(pd: tuple[Engine, Engine]) -> 
     p, d = pd
     prompt = _prompt(6, 50)
     params = _prefill(p, "r", prompt)
-    _d_transport(d).fabric.faults.fail_transfers(endpoint=_d_transport(d).name, written=0.5)
+    Faults.of(_d_transport(d).fabric).fail_transfers(endpoint=_d_transport(d).name, written=0.5)
     d.add_request("d", prompt, 4, params)
     out = _finished([p, d], d, "d")
     assert out.finish_reason is FinishReason.ERROR

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
@@ -25,11 +26,15 @@ from kvframe.spi.transport import (
     TransportParams,
     XferHandle,
     XferState,
+    XferStatus,
 )
+from kvframe.testing.faults import FaultEvent, Faults
 from kvframe.transports.inprocess import (
-    FaultEvent,
+    FabricHooks,
     InProcessFabric,
     InProcessTransport,
+    NotificationVerdict,
+    TransferVerdict,
     capabilities,
     default_fabric,
 )
@@ -73,10 +78,18 @@ class Link:
         return self.d.t.post(Op.READ, self.d.local, local, self.remote, remote, **kw)
 
     def run(self, h: XferHandle, polls: int = 50) -> XferState:
+        return self.status(h, polls).state
+
+    def status(self, h: XferHandle, polls: int = 50) -> XferStatus:
         for _ in range(polls):
-            if self.d.t.poll(h) is not XferState.PENDING:
+            status = self.d.t.poll(h)
+            if status.stopped:
                 break
-        return h.state
+        return status
+
+    @property
+    def faults(self) -> Faults:
+        return Faults.of(self.fabric)
 
     def close(self) -> None:
         self.d.t.close()
@@ -206,12 +219,11 @@ def test_transfer_completes_on_a_later_poll_not_inside_post(fabric: InProcessFab
     lk = Link(fabric, completion_polls=3)
     before = lk.d.block(0, 0)
     h = lk.read([0], [5], regions=[0])
-    assert h.state is XferState.PENDING
     assert lk.d.block(0, 0) == before
-    assert lk.d.t.poll(h) is XferState.PENDING
+    assert lk.d.t.poll(h) == XferStatus.pending()
     lk.d.t.progress()  # any progress step counts
     assert lk.d.block(0, 0) == before
-    assert lk.d.t.poll(h) is XferState.DONE
+    assert lk.d.t.poll(h) == XferStatus.done(BL)
     assert lk.d.block(0, 0) == lk.p.block(0, 5)
     assert lk.d.block(1, 0) != lk.p.block(1, 5)  # region 1 was not selected
     stats = lk.d.t.stats()
@@ -229,8 +241,9 @@ def test_contiguous_blocks_are_copied_correctly(link: Link) -> None:
 def test_peer_closing_fails_pending_transfers(link: Link) -> None:
     h = link.read([0], [0])
     link.p.t.close()
-    assert link.run(h) is XferState.FAILED
-    assert isinstance(h.error, PeerUnreachableError)
+    status = link.status(h)
+    assert status.state is XferState.FAILED
+    assert isinstance(status.error, PeerUnreachableError)
     with pytest.raises(PeerUnreachableError):
         link.read([0], [0])
 
@@ -267,8 +280,8 @@ def test_stale_metadata_of_a_closed_endpoint_is_unreachable(fabric: InProcessFab
 def test_close_fails_pending_handles_and_release_is_safe(link: Link) -> None:
     h = link.read([0], [0])
     link.d.t.close()
-    assert h.state is XferState.FAILED
-    assert isinstance(h.error, TransportClosedError)
+    with pytest.raises(TransportClosedError):
+        link.d.t.poll(h)
     link.d.t.release(h)  # releasing after close is harmless
     link.d.t.close()
 
@@ -289,7 +302,7 @@ def test_notification_limit_is_configurable(fabric: InProcessFabric) -> None:
     lk.d.t.send_notification("P", b"12345678")
     with pytest.raises(CapabilityError, match="limit of 8"):
         lk.d.t.send_notification("P", b"123456789")
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="payload is bytes"):
         lk.d.t.send_notification("P", "text")  # type: ignore[arg-type]
     lk.close()
 
@@ -302,7 +315,7 @@ def _payloads(t: InProcessTransport) -> list[bytes]:
 
 
 def test_drop_the_nth_notification_to_a_peer(link: Link) -> None:
-    rule = link.fabric.faults.drop_notifications(peer="P", nth=2)
+    rule = link.faults.drop_notifications(peer="P", nth=2)
     for i in range(4):
         link.d.t.send_notification("P", b"%d" % i)
     link.p.t.send_notification("D", b"other way")
@@ -318,7 +331,7 @@ def test_drop_by_predicate_at_most_times(link: Link) -> None:
         seen.append(event)
         return event.payload is not None and event.payload[0] % 2 == 1
 
-    link.fabric.faults.drop_notifications(when=odd, times=2)
+    link.faults.drop_notifications(when=odd, times=2)
     for i in range(8):
         link.d.t.send_notification("P", bytes([i]))
     assert _payloads(link.p.t) == [bytes([i]) for i in (0, 2, 4, 5, 6, 7)]
@@ -328,7 +341,7 @@ def test_drop_by_predicate_at_most_times(link: Link) -> None:
 
 
 def test_delay_keeps_per_sender_order(link: Link) -> None:
-    link.fabric.faults.delay_notifications(3, endpoint="D", nth=1)
+    link.faults.delay_notifications(3, endpoint="D", nth=1)
     link.d.t.send_notification("P", b"first")
     link.d.t.send_notification("P", b"second")
     assert _payloads(link.p.t) == []
@@ -337,23 +350,25 @@ def test_delay_keeps_per_sender_order(link: Link) -> None:
 
 
 def test_corrupt_notifications(link: Link) -> None:
-    rule = link.fabric.faults.corrupt_notifications()
+    rule = link.faults.corrupt_notifications()
     link.d.t.send_notification("P", b"\x00\x0f")
     link.d.t.send_notification("P", b"")
     assert _payloads(link.p.t) == [b"\xff\xf0", b"\xff"]
     rule.cancel()
     rule.cancel()
-    link.fabric.faults.corrupt_notifications(lambda p: p[::-1], endpoint="D")
+    link.faults.corrupt_notifications(lambda p: p[::-1], endpoint="D")
     link.d.t.send_notification("P", b"abc")
     assert _payloads(link.p.t) == [b"cba"]
 
 
 def test_fail_transfer_before_any_byte(link: Link) -> None:
-    link.fabric.faults.fail_transfers(peer="P", op=Op.READ)
+    link.faults.fail_transfers(peer="P", op=Op.READ)
     before = link.d.buf.copy()
     h = link.read([0, 1], [2, 3], notification=b"never")
-    assert link.run(h) is XferState.FAILED
-    assert isinstance(h.error, TransferFailedError)
+    status = link.status(h)
+    assert status.state is XferState.FAILED
+    assert isinstance(status.error, TransferFailedError)
+    assert status.nbytes == 0
     np.testing.assert_array_equal(link.d.buf, before)
     assert link.p.t.drain_notifications() == []
     # the transport stays usable: WRITE is not selected by the rule
@@ -362,34 +377,36 @@ def test_fail_transfer_before_any_byte(link: Link) -> None:
 
 
 def test_fail_transfer_after_partial_writes(link: Link) -> None:
-    link.fabric.faults.fail_transfers(written=0.5, nth=2)
+    link.faults.fail_transfers(written=0.5, nth=2)
     ok = link.read([7], [7], regions=[0])
     assert link.run(ok) is XferState.DONE
     before = link.d.buf.copy()
     h = link.read([0, 2], [4, 6], regions=[0])  # two descriptors, not contiguous: one lands
-    assert link.run(h) is XferState.FAILED
-    assert "after 1 of 2" in str(h.error)
+    status = link.status(h)
+    assert status.state is XferState.FAILED
+    assert "after 1 of 2" in str(status.error)
     assert link.d.block(0, 0) == link.p.block(0, 4)
     start = 2 * BL
     np.testing.assert_array_equal(link.d.buf[start : start + BL], before[start : start + BL])
 
 
 def test_delay_transfers(link: Link) -> None:
-    link.fabric.faults.delay_transfers(5, peer="P")
+    link.faults.delay_transfers(5, peer="P")
     h = link.read([0], [1])
     for _ in range(5):
-        assert link.d.t.poll(h) is XferState.PENDING
-    assert link.d.t.poll(h) is XferState.DONE
+        assert link.d.t.poll(h).state is XferState.PENDING
+    assert link.d.t.poll(h).state is XferState.DONE
 
 
 def test_vanish_fails_everything_and_restore_allows_a_new_handshake(link: Link) -> None:
-    faults = link.fabric.faults
+    faults = link.faults
     pending = link.read([0], [0])
     link.p.t.send_notification("D", b"in flight")
     faults.vanish("P")
     assert faults.is_vanished("P")
-    assert link.run(pending) is XferState.FAILED
-    assert isinstance(pending.error, PeerUnreachableError)
+    status = link.status(pending)
+    assert status.state is XferState.FAILED
+    assert isinstance(status.error, PeerUnreachableError)
     with pytest.raises(PeerUnreachableError):
         link.read([0], [0])
     with pytest.raises(PeerUnreachableError):
@@ -400,15 +417,14 @@ def test_vanish_fails_everything_and_restore_allows_a_new_handshake(link: Link) 
         link.d.t.add_peer(link.p.t.local_metadata())
     assert link.d.t.drain_notifications() == []  # sent before it vanished, never drained
     faults.restore("P")
-    link.d.t.remove_peer("P")
-    link.d.t.add_peer(link.p.t.local_metadata())
+    link.d.t.add_peer(link.p.t.local_metadata())  # a rebuild
     remote = link.d.t.prepare_remote("P", link.p.layout)
     h = link.d.t.post(Op.READ, link.d.local, [0], remote, [0])
     assert link.run(h) is XferState.DONE
 
 
 def test_bad_fault_parameters(link: Link) -> None:
-    faults = link.fabric.faults
+    faults = link.faults
     with pytest.raises(ValueError, match="nth=0"):
         faults.drop_notifications(nth=0)
     with pytest.raises(ValueError, match="times=0"):
@@ -441,9 +457,9 @@ def test_device_copies(fabric: InProcessFabric) -> None:  # pragma: no cover - G
     la = a.prepare_local(BlockLayout(regions=[ra], block_lens=[256], num_blocks=4))
     lb = a.prepare_remote("gb", BlockLayout(regions=[rb], block_lens=[256], num_blocks=4))
     h = a.post(Op.READ, la, [0, 1], lb, [3, 2])
-    while a.poll(h) is XferState.PENDING:
+    while not (status := a.poll(h)).stopped:
         pass
-    assert h.state is XferState.DONE
+    assert status.state is XferState.DONE
     assert torch.equal(dst.reshape(4, 256)[:2], src[[3, 2]].cpu())
     a.close()
     b.close()
@@ -463,3 +479,65 @@ def test_mismatched_requests_say_what_is_wrong(link: Link, fabric: InProcessFabr
     narrow_remote = link.d.t.prepare_remote("P", narrow)
     with pytest.raises(ValueError, match="block lengths differ"):
         link.d.t.post(Op.READ, link.d.local, [0], narrow_remote, [0], regions=[0])
+
+
+# -- peers: a re-add is a rebuild --------------------------------------------------------------
+
+
+def test_adding_a_known_peer_again_rebuilds_it(link: Link) -> None:
+    h = link.read([0], [0])
+    assert link.d.t.add_peer(link.p.t.local_metadata()) == "P"  # the same metadata
+    status = link.status(h)
+    assert status.state is XferState.FAILED
+    assert isinstance(status.error, PeerUnreachableError)
+    assert "added again" in str(status.error)
+    h2 = link.read([1], [2])  # the remote layout of the same incarnation still works
+    assert link.run(h2) is XferState.DONE
+    link.d.t.remove_peer("P")
+    link.d.t.add_peer(link.p.t.local_metadata())
+    with pytest.raises(PeerUnreachableError, match="prepare_remote again"):
+        link.read([0], [0])  # prepared before the removal
+
+
+# -- hooks -------------------------------------------------------------------------------------
+
+
+class Recorder(FabricHooks):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, str, int]] = []
+
+    def transfer(self, *, endpoint: str, peer: str, op: Op, nbytes: int) -> TransferVerdict:
+        self.seen.append(("transfer", endpoint, peer, nbytes))
+        return TransferVerdict(delay=2)
+
+    def notification(self, *, endpoint: str, peer: str, payload: bytes) -> NotificationVerdict:
+        self.seen.append(("notification", endpoint, peer, len(payload)))
+        return NotificationVerdict(payload=payload.upper())
+
+
+def test_the_fabric_asks_its_hooks() -> None:
+    hooks = Recorder()
+    lk = Link(InProcessFabric(hooks=hooks))
+    h = lk.read([0], [0], notification=b"done")
+    assert lk.d.t.poll(h).state is XferState.PENDING  # due, but the hooks add two steps
+    assert lk.d.t.poll(h).state is XferState.PENDING
+    assert lk.d.t.poll(h) == XferStatus.done(2 * BL)
+    assert _payloads(lk.p.t) == [b"DONE"]
+    assert hooks.seen == [("transfer", "D", "P", 2 * BL), ("notification", "D", "P", 4)]
+    with pytest.raises(ValueError, match="other hooks"):
+        Faults.of(lk.fabric)
+    lk.close()
+
+
+def test_faults_install_once_and_rules_are_fixed(fabric: InProcessFabric) -> None:
+    faults = Faults.of(fabric)
+    assert Faults.of(fabric) is faults
+    assert fabric.hooks is faults
+    rule = faults.delay_transfers(3)
+    with pytest.raises(attrs.exceptions.FrozenAttributeError):
+        rule.polls = 5  # type: ignore[misc]
+    assert (rule.matched, rule.fired, rule.active) == (0, 0, True)
+    rule.cancel()
+    assert not rule.active
+    with pytest.raises(ValueError, match="fail_after"):
+        TransferVerdict(fail_after=2.0)
