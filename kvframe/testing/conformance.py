@@ -15,21 +15,16 @@ Use it from a plugin's test suite (see ``docs/testing-plugins.md``)::
     class TestFastWire(TransportConformance):
         pass
 
-Every test runs on a :class:`Pair`: endpoint ``a`` in the test process (its transport is
-``pair.a.transport``) and endpoint ``b`` — in a child process when the transport's
-capabilities say ``cross_process``, else in this process. Both have registered one host buffer
-cut into a three-region :class:`~kvframe.spi.transport.BlockLayout` (block lengths
-:data:`BLOCK_LENS`, :data:`NUM_BLOCKS` blocks), know each other as peers and have prepared
-each other's layout.
+Every test runs on a :class:`~kvframe.testing.pair.Pair` (see :mod:`kvframe.testing.pair`):
+endpoint ``a`` in the test process (its transport is ``pair.a.transport``) and endpoint ``b`` —
+in a child process when the transport's capabilities say ``cross_process``, else in this
+process, where the pair waits on a fake clock instead of real time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
-import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -43,239 +38,21 @@ from kvframe.errors import (
     TransportError,
 )
 from kvframe.spi.transport import (
-    BlockLayout,
     LayoutHandle,
     MemoryKind,
     MemoryRegion,
     Notification,
     Op,
     TransportCapabilities,
+    XferHandle,
     XferState,
+    XferStatus,
 )
-from kvframe.testing.endpoint import ChildEndpoint, Endpoint, LocalEndpoint, TransportSpec
+from kvframe.testing.endpoint import ChildEndpoint
+from kvframe.testing.pair import BLOCK_LENS, NUM_BLOCKS, Pair, PairFactory, expected_after
+from kvframe.testing.stateful import run_transport_state_machine
 
-__all__ = [
-    "BLOCK_LENS",
-    "NUM_BLOCKS",
-    "Pair",
-    "PairFactory",
-    "TransportConformance",
-    "expected_after",
-    "make_layout",
-    "make_pair",
-    "pair_factory",
-]
-
-#: Block length of each region of the kit's layout (deliberately different per region).
-BLOCK_LENS = (256, 64, 1024)
-#: Blocks per region in the kit's layout.
-NUM_BLOCKS = 16
-
-
-def make_layout(buffer: MemoryRegion, block_lens: Sequence[int], num_blocks: int) -> BlockLayout:
-    """Cut ``buffer`` into consecutive regions of ``num_blocks`` blocks each.
-
-    Raises ``ValueError`` when the buffer is too small.
-    """
-    need = sum(block_lens) * num_blocks
-    if need > buffer.length:
-        raise ValueError(f"buffer of {buffer.length} bytes is too small; the layout needs {need}")
-    regions = []
-    addr = buffer.addr
-    for blen in block_lens:
-        regions.append(
-            MemoryRegion(
-                addr=addr, length=blen * num_blocks, kind=buffer.kind, device_id=buffer.device_id
-            )
-        )
-        addr += blen * num_blocks
-    return BlockLayout(regions=regions, block_lens=list(block_lens), num_blocks=num_blocks)
-
-
-def _offsets(layout: BlockLayout) -> list[int]:
-    base = layout.regions[0].addr
-    return [r.addr - base for r in layout.regions]
-
-
-def expected_after(
-    dst: np.ndarray[Any, Any],
-    src: np.ndarray[Any, Any],
-    layout: BlockLayout,
-    dst_blocks: Sequence[int],
-    src_blocks: Sequence[int],
-    regions: Sequence[int] | None,
-) -> np.ndarray[Any, Any]:
-    """What the destination buffer holds after a transfer: ``dst`` with the selected blocks
-    replaced by the paired ``src`` blocks (both buffers laid out by :func:`make_layout`)."""
-    out = dst.copy()
-    offsets = _offsets(layout)
-    for r in range(layout.num_regions) if regions is None else regions:
-        blen = layout.block_lens[r]
-        for d, s in zip(dst_blocks, src_blocks, strict=True):
-            out[offsets[r] + d * blen : offsets[r] + (d + 1) * blen] = src[
-                offsets[r] + s * blen : offsets[r] + (s + 1) * blen
-            ]
-    return out
-
-
-@attrs.define(eq=False)
-class Pair:
-    """Two connected endpoints of the transport under test (see the module docstring).
-
-    ``a_local``/``a_remote`` are ``a``'s layout ids for its own buffer and for ``b``'s;
-    ``b_local``/``b_remote`` likewise for ``b``. ``peer_a``/``peer_b`` are the names each
-    side's ``add_peer`` returned (``b``'s name as seen by ``a`` is ``peer_b``).
-    """
-
-    a: LocalEndpoint
-    b: Endpoint
-    cross_process: bool
-    timeout: float
-    a_buffer: MemoryRegion
-    b_buffer: MemoryRegion
-    a_layout: BlockLayout
-    b_layout: BlockLayout
-    a_local: int
-    a_remote: int
-    b_local: int
-    b_remote: int
-    peer_a: str
-    peer_b: str
-    a_data: np.ndarray[Any, Any]
-    """What ``a``'s buffer was filled with at set-up."""
-    b_data: np.ndarray[Any, Any]
-    """What ``b``'s buffer was filled with at set-up."""
-
-    @property
-    def caps(self) -> TransportCapabilities:
-        """The transport's capabilities (as ``a`` reports them)."""
-        return self.a.capabilities
-
-    def pump(self) -> None:
-        """One round of progress on both sides."""
-        self.a.pump()
-        self.b.pump()
-
-    def read_a(self) -> np.ndarray[Any, Any]:
-        """``a``'s whole buffer, as bytes in a numpy array."""
-        return np.frombuffer(self.a.read(self.a_buffer.addr, self.a_buffer.length), np.uint8)
-
-    def read_b(self) -> np.ndarray[Any, Any]:
-        """``b``'s whole buffer, as bytes in a numpy array."""
-        return np.frombuffer(self.b.read(self.b_buffer.addr, self.b_buffer.length), np.uint8)
-
-    def wait(self, ep: Endpoint, xfer: int, timeout: float | None = None) -> XferState:
-        """Poll ``xfer`` on ``ep`` until it stops; pumps the other side meanwhile.
-
-        Raises ``AssertionError`` when it is still ``PENDING`` after ``timeout`` (default:
-        the pair's timeout).
-        """
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        other = self.b if ep is self.a else self.a
-        while True:
-            state = ep.poll(xfer).state
-            if state is not XferState.PENDING:
-                return state
-            other.pump()
-            if time.monotonic() > deadline:
-                raise AssertionError(f"transfer still PENDING after {self.timeout} s")
-            time.sleep(0.0002)
-
-    def wait_notifications(
-        self, ep: Endpoint, count: int, timeout: float | None = None
-    ) -> list[Notification]:
-        """Drain ``ep`` until ``count`` notifications arrived (pumping the other side); returns
-        all that arrived. Raises ``AssertionError`` on timeout, listing what did arrive."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        other = self.b if ep is self.a else self.a
-        got: list[Notification] = []
-        while True:
-            got.extend(ep.drain())
-            if len(got) >= count:
-                return got
-            other.pump()
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{len(got)} of {count} notifications arrived: {got!r}")
-            time.sleep(0.0002)
-
-    def settle(self, rounds: int = 20) -> None:
-        """Pump both sides ``rounds`` times (lets a wrongly started transfer do its damage)."""
-        for _ in range(rounds):
-            self.pump()
-            time.sleep(0.0002)
-
-    def close(self) -> None:
-        """Shut both endpoints down (closing transports, stopping a child). Idempotent."""
-        self.a.shutdown()
-        self.b.shutdown()
-
-
-#: Builds a new connected pair; ``cross_process=None`` follows the capabilities.
-PairFactory = Callable[..., Pair]
-
-
-def make_pair(
-    spec: TransportSpec,
-    *,
-    cross_process: bool | None = None,
-    timeout: float = 10.0,
-    seed: int = 0,
-) -> Pair:
-    """Build two endpoints of ``spec``'s transport, register and fill a buffer on each,
-    connect them both ways and prepare each other's layout.
-
-    ``cross_process`` ``None`` puts ``b`` in a child process exactly when the transport's
-    capabilities say ``cross_process``. Raises what the transport raises during set-up
-    (everything created so far is shut down first).
-    """
-    tag = uuid.uuid4().hex[:8]
-    a = LocalEndpoint(spec.build(f"kit-{tag}-a"))
-    b: Endpoint | None = None
-    try:
-        remote = a.capabilities.cross_process if cross_process is None else cross_process
-        if remote:
-            b = ChildEndpoint.start(spec, f"kit-{tag}-b", timeout=timeout, pump=a.pump)
-        else:
-            b = LocalEndpoint(spec.build(f"kit-{tag}-b"))
-        size = sum(BLOCK_LENS) * NUM_BLOCKS
-        rng = np.random.default_rng(seed)
-        buffers = []
-        data = []
-        for ep in (a, b):
-            buf = ep.alloc(size)
-            content = rng.integers(0, 256, size, dtype=np.uint8)
-            ep.write(buf.addr, content.tobytes())
-            ep.register([buf])
-            buffers.append(buf)
-            data.append(content)
-        a_layout = make_layout(buffers[0], BLOCK_LENS, NUM_BLOCKS)
-        b_layout = make_layout(buffers[1], BLOCK_LENS, NUM_BLOCKS)
-        a_meta, b_meta = a.metadata(), b.metadata()
-        peer_b = a.add_peer(b_meta)
-        peer_a = b.add_peer(a_meta)
-        return Pair(
-            a=a,
-            b=b,
-            cross_process=remote,
-            timeout=timeout,
-            a_buffer=buffers[0],
-            b_buffer=buffers[1],
-            a_layout=a_layout,
-            b_layout=b_layout,
-            a_local=a.prepare_local(a_layout),
-            a_remote=a.prepare_remote(peer_b, b_layout),
-            b_local=b.prepare_local(b_layout),
-            b_remote=b.prepare_remote(peer_a, a_layout),
-            peer_a=peer_a,
-            peer_b=peer_b,
-            a_data=data[0],
-            b_data=data[1],
-        )
-    except BaseException:
-        a.shutdown()
-        if b is not None:
-            b.shutdown()
-        raise
+__all__ = ["TransportConformance"]
 
 
 def _random_blocks(rng: random.Random, count: int) -> list[int]:
@@ -314,16 +91,27 @@ class TransportConformance:
             assert caps.max_notification_bytes == 0
         assert kvframe_pair.a.transport.name == kvframe_pair.a.name
 
-    def test_metadata_names_the_peer_and_add_peer_is_idempotent(self, kvframe_pair: Pair) -> None:
-        """add_peer returns the peer's endpoint name; adding the same metadata again is a no-op."""
+    def test_metadata_names_the_peer_and_add_peer_again_rebuilds(self, kvframe_pair: Pair) -> None:
+        """add_peer returns the peer's endpoint name; adding a known peer again is a rebuild: a
+        transfer in flight stops (FAILED with PeerUnreachableError, unless it was already DONE)
+        and the remote layout prepared for the same incarnation keeps working.
+        """
         p = kvframe_pair
         meta = p.b.metadata()
         assert isinstance(meta, bytes)
         assert meta
         assert p.peer_b == p.b.name
         assert p.peer_a == p.a.name
-        assert p.a.add_peer(meta) == p.peer_b  # same metadata again: a no-op
-        self._check_transfer(p, Op.READ if p.caps.read else Op.WRITE, [0, 1], [2, 3], None)
+        op = Op.READ if p.caps.read else Op.WRITE
+        inflight = p.a.post(op, p.a_local, [0, 1], p.a_remote, [2, 3])
+        assert p.a.add_peer(meta) == p.peer_b  # the same metadata again: a rebuild
+        state = p.wait(p.a, inflight)
+        status = p.a.poll(inflight)
+        if state is XferState.FAILED:
+            assert isinstance(status.error, PeerUnreachableError), status.error
+        p.a.release(inflight)
+        self._check_transfer(p, op, [0, 1], [2, 3], None)  # the old layout handle still works
+        self._check_transfer(p, op, [4], [5], [1])
 
     def test_garbage_metadata_is_rejected_and_transport_stays_usable(
         self, kvframe_pair: Pair
@@ -411,23 +199,33 @@ class TransportConformance:
             np.testing.assert_array_equal(p.read_a(), want)
 
     def test_poll_states_and_release_twice(self, kvframe_pair: Pair) -> None:
-        """PENDING then DONE, DONE stays DONE, handle fields, release twice, poll after release
+        """PENDING then DONE, DONE stays DONE with an equal frozen status (bytes landed, no
+        error), the handle is frozen with the right fields, release twice, poll after release
         raises TransportClosedError.
         """
         p = kvframe_pair
         op = Op.READ if p.caps.read else Op.WRITE
         xid = p.a.post(op, p.a_local, [0], p.a_remote, [1])
         handle = p.a.handle(xid)
+        assert isinstance(handle, XferHandle)
         assert handle.op is op
         assert handle.peer == p.peer_b
         assert handle.nbytes == sum(BLOCK_LENS)
-        seen = [p.a.poll(xid).state]
-        assert seen[0] in (XferState.PENDING, XferState.DONE)
+        assert handle.num_descriptors == len(BLOCK_LENS)
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            handle.nbytes = 0  # type: ignore[misc]
+        first = p.a.transport.poll(handle)
+        assert isinstance(first, XferStatus), f"poll must answer an XferStatus, not {first!r}"
+        assert first.state in (XferState.PENDING, XferState.DONE)
         assert p.wait(p.a, xid) is XferState.DONE
-        assert p.a.poll(xid).state is XferState.DONE
+        done = p.a.transport.poll(handle)
+        assert done.state is XferState.DONE
+        assert done.error is None
+        assert done.nbytes == handle.nbytes, "a DONE status counts the handle's bytes"
+        assert done.transfer_seconds is None or done.transfer_seconds >= 0
+        assert p.a.transport.poll(handle) == done, "a stopped status must not change"
         p.a.release(xid)
         p.a.release(xid)  # a no-op
-        assert handle.released
         with pytest.raises(TransportClosedError):
             p.a.poll(xid)
 
@@ -592,7 +390,7 @@ class TransportConformance:
         inflight = p.a.post(op, p.a_local, list(range(NUM_BLOCKS)), p.a_remote, list(range(16)))
         p.b.kill()
         bound = p.timeout
-        start = time.monotonic()
+        start = p.clock()
         state = p.wait(p.a, inflight, timeout=bound)
         assert state in (XferState.DONE, XferState.FAILED)  # it may have finished before
         p.a.release(inflight)
@@ -607,7 +405,7 @@ class TransportConformance:
             assert state is XferState.FAILED, "a transfer with a dead peer reported DONE"
             assert isinstance(status.error, PeerUnreachableError), status.error
             p.a.release(late)
-        assert time.monotonic() - start < 2 * bound
+        assert p.clock() - start < 2 * bound
 
     # -- lifetime ---------------------------------------------------------------------------
     def test_close_twice_and_use_after_close(self, kvframe_pair: Pair) -> None:
@@ -645,8 +443,6 @@ class TransportConformance:
 
     def test_state_machine(self, kvframe_pair_factory: PairFactory) -> None:
         """The Hypothesis state machine (kvframe.testing.stateful) on fresh pairs."""
-        from kvframe.testing.stateful import run_transport_state_machine
-
         run_transport_state_machine(kvframe_pair_factory)
 
     # -- helpers ----------------------------------------------------------------------------
@@ -657,21 +453,3 @@ class TransportConformance:
     def _require_op(self, p: Pair, op: Op) -> None:
         if not self._supported(p, op):
             pytest.skip(f"the transport does not support {op.name}")
-
-
-@contextlib.contextmanager
-def pair_factory(spec: TransportSpec, *, timeout: float) -> Iterator[PairFactory]:
-    """A pair factory whose pairs are all shut down when the context exits."""
-    made: list[Pair] = []
-
-    def factory(**kwargs: Any) -> Pair:
-        kwargs.setdefault("timeout", timeout)
-        pair = make_pair(spec, **kwargs)
-        made.append(pair)
-        return pair
-
-    try:
-        yield factory
-    finally:
-        for pair in made:
-            pair.close()

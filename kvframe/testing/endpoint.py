@@ -50,6 +50,7 @@ from kvframe.spi.transport import (
     TransportParams,
     XferHandle,
     XferState,
+    XferStatus,
 )
 
 __all__ = [
@@ -58,7 +59,6 @@ __all__ = [
     "LocalEndpoint",
     "RemoteError",
     "TransportSpec",
-    "XferStatus",
     "serve_child",
 ]
 
@@ -73,14 +73,6 @@ class RemoteError(Exception):
     def __init__(self, type_name: str, message: str) -> None:
         super().__init__(f"{type_name}: {message}")
         self.type_name = type_name
-
-
-@attrs.frozen(kw_only=True)
-class XferStatus:
-    """What :meth:`Endpoint.poll` answers: the state and, when ``FAILED``, the error."""
-
-    state: XferState
-    error: BaseException | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -214,8 +206,13 @@ _ERROR_TYPES: dict[str, type[BaseException]] = {
 } | {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError}
 
 
-def _error_to_wire(exc: BaseException) -> dict[str, Any]:
-    return {"type": type(exc).__name__, "message": str(exc)}
+def _error_to_wire(exc: BaseException, *, kvframe: bool = False) -> dict[str, Any]:
+    """``kvframe=True``: name the nearest class of :mod:`kvframe.errors` (a plugin's own
+    subclass of ``TransferFailedError`` travels as ``TransferFailedError``)."""
+    name = type(exc).__name__
+    if kvframe:
+        name = next(c.__name__ for c in type(exc).__mro__ if c.__name__ in errors.__all__)
+    return {"type": name, "message": str(exc)}
 
 
 def _error_from_wire(v: Mapping[str, Any]) -> BaseException:
@@ -294,7 +291,9 @@ class Endpoint(abc.ABC):
 
     @abc.abstractmethod
     def poll(self, xfer: int) -> XferStatus:
-        """``transport.poll(handle)`` and the handle's error."""
+        """``transport.poll(handle)``: the transfer's
+        :class:`~kvframe.spi.transport.XferStatus` (from a child, its error is rebuilt as the
+        nearest kvframe error class, with the message)."""
 
     @abc.abstractmethod
     def release(self, xfer: int) -> None:
@@ -434,9 +433,7 @@ class LocalEndpoint(Endpoint):
 
     def poll(self, xfer: int) -> XferStatus:
         """See :meth:`Endpoint.poll`; runs on the wrapped transport in this process."""
-        handle = self._xfers[xfer]
-        state = self.transport.poll(handle)
-        return XferStatus(state=state, error=handle.error if state is XferState.FAILED else None)
+        return self.transport.poll(self._xfers[xfer])
 
     def release(self, xfer: int) -> None:
         """See :meth:`Endpoint.release`; runs on the wrapped transport in this process."""
@@ -681,7 +678,13 @@ class ChildEndpoint(Endpoint):
         """See :meth:`Endpoint.poll`; runs in the child process."""
         result = self._call("poll", xfer=xfer)
         error = None if result["error"] is None else _error_from_wire(result["error"])
-        return XferStatus(state=XferState(result["state"]), error=error)
+        assert error is None or isinstance(error, errors.TransportError)
+        return XferStatus(
+            state=XferState(result["state"]),
+            error=error,
+            nbytes=result["nbytes"],
+            transfer_seconds=result["transfer_seconds"],
+        )
 
     def release(self, xfer: int) -> None:
         """See :meth:`Endpoint.release`; runs in the child process."""
@@ -784,8 +787,13 @@ class _Server:
             )
         if cmd == "poll":
             status = ep.poll(args["xfer"])
-            err = None if status.error is None else _error_to_wire(status.error)
-            return {"state": status.state.value, "error": err}
+            err = None if status.error is None else _error_to_wire(status.error, kvframe=True)
+            return {
+                "state": status.state.value,
+                "error": err,
+                "nbytes": status.nbytes,
+                "transfer_seconds": status.transfer_seconds,
+            }
         if cmd == "release":
             return ep.release(args["xfer"])
         if cmd == "notify":

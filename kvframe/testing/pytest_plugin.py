@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from kvframe.spi.transport import Transport, TransportParams
-from kvframe.testing.conformance import Pair, PairFactory, pair_factory
 from kvframe.testing.endpoint import TransportSpec
+from kvframe.testing.pair import Pair, PairFactory, pair_factory
 
 __all__ = [
     "kvframe_conformance_timeout",
@@ -58,7 +58,9 @@ def kvframe_transport_factory() -> str | Callable[[TransportParams], Transport] 
 
 @pytest.fixture
 def kvframe_conformance_timeout() -> float:
-    """Seconds the kit waits for a transfer, a notification or a child's answer."""
+    """Seconds the kit waits for a transfer, a notification or a child's answer. For a pair
+    in this process they are fake seconds: rounds of progress of
+    :data:`~kvframe.testing.pair.POLL_INTERVAL` each, with no real sleep."""
     return 10.0
 
 

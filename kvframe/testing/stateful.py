@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 
 from kvframe.errors import TransportClosedError
 from kvframe.spi.transport import Op, XferState
-from kvframe.testing.conformance import BLOCK_LENS, NUM_BLOCKS, Pair, PairFactory
+from kvframe.testing.pair import BLOCK_LENS, NUM_BLOCKS, POLL_INTERVAL, Pair, PairFactory
 
 __all__ = ["TransportStateMachine", "run_transport_state_machine"]
 
@@ -382,9 +382,7 @@ class TransportStateMachine(RuleBasedStateMachine):
             self.p.close()
 
     def _wait_for_notifications(self) -> None:
-        import time
-
-        deadline = time.monotonic() + self.p.timeout
+        deadline = self.p.clock() + self.p.timeout
         while True:
             for side in _SIDES:
                 self._receive(side)
@@ -396,9 +394,9 @@ class TransportStateMachine(RuleBasedStateMachine):
             ]
             if not missing:
                 return
-            assert time.monotonic() < deadline, f"notifications never arrived: {missing!r}"
+            assert self.p.clock() < deadline, f"notifications never arrived: {missing!r}"
             self.p.pump()
-            time.sleep(0.0005)
+            self.p.sleep(POLL_INTERVAL)
 
 
 def run_transport_state_machine(

@@ -11,7 +11,7 @@ import pytest
 from kvframe.errors import ConfigError, PeerUnreachableError
 from kvframe.spi.transport import Op, XferState
 from kvframe.testing import ChildEndpoint, LocalEndpoint, RemoteError, TransportSpec
-from kvframe.testing.conformance import BLOCK_LENS, NUM_BLOCKS, make_layout
+from kvframe.testing.pair import BLOCK_LENS, NUM_BLOCKS, make_layout
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "contrib" / "kvframe-example-transport"
 TCP = "kvframe_example_transport.transport:TcpTransport.create"

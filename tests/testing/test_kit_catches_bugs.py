@@ -10,7 +10,7 @@ from hypothesis import Phase, settings
 
 from kvframe.spi.transport import LayoutHandle, Notification, Op, TransportParams, XferHandle
 from kvframe.testing import Pair, TransportConformance, TransportSpec, make_pair
-from kvframe.testing.conformance import pair_factory
+from kvframe.testing.pair import pair_factory
 from kvframe.testing.stateful import run_transport_state_machine
 from kvframe.transports.inprocess import InProcessFabric, InProcessTransport
 
@@ -33,7 +33,7 @@ class IgnoresRegions(InProcessTransport):
 
 class UsableAfterClose(InProcessTransport):
     def local_metadata(self) -> bytes:
-        if self._closed:
+        if self.closed:
             return b"still here"
         return super().local_metadata()
 
@@ -45,7 +45,7 @@ class ReversedNotifications(InProcessTransport):
 
 class ReleaseDoesNotStop(InProcessTransport):
     def release(self, handle: XferHandle) -> None:
-        handle.released = True  # but the transfer stays queued and still writes later
+        handle.native.release()  # marked released, but the transfer stays queued and writes later
 
 
 def _spec(cls: type[InProcessTransport], **options: Any) -> TransportSpec:
