@@ -352,11 +352,11 @@ class _KvframeMethod:
         return self.t.post(Op.READ, self.local, dst, self.remote, src)
 
     def wait(self, h: Any) -> None:
-        while (state := self.t.poll(h)) is XferState.PENDING:
+        while (status := self.t.poll(h)).state is XferState.PENDING:
             pass
         self.t.release(h)
-        if state is not XferState.DONE:
-            raise RuntimeError(f"kvframe READ failed: {h.error}")
+        if status.state is not XferState.DONE:
+            raise RuntimeError(f"kvframe READ failed: {status.error}")
 
     def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
         self.wait(self.post(dst, src))

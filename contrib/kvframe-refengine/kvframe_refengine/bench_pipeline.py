@@ -188,11 +188,11 @@ class _Worker(KVConnectorWorker):
         self.remote = self.t.prepare_remote(peer, self._peer_layout)
 
     def _wait(self, h: XferHandle) -> None:
-        while (state := self.t.poll(h)) is XferState.PENDING:
+        while (status := self.t.poll(h)).state is XferState.PENDING:
             time.sleep(0)  # yield the GIL to the transport's post worker
         self.t.release(h)
-        if state is not XferState.DONE:
-            raise RuntimeError(f"pipeline bench READ failed: {h.error}")
+        if status.state is not XferState.DONE:
+            raise RuntimeError(f"pipeline bench READ failed: {status.error}")
 
     def start_load_kv(self, forward_context: Any) -> None:
         assert self.local is not None

@@ -85,6 +85,7 @@ from kvframe.spi.transport import (
     TransportParams,
     XferHandle,
     XferState,
+    XferStatus,
 )
 
 if TYPE_CHECKING:
@@ -590,12 +591,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._engines.touch(entry, now)
         return []
 
-    def _transfer_state(self, rid: str, state: XferState, handle: XferHandle, now: float) -> None:
+    def _transfer_state(self, rid: str, status: XferStatus, handle: XferHandle, now: float) -> None:
         rd = self._reads.get(rid)
-        if rd is None or rd.handle is not handle or state is XferState.PENDING:
+        if rd is None or rd.handle is not handle or status.state is XferState.PENDING:
             return  # ended meanwhile (aborted, lost) or still moving
-        if state is XferState.FAILED:
-            err = handle.error
+        if status.state is XferState.FAILED:
+            err = status.error
             broken = isinstance(err, PeerUnreachableError)
             actions = self._reader.transfer_failed(rid, str(err), now, peer_broken=broken)
             if broken:
@@ -606,8 +607,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._run(actions, now)
             return
         engine = rd.spec.remote.engine_id
-        self._count("bytes_read", handle.nbytes, engine=engine)
-        moved = handle.transfer_seconds
+        self._count("bytes_read", status.nbytes, engine=engine)
+        moved = status.transfer_seconds
         self._count("transfer_seconds", moved if moved is not None else now - rd.posted_at)
         self._count("load_wait_seconds", now - rd.posted_at)
         self._run(self._reader.transfer_done(rid, now), now)
