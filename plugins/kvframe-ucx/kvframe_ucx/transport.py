@@ -32,6 +32,12 @@
 - **Cancellation:** `release` of a pending transfer makes progress until it has stopped (the
   peer answers within its next `progress()`), at most `release_timeout` seconds; after that it
   drops the peer, which cancels every receive posted on its endpoint, so no byte lands later.
+- **Peers:** `add_peer` of a known name is a rebuild (the SPI's rule): the old UCX endpoint is
+  closed (cancelling every request posted on it; its transfers poll `FAILED` with
+  `PeerUnreachableError`) and a new one is created. Remote layouts prepared for the same
+  incarnation keep working; a restarted peer's old ones are refused. A peer's hello (the first
+  message on a connection it opened) connects only when the peer is unknown, restarted or
+  broken, so it never tears down a healthy connection.
 - **Failure:** ucxx errors are translated in one place (`_translate`). A peer that died or
   disconnected is noticed through UCX's endpoint error handling (within milliseconds on
   loopback): its transfers poll `FAILED` with `PeerUnreachableError`, receives posted for it
@@ -50,7 +56,7 @@
   `transfers_done`, `transfers_failed`, `messages` (data messages posted by this side's
   requests), `requests_served` (peers' READ/WRITE requests answered), `bytes_served`,
   `notifications_sent`, `notifications_received`, `frames_dropped` (control frames from peers
-  that did not decode or were illegal), `peers`. `XferHandle.transfer_seconds` stays `None`:
+  that did not decode or were illegal), `peers`. `XferStatus.transfer_seconds` stays `None`:
   completion is seen only inside `progress()`, so a figure would measure the caller's polling;
   connectors then time from `post` to the `poll` that saw `DONE`.
 
@@ -60,6 +66,10 @@ release or a peer removal (ucxx-cu12 0.52, nixl-cu12 1.5.1). Use NIXL or this tr
 process, not both.
 
 **Threads.** One caller thread at a time, like every transport; the transport starts none.
+
+The contract code every transport shares (option parsing, the closed guard, payload and op
+checks, descriptor pairing, the peer table, transfer records) is
+`kvframe.spi.transport_kit`; this module is what is particular to UCX.
 """
 
 from __future__ import annotations
@@ -84,9 +94,9 @@ from kvframe.errors import (
     ConfigError,
     PeerUnreachableError,
     TransferFailedError,
-    TransportClosedError,
     TransportError,
 )
+from kvframe.spi import transport_kit as kit
 from kvframe.spi.transport import (
     BlockLayout,
     LayoutHandle,
@@ -98,8 +108,7 @@ from kvframe.spi.transport import (
     TransportCapabilities,
     TransportParams,
     XferHandle,
-    XferState,
-    descriptor_ids,
+    XferStatus,
 )
 
 __all__ = [
@@ -133,11 +142,11 @@ _CTRL_TAG: Final = 1
 _DATA_BIT: Final = 1 << 63
 _INDEX_BITS: Final = 24
 _MAX_MESSAGES: Final = 1 << _INDEX_BITS
-_OPTION_KEYS: Final = ("release_timeout", "ucx_config")
-
-
-def _option_error(key: str, value: object, allowed: str) -> ConfigError:
-    return ConfigError(f"ucx transport option {key!r} = {value!r} is invalid: {allowed}")
+_OPTIONS: Final = kit.TransportOptions(
+    "ucx",
+    kit.seconds("release_timeout"),
+    kit.text_map("ucx_config", strip_prefix="UCX_", example='{"TLS": "tcp"}'),
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -155,33 +164,10 @@ class UcxOptions:
         """Validate ``options`` and build the value.
 
         Raises :class:`~kvframe.errors.ConfigError` naming the key, the value and what is
-        allowed, for an unknown key or a value of the wrong type or range.
+        allowed (the closest known key for a typo), for an unknown key or a value of the
+        wrong type or range.
         """
-        if not isinstance(options, Mapping):
-            raise ConfigError(f"ucx transport options must be a mapping, got {options!r}")
-        unknown = sorted(str(k) for k in options if k not in _OPTION_KEYS)
-        if unknown:
-            raise ConfigError(
-                f"unknown ucx transport option(s) {unknown}; allowed: {list(_OPTION_KEYS)}"
-            )
-        kw: dict[str, Any] = {}
-        if "release_timeout" in options:
-            v = options["release_timeout"]
-            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-                raise _option_error("release_timeout", v, "give seconds as a number > 0")
-            kw["release_timeout"] = float(v)
-        if "ucx_config" in options:
-            v = options["ucx_config"]
-            if not isinstance(v, Mapping) or not all(
-                isinstance(k, str) and k and isinstance(s, str) for k, s in v.items()
-            ):
-                raise _option_error(
-                    "ucx_config",
-                    v,
-                    'give a mapping of UCX setting names to strings, e.g. {"TLS": "tcp"}',
-                )
-            kw["ucx_config"] = {k.removeprefix("UCX_"): s for k, s in v.items()}
-        return cls(**kw)
+        return cls(**_OPTIONS.parse(options))
 
 
 def _buffer(addr: int, length: int) -> memoryview:
@@ -189,8 +175,24 @@ def _buffer(addr: int, length: int) -> memoryview:
     return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
 
 
-def _inside(addr: int, length: int, regions: Sequence[Sequence[int]]) -> bool:
-    return any(start <= addr and addr + length <= start + size for start, size in regions)
+def _inside(addr: int, length: int, regions: Sequence[MemoryRegion]) -> bool:
+    return any(r.addr <= addr and addr + length <= r.addr + r.length for r in regions)
+
+
+def _descs(
+    layout: BlockLayout, registered: Sequence[MemoryRegion], who: str
+) -> npt.NDArray[np.int64]:
+    """(addr, len) rows, region-major (row ``r * num_blocks + b``), after checking the layout
+    is host memory inside ``registered``."""
+    for i, region in enumerate(layout.regions):
+        if region.kind is not MemoryKind.HOST:
+            raise CapabilityError(
+                f"layout region {i} is {region.kind.value} memory; ucx moves host memory only"
+            )
+    kit.check_inside(layout, registered, who)
+    addrs, lens = kit.block_table(layout)
+    out: npt.NDArray[np.int64] = np.stack([addrs, lens], axis=1)
+    return out
 
 
 def _coalesce(
@@ -208,9 +210,8 @@ def _coalesce(
 
 
 class _Peer:
-    def __init__(self, name: str, incarnation: str, regions: list[list[int]], ep: Any) -> None:
+    def __init__(self, name: str, regions: list[MemoryRegion], ep: Any) -> None:
         self.name = name
-        self.incarnation = incarnation
         self.regions = regions
         self.ep = ep
         self.dead: str | None = None  # why, once the endpoint failed or was dropped
@@ -218,10 +219,11 @@ class _Peer:
 
 
 class _Xfer:
-    """One transfer posted by this side."""
+    """One transfer posted by this side (the record of its ``Transfer``)."""
 
-    def __init__(self, handle: XferHandle, peer: _Peer, laddrs: Any, raddrs: Any, lens: Any):
-        self.handle = handle
+    def __init__(self, xid: int, op: Op, peer: _Peer, laddrs: Any, raddrs: Any, lens: Any):
+        self.xid = xid
+        self.op = op
         self.peer = peer
         self.laddrs: list[int] = laddrs
         self.raddrs: list[int] = raddrs
@@ -255,6 +257,7 @@ class UcxTransport(Transport):
 
     def __init__(self, params: TransportParams) -> None:
         self._opts = UcxOptions.from_mapping(params.options)
+        self._who = f"ucx transport {params.name!r}"
         if "nixl_cu12" in sys.modules:
             raise ConfigError(
                 "ucx transport: NIXL (nixl_cu12) is loaded in this process, and ucxx and NIXL "
@@ -270,15 +273,14 @@ class UcxTransport(Transport):
             )
             self._worker = ucx_api.UCXWorker(self._context)
         except Exception as exc:
-            raise ConfigError(
-                f"ucx transport: UCX refused option 'ucx_config' = "
-                f"{dict(self._opts.ucx_config)!r}: {exc}"
+            raise _OPTIONS.error(
+                "ucx_config", dict(self._opts.ucx_config), "settings this UCX accepts", str(exc)
             ) from exc
         self._address: bytes = self._worker.address.tobytes()
         self._incarnation = uuid.uuid4().hex
-        self._regions: list[list[int]] = []
-        self._peers: dict[str, _Peer] = {}
-        self._xfers: dict[int, _Xfer] = {}
+        self._regions: list[MemoryRegion] = []
+        self._peers: kit.PeerTable[_Peer] = kit.PeerTable(self._who, self._drop_peer)
+        self._xfers: dict[int, kit.Transfer[_Xfer]] = {}
         self._served: dict[int, _Served] = {}  # by receive slot
         self._sends: deque[tuple[Any, Any]] = deque()  # fire-and-forget sends in flight
         self._ctrl_recvs: deque[tuple[Any, bytearray]] = deque()
@@ -300,7 +302,7 @@ class UcxTransport(Transport):
             ),
             0.0,
         )
-        self._closed = False
+        self._guard = kit.OpenGuard(self._who)
 
     @classmethod
     def create(cls, params: TransportParams) -> UcxTransport:
@@ -319,18 +321,18 @@ class UcxTransport(Transport):
         Raises :class:`~kvframe.errors.CapabilityError` for non-host memory (nothing is
         registered then).
         """
-        self._check_open()
+        self._guard.check()
         regions = list(regions)
         for r in regions:
             if r.kind is not MemoryKind.HOST:
                 raise CapabilityError(
                     f"the ucx transport moves host memory only, not {r.kind.value}"
                 )
-        self._regions.extend([r.addr, r.length] for r in regions)
+        self._regions.extend(regions)
 
     def local_metadata(self) -> bytes:
         """msgpack of version, name, incarnation, UCX worker address and registered regions."""
-        self._check_open()
+        self._guard.check()
         return self._metadata()
 
     def _metadata(self) -> bytes:
@@ -340,90 +342,82 @@ class UcxTransport(Transport):
                 "name": self._name,
                 "inc": self._incarnation,
                 "addr": self._address,
-                "regions": self._regions,
+                "regions": [[r.addr, r.length] for r in self._regions],
             },
             use_bin_type=True,
         )
         return blob
 
     def add_peer(self, metadata: bytes) -> str:
-        """Create a UCX endpoint to the peer the metadata describes (see the SPI contract).
+        """Create a UCX endpoint to the peer the metadata describes; a known name is rebuilt
+        (its old endpoint closed first). See the SPI contract.
 
         Raises :class:`~kvframe.errors.PeerUnreachableError` for metadata that does not decode
         or a worker address UCX cannot reach; the transport stays usable.
         """
-        self._check_open()
-        name = self._connect(metadata)
-        peer = self._peers[name]
+        self._guard.check()
+        name = self._connect(metadata, rebuild=True)
+        peer = self._peers.get(name).conn
         if not peer.hello_sent:
             peer.hello_sent = True
             self._send_ctrl(peer, {"k": "hello", "m": self._metadata()})
         return name
 
-    def _connect(self, metadata: bytes) -> str:
+    def _connect(self, metadata: bytes, *, rebuild: bool) -> str:
+        """Connect to the peer ``metadata`` names. ``rebuild`` (``add_peer``): always a new
+        endpoint; without it (a peer's hello), a healthy endpoint of the same incarnation is
+        kept."""
         try:
             meta = msgpack.unpackb(metadata, raw=False)
             if meta["v"] != METADATA_VERSION:
                 raise ValueError(f"metadata version {meta['v']!r}, expected {METADATA_VERSION}")
             name, incarnation = str(meta["name"]), str(meta["inc"])
             address = bytes(meta["addr"])
-            regions = [[int(a), int(n)] for a, n in meta["regions"]]
+            regions = [MemoryRegion(addr=int(a), length=int(n)) for a, n in meta["regions"]]
         except Exception as exc:
             raise PeerUnreachableError(
                 f"ucx: peer metadata does not decode ({exc}); pass another ucx endpoint's "
                 "local_metadata()"
             ) from exc
-        old = self._peers.get(name)
-        if old is not None and old.incarnation == incarnation and old.dead is None:
+        old = self._peers.find(name)
+        if (
+            not rebuild
+            and old is not None
+            and old.incarnation == incarnation
+            and old.conn.dead is None
+        ):
             return name
-        if old is not None:
-            self._drop_peer(old, f"peer {name!r} was replaced by a new incarnation")
-        try:
-            ucx_address = self._api.UCXAddress.create_from_buffer(address)
-            ep = self._worker.create_endpoint_from_worker_address(ucx_address, True)
-        except Exception as exc:
-            raise self._translate(exc, f"cannot reach peer {name!r}") from exc
-        self._peers[name] = _Peer(name, incarnation, regions, ep)
+
+        def connect() -> _Peer:
+            try:
+                ucx_address = self._api.UCXAddress.create_from_buffer(address)
+                ep = self._worker.create_endpoint_from_worker_address(ucx_address, True)
+            except Exception as exc:
+                raise self._translate(exc, f"cannot reach peer {name!r}") from exc
+            return _Peer(name, regions, ep)
+
+        self._peers.add(name, incarnation, connect)
         return name
 
     def remove_peer(self, peer: str) -> None:
         """Close the endpoint to ``peer``; its pending transfers fail. Unknown: ignored."""
-        self._check_open()
-        old = self._peers.get(peer)
-        if old is not None:
-            self._drop_peer(old, f"peer {peer!r} was removed")
+        self._guard.check()
+        self._peers.remove(peer)
 
     def prepare_local(self, layout: BlockLayout) -> LayoutHandle:
         """Descriptors of a local layout; ``ValueError`` if not inside registered memory."""
-        self._check_open()
-        return LayoutHandle(layout=layout, peer=None, native=self._descs(layout, self._regions))
+        self._guard.check()
+        table = _descs(layout, self._regions, "this endpoint")
+        return LayoutHandle(layout=layout, peer=None, native=kit.Prepared.local(self, table))
 
     def prepare_remote(self, peer: str, layout: BlockLayout) -> LayoutHandle:
         """Descriptors of a peer's layout; ``ValueError`` if not inside its registered memory,
         :class:`~kvframe.errors.PeerUnreachableError` for an unknown or failed peer."""
-        self._check_open()
+        self._guard.check()
         target = self._live_peer(peer)
-        return LayoutHandle(layout=layout, peer=peer, native=self._descs(layout, target.regions))
-
-    @staticmethod
-    def _descs(layout: BlockLayout, regions: Sequence[Sequence[int]]) -> npt.NDArray[np.int64]:
-        for i, region in enumerate(layout.regions):
-            if region.kind is not MemoryKind.HOST:
-                raise CapabilityError(
-                    f"layout region {i} is {region.kind.value} memory; ucx moves host memory only"
-                )
-            used = layout.block_lens[i] * layout.num_blocks
-            if not _inside(region.addr, used, regions):
-                raise ValueError(
-                    f"layout region {i} at {region.addr:#x} ({used} bytes) is not inside "
-                    "registered memory; register it first"
-                )
-        nb = layout.num_blocks
-        base = np.array([r.addr for r in layout.regions], dtype=np.int64)
-        blen = np.array(layout.block_lens, dtype=np.int64)
-        addrs = (base[:, None] + np.arange(nb, dtype=np.int64)[None, :] * blen[:, None]).ravel()
-        out: npt.NDArray[np.int64] = np.stack([addrs, np.repeat(blen, nb)], axis=1)
-        return out  # row r * num_blocks + b: (addr, len)
+        table = _descs(layout, target.regions, f"peer {peer!r}")
+        native = self._peers.prepared(self, peer, table)
+        return LayoutHandle(layout=layout, peer=peer, native=native)
 
     # -- transfers --------------------------------------------------------------------------
     def post(
@@ -445,45 +439,29 @@ class UcxTransport(Transport):
         :class:`~kvframe.errors.TransferFailedError` when UCX refuses to post; on any error
         no handle exists and no byte moved.
         """
-        self._check_open()
-        if op not in (Op.READ, Op.WRITE):
-            raise ValueError(f"op must be Op.READ or Op.WRITE, got {op!r}")
-        if local.peer is not None or remote.peer is None:
-            raise ValueError("pass a prepare_local handle and a prepare_remote handle")
-        lids = descriptor_ids(local.layout, local_blocks, regions)
-        rids = descriptor_ids(remote.layout, remote_blocks, regions)
-        if lids.size != rids.size:
-            raise ValueError(
-                f"local_blocks and remote_blocks must have the same length "
-                f"({lids.size} and {rids.size} descriptors)"
-            )
-        ldesc, rdesc = local.native[lids], remote.native[rids]
-        if not np.array_equal(ldesc[:, 1], rdesc[:, 1]):
-            raise ValueError("local and remote block lengths differ in a selected region")
-        if notification is not None:
-            self._check_payload(notification)
-        target = self._live_peer(remote.peer)
+        self._guard.check()
+        req = kit.check_post(
+            self, self._peers, op, local, local_blocks, remote, remote_blocks,
+            regions=regions, notification=notification,
+        )  # fmt: skip
+        ldesc, rdesc = req.local[req.pairs.local], req.remote[req.pairs.remote]
+        notification = req.notification
+        target = self._live_peer(req.peer.name)
         laddrs, raddrs, lens = _coalesce(ldesc, rdesc)
         if lens.size >= _MAX_MESSAGES:
             raise ValueError(f"a transfer may have at most {_MAX_MESSAGES - 1} messages")
         xid = next(self._ids)
-        handle = XferHandle(
-            op=op,
-            peer=target.name,
-            nbytes=int(ldesc[:, 1].sum()),
-            num_descriptors=len(ldesc),
-            native=xid,
-        )
-        xfer = _Xfer(handle, target, laddrs.tolist(), raddrs.tolist(), lens.tolist())
+        xfer = _Xfer(xid, op, target, laddrs.tolist(), raddrs.tolist(), lens.tolist())
         xfer.notification = notification
+        handle, tr = kit.Transfer.post(self, xfer, op=op, peer=target.name, pairs=req.pairs)
         self._stats["transfers_posted"] += 1
         if not xfer.lens:
             # Nothing to move: done at once; a notification still travels, after "every" byte.
-            self._xfers[xid] = xfer
+            self._xfers[xid] = tr
             if notification is not None:
                 self._send_ctrl(target, {"k": "nt", "p": notification})
             xfer.answer = "ok"
-            self._finish(xfer, None)
+            self._finish(tr, None)
             return handle
         try:
             if op is Op.READ:
@@ -505,68 +483,69 @@ class UcxTransport(Transport):
             if xfer.requests:
                 # Receives are already posted into our memory: only dropping the endpoint
                 # cancels them, so the caller can trust "no byte moved".
-                self._drop_peer(target, str(err))
+                self._peers.discard(target, str(err))
             raise err from exc
         self._stats["messages"] += len(xfer.lens)
-        self._xfers[xid] = xfer
+        self._xfers[xid] = tr
         return handle
 
-    def poll(self, handle: XferHandle) -> XferState:
-        """Make progress, then answer the handle's state. Raises
+    def poll(self, handle: XferHandle) -> XferStatus:
+        """Make progress, then answer the transfer's status. Raises
         :class:`~kvframe.errors.TransportClosedError` for a released handle."""
-        self._check_open()
-        if handle.released:
-            raise TransportClosedError("ucx: this handle was released")
-        if handle.state is XferState.PENDING:
+        self._guard.check()
+        tr = kit.Transfer.of(handle, self, _Xfer)
+        tr.polled()  # raises for a released handle
+        if tr.pending:
             self.progress()
-        return handle.state
+        return tr.status
 
     def release(self, handle: XferHandle) -> None:
         """Forget the handle; idempotent. A pending transfer is first driven until it stops
         (at most ``release_timeout`` s; then its peer is dropped, which cancels its receives),
         so no byte lands afterwards."""
-        if handle.released:
+        tr = kit.Transfer.of(handle, self, _Xfer)
+        if not tr.release():
             return
-        handle.released = True
-        xfer = self._xfers.get(handle.native)
-        if xfer is None or self._closed:
-            self._xfers.pop(handle.native, None)
+        xid = tr.record.xid
+        if xid not in self._xfers or self._guard.closed:
+            self._xfers.pop(xid, None)
             return
         deadline = time.monotonic() + self._opts.release_timeout
-        while handle.state is XferState.PENDING:
+        while tr.pending:
             if time.monotonic() > deadline:
-                self._drop_peer(xfer.peer, "no answer to a released transfer in time")
+                self._peers.discard(tr.record.peer, "no answer to a released transfer in time")
                 break
             self.progress()
-        self._xfers.pop(handle.native, None)
+        self._xfers.pop(xid, None)
 
     # -- notifications ----------------------------------------------------------------------
     def send_notification(self, peer: str, payload: bytes) -> None:
         """Send ``payload`` to ``peer`` (best effort). Raises
         :class:`~kvframe.errors.CapabilityError` over the size limit and
         :class:`~kvframe.errors.PeerUnreachableError` for an unknown or failed peer."""
-        self._check_open()
-        self._check_payload(payload)
+        self._guard.check()
+        data = kit.check_notification(payload, self.capabilities, self._who)
         target = self._live_peer(peer)
-        self._send_ctrl(target, {"k": "nt", "p": bytes(payload)})
+        self._send_ctrl(target, {"k": "nt", "p": data})
         self._stats["notifications_sent"] += 1
 
     def drain_notifications(self) -> list[Notification]:
         """Make progress, then return what arrived, oldest first."""
-        self._check_open()
+        self._guard.check()
         self.progress()
         out, self._inbox = self._inbox, []
         return out
 
     def progress(self) -> None:
         """Drive the UCX worker once, serve peers' requests, collect answers and failures."""
-        self._check_open()
+        self._guard.check()
         try:
             self._worker.progress()
         except Exception as exc:  # the worker itself failing is not recoverable per peer
             raise self._translate(exc, "UCX worker progress failed") from exc
         self._receive_ctrl()
-        for peer in list(self._peers.values()):
+        for entry in self._peers:
+            peer = entry.conn
             if peer.dead is None and not peer.ep.alive:
                 self._fail_peer(peer, f"UCX endpoint to {peer.name!r} failed (peer died?)")
         self._check_xfers()
@@ -586,13 +565,14 @@ class UcxTransport(Transport):
 
     def close(self) -> None:
         """Close every endpoint (cancelling their requests) and drop the UCX worker; idempotent."""
-        if self._closed:
+        if not self._guard.close():
             return
-        self._closed = True
-        for peer in list(self._peers.values()):
-            self._close_ep(peer)
-        self._peers.clear()
+        for entry in self._peers:
+            self._close_ep(entry.conn)
+        for tr in self._xfers.values():
+            tr.fail(TransferFailedError(f"{self._who} was closed"))
         self._xfers.clear()
+        self._peers = kit.PeerTable(self._who, self._drop_peer)  # forgotten, endpoints closed above
         self._served.clear()
         self._sends.clear()
         self._ctrl_recvs.clear()
@@ -608,21 +588,8 @@ class UcxTransport(Transport):
 
         return Array(view)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosedError(f"ucx transport {self._name!r} is closed")
-
-    def _check_payload(self, payload: bytes) -> None:
-        if len(payload) > MAX_NOTIFICATION_BYTES:
-            raise CapabilityError(
-                f"notification of {len(payload)} bytes is over the {MAX_NOTIFICATION_BYTES} "
-                "byte limit of the ucx transport"
-            )
-
     def _live_peer(self, name: str) -> _Peer:
-        peer = self._peers.get(name)
-        if peer is None:
-            raise PeerUnreachableError(f"ucx: unknown peer {name!r}; add_peer first")
+        peer = self._peers.get(name).conn
         if peer.dead is None and not peer.ep.alive:
             self._fail_peer(peer, f"UCX endpoint to {name!r} failed (peer died?)")
         if peer.dead is not None:
@@ -684,11 +651,12 @@ class UcxTransport(Transport):
     def _handle(self, frame: dict[str, Any]) -> None:
         kind = frame["k"]
         if kind == "hello":
-            self._connect(frame["m"])
+            self._connect(frame["m"], rebuild=False)
             return
-        peer = self._peers.get(frame["f"])
-        if peer is None or peer.incarnation != frame["i"] or peer.dead is not None:
+        entry: kit.PeerEntry[_Peer] | None = self._peers.find(frame["f"])
+        if entry is None or entry.incarnation != frame["i"] or entry.conn.dead is not None:
             return  # from a peer we dropped, or an older incarnation: stale
+        peer = entry.conn
         if kind == "nt":
             self._inbox.append(Notification(sender=peer.name, payload=bytes(frame["p"])))
             self._stats["notifications_received"] += 1
@@ -697,13 +665,13 @@ class UcxTransport(Transport):
         elif kind == "wr":
             self._serve_write(peer, frame)
         elif kind in ("go", "ok", "err"):
-            xfer = self._xfers.get(frame["x"])
-            if xfer is None or xfer.peer is not peer or xfer.handle.state is not XferState.PENDING:
+            tr = self._xfers.get(frame["x"])
+            if tr is None or tr.record.peer is not peer or not tr.pending:
                 return
             if kind == "go":
-                self._push(xfer, int(frame["g"]))
+                self._push(tr.record, int(frame["g"]))
             else:
-                xfer.answer = "ok" if kind == "ok" else str(frame.get("m"))
+                tr.record.answer = "ok" if kind == "ok" else str(frame.get("m"))
 
     def _ranges(self, frame: Mapping[str, Any]) -> tuple[list[int], list[int], str | None]:
         addrs = np.frombuffer(frame["a"], dtype=np.int64).tolist()
@@ -759,8 +727,9 @@ class UcxTransport(Transport):
         self._sends.append((peer.ep.tag_send(buf, self._api.UCXXTag(tag)), buf))
 
     def _check_xfers(self) -> None:
-        for xfer in list(self._xfers.values()):
-            if xfer.handle.state is not XferState.PENDING:
+        for tr in list(self._xfers.values()):
+            xfer = tr.record
+            if not tr.pending:
                 continue
             if not all(r.completed for r in xfer.requests):
                 continue
@@ -769,19 +738,19 @@ class UcxTransport(Transport):
                 try:
                     r.check_error()
                 except Exception as exc:
-                    error = self._translate(exc, f"{xfer.handle.op.value} from {xfer.peer.name!r}")
+                    error = self._translate(exc, f"{xfer.op.value} from {xfer.peer.name!r}")
                     break
             if error is None and xfer.peer.dead is not None:
                 error = PeerUnreachableError(f"ucx: {xfer.peer.dead}")
-            if error is None and xfer.handle.op is Op.READ and xfer.answer is None:
-                continue  # the bytes are here; the peer's verdict follows on the same stream
-            if error is None and xfer.handle.op is Op.WRITE and xfer.answer is None:
-                continue  # sent, not yet known to have landed
+            if error is None and xfer.answer is None:
+                # READ: the bytes are here; the peer's verdict follows on the same stream.
+                # WRITE: sent, not yet known to have landed.
+                continue
             if error is None and xfer.answer != "ok":
                 error = TransferFailedError(f"ucx: peer {xfer.peer.name!r} refused: {xfer.answer}")
-            if error is None and xfer.handle.op is Op.READ and xfer.notification is not None:
+            if error is None and xfer.op is Op.READ and xfer.notification is not None:
                 self._send_ctrl(xfer.peer, {"k": "nt", "p": xfer.notification})
-            self._finish(xfer, error)
+            self._finish(tr, error)
 
     def _check_served(self) -> None:
         for slot, served in list(self._served.items()):
@@ -805,23 +774,23 @@ class UcxTransport(Transport):
             self._stats["bytes_served"] += served.nbytes
             self._send_ctrl(served.peer, {"k": "ok", "x": served.xid})
 
-    def _finish(self, xfer: _Xfer, error: TransportError | None) -> None:
-        handle = xfer.handle
-        handle.state = XferState.DONE if error is None else XferState.FAILED
-        handle.error = error
+    def _finish(self, tr: kit.Transfer[_Xfer], error: TransportError | None) -> None:
+        xfer = tr.record
         xfer.buffers.clear()
         xfer.requests.clear()
         if error is None:
             # transfer_seconds stays None: completion is only seen in a progress() call, so any
             # figure here would depend on how often the caller polls (see the SPI).
+            tr.done()
             self._stats["transfers_done"] += 1
-            self._stats["bytes"] += handle.nbytes
+            self._stats["bytes"] += tr.nbytes
             if xfer.notification is not None:
                 self._stats["notifications_sent"] += 1
         else:
+            tr.fail(error)
             self._stats["transfers_failed"] += 1
-        if handle.released:
-            self._xfers.pop(handle.native, None)
+        if tr.released:
+            self._xfers.pop(xfer.xid, None)
 
     def _fail_peer(self, peer: _Peer, why: str) -> None:
         """Mark the peer dead. Its requests were cancelled by UCX (endpoint error handling);
@@ -840,25 +809,25 @@ class UcxTransport(Transport):
             pass
 
     def _drop_peer(self, peer: _Peer, why: str) -> None:
-        """Forget the peer: close its endpoint (cancelling every request posted on it), fail its
-        transfers now."""
+        """The peer table's teardown: close the peer's endpoint (cancelling every request
+        posted on it) and fail its transfers now."""
         if peer.dead is None:
             peer.dead = why
         self._close_ep(peer)
         deadline = time.monotonic() + 1.0
-        pending = [r for x in self._xfers.values() if x.peer is peer for r in x.requests]
+        pending = [
+            r for t in self._xfers.values() if t.record.peer is peer for r in t.record.requests
+        ]
         pending += [r for s in self._served.values() if s.peer is peer for r in s.requests]
         # Cancellation completes inside worker progress; wait for it so no byte lands later.
         while any(not r.completed for r in pending) and time.monotonic() < deadline:
             self._worker.progress()
-        for xfer in list(self._xfers.values()):
-            if xfer.peer is peer and xfer.handle.state is XferState.PENDING:
-                self._finish(xfer, PeerUnreachableError(f"ucx: {why}"))
+        for tr in list(self._xfers.values()):
+            if tr.record.peer is peer and tr.pending:
+                self._finish(tr, PeerUnreachableError(f"ucx: {why}"))
         for slot, served in list(self._served.items()):
             if served.peer is peer:
                 del self._served[slot]
-        if self._peers.get(peer.name) is peer:
-            del self._peers[peer.name]
 
 
 _UCM_ENV: Final = {"UCX_MEM_MALLOC_HOOKS": "no", "UCX_MEM_MMAP_HOOK_MODE": "none"}
