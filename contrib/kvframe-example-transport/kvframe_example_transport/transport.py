@@ -16,10 +16,20 @@ cancellation             ``release`` of a pending READ returns at once (a late
                          peer's answer (bytes on the wire cannot be recalled)
 =======================  =========================================================
 
-Options (``TransportParams.options``; unknown keys raise ``ConfigError``):
+Options (``TransportParams.options``; unknown keys and bad values raise ``ConfigError``
+naming the key):
 
 - ``host`` (str, default ``"127.0.0.1"``) — address to listen on and to advertise.
 - ``connect_timeout`` (float seconds, default 5.0) — for ``add_peer``.
+
+Peers: ``add_peer`` of a known name is a rebuild (the SPI's rule): the old connection is
+closed, its pending transfers fail with ``PeerUnreachableError``, and a new one is opened.
+Remote layouts prepared for the same incarnation keep working; a restarted peer's old ones
+are refused.
+
+The contract code every transport shares — option parsing, the closed guard, payload and op
+checks, descriptor pairing, the peer table, transfer records — comes from
+:mod:`kvframe.spi.transport_kit`; this module is only what is particular to TCP.
 
 How it works: each endpoint listens on a TCP port. ``add_peer`` connects to the peer and
 sends a hello; requests (READ, WRITE, notifications) travel on the connection *this* side
@@ -34,6 +44,7 @@ Errors are translated to kvframe's in one place each: a refused or broken connec
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import selectors
@@ -49,12 +60,10 @@ import numpy as np
 
 from kvframe.errors import (
     CapabilityError,
-    ConfigError,
     PeerUnreachableError,
     TransferFailedError,
-    TransportClosedError,
-    TransportError,
 )
+from kvframe.spi import transport_kit as kit
 from kvframe.spi.transport import (
     BlockLayout,
     LayoutHandle,
@@ -66,8 +75,7 @@ from kvframe.spi.transport import (
     TransportCapabilities,
     TransportParams,
     XferHandle,
-    XferState,
-    descriptor_ids,
+    XferStatus,
 )
 
 __all__ = ["CAPABILITIES", "MAX_NOTIFICATION_BYTES", "TcpTransport"]
@@ -86,7 +94,9 @@ CAPABILITIES = TransportCapabilities(
 
 _FRAME = struct.Struct(">I")
 _MAX_FRAME = 1 << 30
-_OPTIONS = frozenset({"host", "connect_timeout"})
+_OPTIONS = kit.TransportOptions(
+    "example-tcp", kit.text("host", "127.0.0.1"), kit.seconds("connect_timeout", 5.0)
+)
 
 
 class _Conn:
@@ -143,23 +153,22 @@ class _Conn:
 
 
 class _Peer:
-    def __init__(self, name: str, incarnation: str, regions: list[list[int]], conn: _Conn):
+    def __init__(self, name: str, regions: list[MemoryRegion], conn: _Conn):
         self.name = name
-        self.incarnation = incarnation
         self.regions = regions
         self.conn = conn
 
 
 class _Pending:
-    def __init__(self, handle: XferHandle, peer: _Peer, local: list[tuple[int, int]]):
-        self.handle = handle
+    def __init__(self, op: Op, peer: _Peer, local: list[tuple[int, int]]):
+        self.op = op
         self.peer = peer
         self.local = local  # (addr, len) of local descriptors, in request order
         self.notification: bytes | None = None
 
 
-def _inside(addr: int, length: int, regions: Sequence[Sequence[int]]) -> bool:
-    return any(start <= addr and addr + length <= start + size for start, size in regions)
+def _inside(addr: int, length: int, regions: Sequence[MemoryRegion]) -> bool:
+    return any(r.addr <= addr and addr + length <= r.addr + r.length for r in regions)
 
 
 class TcpTransport(Transport):
@@ -172,37 +181,27 @@ class TcpTransport(Transport):
     capabilities = CAPABILITIES
 
     def __init__(self, params: TransportParams) -> None:
-        unknown = set(params.options) - _OPTIONS
-        if unknown:
-            raise ConfigError(
-                f"example-tcp: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}"
-            )
-        host = params.options.get("host", "127.0.0.1")
-        timeout = params.options.get("connect_timeout", 5.0)
-        if not isinstance(host, str):
-            raise ConfigError(f"example-tcp: option 'host' = {host!r}; expected a string")
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
-            raise ConfigError(
-                f"example-tcp: option 'connect_timeout' = {timeout!r}; expected seconds > 0"
-            )
+        opts = _OPTIONS.parse(params.options)
+        host: str = opts["host"]
         self._name = params.name
+        self._who = f"example-tcp transport {params.name!r}"
         self._host = host
-        self._timeout = float(timeout)
+        self._timeout: float = opts["connect_timeout"]
         try:
             self._listener = socket.create_server((host, 0))
         except OSError as exc:
-            raise ConfigError(f"example-tcp: cannot listen on {host!r}: {exc}") from exc
+            raise _OPTIONS.error("host", host, f"an address to listen on ({exc})") from exc
         self._listener.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._incarnation = uuid.uuid4().hex
-        self._regions: list[list[int]] = []
-        self._peers: dict[str, _Peer] = {}
+        self._regions: list[MemoryRegion] = []
+        self._peers: kit.PeerTable[_Peer] = kit.PeerTable(self._who, self._drop_peer)
         self._incoming: list[_Conn] = []
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, kit.Transfer[_Pending]] = {}
         self._ids = itertools.count(1)
         self._inbox: list[Notification] = []
-        self._closed = False
+        self._guard = kit.OpenGuard(self._who)
 
     @classmethod
     def create(cls, params: TransportParams) -> TcpTransport:
@@ -217,16 +216,16 @@ class TcpTransport(Transport):
     # -- memory and peers -------------------------------------------------------------------
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
         """Allow peers to READ and WRITE these host regions."""
-        self._check_open()
+        self._guard.check()
         regions = list(regions)
         for r in regions:
             if r.kind is not MemoryKind.HOST:
                 raise CapabilityError(f"example-tcp moves host memory only, not {r.kind.value}")
-        self._regions.extend([r.addr, r.length] for r in regions)
+        self._regions.extend(regions)
 
     def local_metadata(self) -> bytes:
         """msgpack of name, address, port, incarnation and registered regions."""
-        self._check_open()
+        self._guard.check()
         port = self._listener.getsockname()[1]
         blob: bytes = msgpack.packb(
             {
@@ -234,72 +233,61 @@ class TcpTransport(Transport):
                 "host": self._host,
                 "port": port,
                 "inc": self._incarnation,
-                "regions": self._regions,
+                "regions": [[r.addr, r.length] for r in self._regions],
             },
             use_bin_type=True,
         )
         return blob
 
     def add_peer(self, metadata: bytes) -> str:
-        """Connect to the peer the metadata describes (see the SPI contract)."""
-        self._check_open()
+        """Connect to the peer the metadata describes; a known name is rebuilt (its old
+        connection closed first). See the SPI contract."""
+        self._guard.check()
         try:
             meta = msgpack.unpackb(metadata, raw=False)
             name, host, port = str(meta["name"]), str(meta["host"]), int(meta["port"])
-            incarnation, regions = str(meta["inc"]), [list(r) for r in meta["regions"]]
+            incarnation = str(meta["inc"])
+            regions = [MemoryRegion(addr=int(a), length=int(n)) for a, n in meta["regions"]]
         except Exception as exc:
             raise PeerUnreachableError("example-tcp: peer metadata does not decode") from exc
-        old = self._peers.get(name)
-        if old is not None and old.incarnation == incarnation and not old.conn.dead:
-            return name
-        if old is not None:
-            self._drop_peer(old, f"peer {name!r} restarted")
-        try:
-            sock = socket.create_connection((host, port), timeout=self._timeout)
-        except OSError as exc:
-            raise PeerUnreachableError(f"example-tcp: cannot reach {name!r}: {exc}") from exc
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Conn(sock, name)
-        conn.queue({"t": "hello", "name": self._name})
-        conn.flush()
-        self._sel.register(sock, selectors.EVENT_READ, conn)
-        self._peers[name] = _Peer(name, incarnation, regions, conn)
+
+        def connect() -> _Peer:
+            try:
+                sock = socket.create_connection((host, port), timeout=self._timeout)
+            except OSError as exc:
+                raise PeerUnreachableError(f"example-tcp: cannot reach {name!r}: {exc}") from exc
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, name)
+            conn.queue({"t": "hello", "name": self._name})
+            conn.flush()
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            return _Peer(name, regions, conn)
+
+        self._peers.add(name, incarnation, connect)
         return name
 
     def remove_peer(self, peer: str) -> None:
         """Close the connection to ``peer``; its pending transfers fail. Unknown: ignored."""
-        self._check_open()
-        old = self._peers.get(peer)
-        if old is not None:
-            self._drop_peer(old, f"peer {peer!r} was removed")
+        self._guard.check()
+        self._peers.remove(peer)
 
     def prepare_local(self, layout: BlockLayout) -> LayoutHandle:
         """Descriptors of a local layout; ``ValueError`` if not inside registered memory."""
-        self._check_open()
-        return LayoutHandle(layout=layout, peer=None, native=self._descs(layout, self._regions))
+        self._guard.check()
+        kit.check_inside(layout, self._regions, "this endpoint")
+        return LayoutHandle(
+            layout=layout, peer=None, native=kit.Prepared.local(self, _descs(layout))
+        )
 
     def prepare_remote(self, peer: str, layout: BlockLayout) -> LayoutHandle:
         """Descriptors of a peer's layout; ``ValueError`` if not inside its registered memory,
         :class:`~kvframe.errors.PeerUnreachableError` for an unknown peer."""
-        self._check_open()
+        self._guard.check()
         target = self._live_peer(peer)
-        return LayoutHandle(layout=layout, peer=peer, native=self._descs(layout, target.regions))
-
-    @staticmethod
-    def _descs(layout: BlockLayout, regions: Sequence[Sequence[int]]) -> np.ndarray[Any, Any]:
-        for i, region in enumerate(layout.regions):
-            used = layout.block_lens[i] * layout.num_blocks
-            if not _inside(region.addr, used, regions):
-                raise ValueError(
-                    f"layout region {i} at {region.addr:#x} ({used} bytes) is not inside "
-                    "registered memory; register it first"
-                )
-        nb = layout.num_blocks
-        base = np.array([r.addr for r in layout.regions], dtype=np.int64)
-        blen = np.array(layout.block_lens, dtype=np.int64)
-        addrs = (base[:, None] + np.arange(nb, dtype=np.int64)[None, :] * blen[:, None]).ravel()
-        return np.stack([addrs, np.repeat(blen, nb)], axis=1)  # row r * nb + b: (addr, len)
+        kit.check_inside(layout, target.regions, f"peer {peer!r}")
+        native = self._peers.prepared(self, peer, _descs(layout))
+        return LayoutHandle(layout=layout, peer=peer, native=native)
 
     # -- transfers --------------------------------------------------------------------------
     def post(
@@ -314,21 +302,16 @@ class TcpTransport(Transport):
         notification: bytes | None = None,
     ) -> XferHandle:
         """Send the request; the handle completes when the peer's answer arrives."""
-        self._check_open()
-        if op not in (Op.READ, Op.WRITE):
-            raise ValueError(f"op must be Op.READ or Op.WRITE, got {op!r}")
-        if local.peer is not None or remote.peer is None:
-            raise ValueError("pass a prepare_local handle and a prepare_remote handle")
-        lids = descriptor_ids(local.layout, local_blocks, regions)
-        rids = descriptor_ids(remote.layout, remote_blocks, regions)
-        if lids.size != rids.size:
-            raise ValueError("local_blocks and remote_blocks must have the same length")
-        ldesc, rdesc = local.native[lids], remote.native[rids]
-        if not np.array_equal(ldesc[:, 1], rdesc[:, 1]):
-            raise ValueError("local and remote block lengths differ in a selected region")
-        if notification is not None:
-            self._check_payload(notification)
-        target = self._live_peer(remote.peer)
+        self._guard.check()
+        # op, layouts (and the peer's incarnation), blocks, notification: ValueError,
+        # CapabilityError or PeerUnreachableError before anything starts
+        req = kit.check_post(
+            self, self._peers, op, local, local_blocks, remote, remote_blocks,
+            regions=regions, notification=notification,
+        )  # fmt: skip
+        ldesc, rdesc = req.local[req.pairs.local], req.remote[req.pairs.remote]
+        notification = req.notification
+        target = self._live_peer(req.peer.name)
         xid = next(self._ids)
         frame: dict[str, Any] = {
             "t": op.value,
@@ -339,25 +322,22 @@ class TcpTransport(Transport):
         if op is Op.WRITE:
             frame["data"] = b"".join(ctypes.string_at(a, n) for a, n in ldesc.tolist())
             frame["notif"] = notification  # the peer queues it once the bytes are written
-        handle = XferHandle(
-            op=op, peer=target.name, nbytes=int(ldesc[:, 1].sum()), num_descriptors=len(ldesc)
-        )
-        pending = _Pending(handle, target, [(a, n) for a, n in ldesc.tolist()])
+        pending = _Pending(op, target, [(a, n) for a, n in ldesc.tolist()])
         if op is Op.READ:
             pending.notification = notification  # sent by us once the bytes landed here
-        handle.native = xid
+        handle, tr = kit.Transfer.post(self, pending, op=op, peer=target.name, pairs=req.pairs)
         target.conn.queue(frame)
         target.conn.flush()
-        self._pending[xid] = pending
+        self._pending[xid] = tr
         return handle
 
-    def poll(self, handle: XferHandle) -> XferState:
-        """Make progress, then answer the handle's state."""
-        self._check_open()
-        if handle.released:
-            raise TransportClosedError("example-tcp: this handle was released")
+    def poll(self, handle: XferHandle) -> XferStatus:
+        """Make progress, then answer the transfer's status."""
+        self._guard.check()
+        tr = kit.Transfer.of(handle, self, _Pending)
+        tr.polled()  # raises for a released handle
         self.progress()
-        return handle.state
+        return tr.status
 
     def release(self, handle: XferHandle) -> None:
         """Forget the handle. Idempotent.
@@ -367,44 +347,43 @@ class TcpTransport(Transport):
         the peer's answer (at most ``connect_timeout``); a peer that does not answer in time
         is dropped as broken, and its bytes may still land there.
         """
-        if handle.released:
+        tr = kit.Transfer.of(handle, self, _Pending)
+        if not tr.release() or not tr.pending:
             return
-        handle.released = True
-        xid = handle.native
-        pending = self._pending.get(xid)
-        if pending is None:
+        xid = next((x for x, t in self._pending.items() if t is tr), None)
+        if xid is None:
             return
-        if handle.op is Op.WRITE and not self._closed:
+        peer = tr.record.peer
+        if handle.op is Op.WRITE and not self._guard.closed:
             deadline = time.monotonic() + self._timeout
-            while xid in self._pending and not pending.peer.conn.dead:
+            while xid in self._pending and not peer.conn.dead:
                 if time.monotonic() > deadline:
-                    self._drop_peer(pending.peer, "no answer to a released WRITE")
+                    self._peers.remove(peer.name, "no answer to a released WRITE")
                     break
                 self.progress()
                 time.sleep(0.0002)
         if self._pending.pop(xid, None) is not None:
-            handle.state = XferState.FAILED
-            handle.error = TransferFailedError("released while pending")
+            tr.fail(TransferFailedError("released while pending"))
 
     # -- notifications ----------------------------------------------------------------------
     def send_notification(self, peer: str, payload: bytes) -> None:
         """Queue ``payload`` on the connection to ``peer`` and try to send it."""
-        self._check_open()
-        self._check_payload(payload)
+        self._guard.check()
+        data = kit.check_notification(payload, self.capabilities, self._who)
         target = self._live_peer(peer)
-        target.conn.queue({"t": "notif", "payload": bytes(payload)})
+        target.conn.queue({"t": "notif", "payload": data})
         target.conn.flush()
 
     def drain_notifications(self) -> list[Notification]:
         """Make progress, then return what arrived, oldest first."""
-        self._check_open()
+        self._guard.check()
         self.progress()
         out, self._inbox = self._inbox, []
         return out
 
     def progress(self) -> None:
         """Accept connections, serve requests, collect answers, send queued bytes."""
-        self._check_open()
+        self._guard.check()
         for key, _ in self._sel.select(timeout=0):
             if key.data is None:
                 self._accept()
@@ -412,39 +391,27 @@ class TcpTransport(Transport):
             conn: _Conn = key.data
             for frame in conn.receive():
                 self._handle(conn, frame)
-        for conn in [*self._incoming, *(p.conn for p in self._peers.values())]:
+        for conn in [*self._incoming, *(e.conn.conn for e in self._peers)]:
             conn.flush()
         self._reap()
 
     def close(self) -> None:
         """Close every socket. Idempotent."""
-        if self._closed:
+        if not self._guard.close():
             return
-        self._closed = True
-        for conn in [*self._incoming, *(p.conn for p in self._peers.values())]:
+        for tr in self._pending.values():
+            tr.fail(TransferFailedError(f"{self._who} was closed"))
+        self._pending.clear()
+        self._peers.clear("the transport was closed")
+        for conn in self._incoming:
             conn.sock.close()
         self._listener.close()
         self._sel.close()
-        self._peers.clear()
         self._incoming.clear()
-        self._pending.clear()
 
     # -- internals --------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosedError(f"example-tcp transport {self._name!r} is closed")
-
-    def _check_payload(self, payload: bytes) -> None:
-        if len(payload) > MAX_NOTIFICATION_BYTES:
-            raise CapabilityError(
-                f"notification of {len(payload)} bytes is over the {MAX_NOTIFICATION_BYTES} "
-                "byte limit"
-            )
-
     def _live_peer(self, name: str) -> _Peer:
-        peer = self._peers.get(name)
-        if peer is None:
-            raise PeerUnreachableError(f"example-tcp: unknown peer {name!r}; add_peer first")
+        peer = self._peers.get(name).conn
         if peer.conn.dead:
             raise PeerUnreachableError(f"example-tcp: connection to {name!r} is broken")
         return peer
@@ -470,20 +437,21 @@ class TcpTransport(Transport):
         if pending is None:
             return  # answer to a released transfer: ignore it, write nothing
         if kind == "err":
-            self._finish(pending, TransferFailedError(f"peer refused: {frame.get('msg')}"))
+            pending.fail(TransferFailedError(f"peer refused: {frame.get('msg')}"))
             return
-        if pending.handle.op is Op.READ:
+        if pending.record.op is Op.READ:
             data = frame["data"]
             view = np.frombuffer(data, dtype=np.uint8)
             offset = 0
             base = view.ctypes.data if view.size else 0
-            for addr, n in pending.local:
+            rec = pending.record
+            for addr, n in rec.local:
                 ctypes.memmove(addr, base + offset, n)
                 offset += n
-            if pending.notification is not None and not pending.peer.conn.dead:
-                pending.peer.conn.queue({"t": "notif", "payload": pending.notification})
-                pending.peer.conn.flush()
-        self._finish(pending, None)
+            if rec.notification is not None and not rec.peer.conn.dead:
+                rec.peer.conn.queue({"t": "notif", "payload": rec.notification})
+                rec.peer.conn.flush()
+        pending.done()
 
     def _serve(self, conn: _Conn, kind: Any, frame: Mapping[str, Any]) -> None:
         if kind == "hello":
@@ -518,28 +486,32 @@ class TcpTransport(Transport):
             conn.queue({"t": "err", "id": frame.get("id"), "msg": f"unknown request {kind!r}"})
         conn.flush()
 
-    def _finish(self, pending: _Pending, error: TransportError | None) -> None:
-        pending.handle.state = XferState.DONE if error is None else XferState.FAILED
-        pending.handle.error = error
-
     def _reap(self) -> None:
         for conn in [c for c in self._incoming if c.dead]:
             self._incoming.remove(conn)
             self._sel.unregister(conn.sock)
             conn.sock.close()
-        for peer in self._peers.values():
-            if peer.conn.dead:
-                self._fail_transfers(peer, f"connection to {peer.name!r} broke")
+        for entry in self._peers:
+            if entry.conn.conn.dead:
+                self._fail_transfers(entry.conn, f"connection to {entry.name!r} broke")
 
     def _fail_transfers(self, peer: _Peer, why: str) -> None:
         for xid, pending in list(self._pending.items()):
-            if pending.peer is peer:
+            if pending.record.peer is peer:
                 del self._pending[xid]
-                self._finish(pending, PeerUnreachableError(why))
+                pending.fail(PeerUnreachableError(why))
 
     def _drop_peer(self, peer: _Peer, why: str) -> None:
+        """The peer table's teardown: fail the peer's transfers, close its connection."""
         self._fail_transfers(peer, why)
-        self._peers.pop(peer.name, None)
         if peer.conn.sock.fileno() >= 0:
-            self._sel.unregister(peer.conn.sock)
+            with contextlib.suppress(Exception):
+                self._sel.unregister(peer.conn.sock)
             peer.conn.sock.close()
+
+
+def _descs(layout: BlockLayout) -> np.ndarray[Any, Any]:
+    """(addr, len) rows, region-major: row ``r * num_blocks + b`` is block ``b`` of region
+    ``r``."""
+    addrs, lens = kit.block_table(layout)
+    return np.stack([addrs, lens], axis=1)
