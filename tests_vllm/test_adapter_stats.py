@@ -1,5 +1,5 @@
 """The adapter's vLLM-facing values without an engine: stats aggregation and reduction, the
-Prometheus families, and the worker report that carries failures and events.
+Prometheus families, and the worker report that carries failures, events and typed records.
 
 vLLM is imported inside the tests: its import makes torch emit deprecation warnings that are
 not ours (warnings are errors in this suite), ignored here only.
@@ -65,22 +65,41 @@ def test_prometheus_families_carry_counters_and_gauges() -> None:
 def test_worker_report_round_trips_and_aggregates_across_ranks() -> None:
     from kvframe_vllm.connector import KVFrameWorkerMeta
 
-    r0 = KVFrameWorkerMeta(
-        reports=(KVFrameWorkerMeta.pack({"r1": "transfer failed"}, [KVEvent(kind="pd.x")]),)
+    from kvframe.config import KVTransferConfig
+    from kvframe.connectors.offload import JobReport, OffloadingConnector, OffloadOutput
+    from kvframe.spi.connector import codec_for
+
+    codec = codec_for(
+        OffloadingConnector, KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
     )
-    r1 = KVFrameWorkerMeta(
-        reports=(
-            KVFrameWorkerMeta.pack({"r2": "lease lost"}, [KVEvent(kind="pd.y", data={"a": [1]})]),
-        )
+    # What vLLM carries itself (finished ids, invalid blocks, stats) is left out of the report.
+    assert KVFrameWorkerMeta.pack(codec, OffloadOutput(finished_sending={"x"})) is None
+    rank0 = OffloadOutput(
+        failures={"r1": "transfer failed"},
+        events=(KVEvent(kind="pd.x"),),
+        jobs=(JobReport(job_id=3, rank=0),),
+        finished_sending={"x"},
+        stats=Stats(counters={"n": 1}),
     )
+    rank1 = OffloadOutput(
+        failures={"r1": "later reason", "r2": "lease lost"},
+        events=(KVEvent(kind="pd.y", data={"a": [1]}),),
+        jobs=(JobReport(job_id=3, rank=1),),
+    )
+    r0 = KVFrameWorkerMeta(reports=(KVFrameWorkerMeta.pack(codec, rank0) or b"",))
+    r1 = KVFrameWorkerMeta(reports=(KVFrameWorkerMeta.pack(codec, rank1) or b"",))
     both = r0.aggregate(r1)
     assert isinstance(both, KVFrameWorkerMeta)
-    failures, events = both.unpack()
-    assert failures == {"r1": "transfer failed", "r2": "lease lost"}
-    assert [e.kind for e in events] == ["pd.x", "pd.y"]
-    assert events[1].data["a"] == (1,)
+    out = both.unpack(codec)
+    assert isinstance(out, OffloadOutput)  # the connector's own output class, typed records
+    assert dict(out.failures) == {"r1": "transfer failed", "r2": "lease lost"}
+    assert [e.kind for e in out.events] == ["pd.x", "pd.y"]
+    assert out.events[1].data["a"] == (1,)
+    assert [(j.job_id, j.rank) for j in out.jobs] == [(3, 0), (3, 1)]
+    assert not out.finished_sending
+    assert out.stats.is_empty
     with pytest.raises(ValueError, match="malformed kvframe worker report"):
-        KVFrameWorkerMeta(reports=(b"\xc1",)).unpack()
+        KVFrameWorkerMeta(reports=(b"\xc1",)).unpack(codec)
     with pytest.raises(TypeError, match="cannot aggregate"):
         r0.aggregate(object())  # type: ignore[arg-type]
 

@@ -461,11 +461,9 @@ class _PDEngine:
 
         from kvframe.config import KVTransferConfig
         from kvframe.connectors.pd import PDConnector
-        from kvframe.connectors.pd.metadata import PD_CODEC
         from kvframe.runtime.plugins import PluginHost
-        from kvframe.spi.connector import BuildContext, EngineInfo
+        from kvframe.spi.connector import BuildContext, EngineInfo, codec_for
 
-        self.codec = PD_CODEC
         config = KVTransferConfig.from_dict(
             {
                 "kv_connector": "PDConnector",
@@ -474,6 +472,7 @@ class _PDEngine:
                 "kv_connector_extra_config": {"transport": "nixl"},
             }
         )
+        self.codec = codec_for(PDConnector, config)
         info = EngineInfo(block_size=1, model="bench")
         host = PluginHost()
         host.load()

@@ -26,10 +26,13 @@ Rules (``docs/multi.md`` explains each):
 - **Stats and events** are kept per child *instance*: names are prefixed with the child's label
   ``"<index>.<kv_connector>"`` (``"1.OffloadingConnector.store_blocks"``,
   ``"0.PDConnector.pd.bad_params"``), so two children of one class stay apart.
-- **Metadata**: one :class:`MultiMetadata` holds each child's metadata as bytes encoded with
-  *that child's* codec (:func:`codec_of`); the engine only needs :data:`MULTI_CODEC`. Each
-  worker also reports every child's own output in a ``multi.child`` event, which the
-  scheduler side aggregates per child over ranks and gives back to that child.
+- **Messages**: one :class:`MultiMetadata` holds each child's metadata as bytes encoded with
+  *that child's* codec (:func:`~kvframe.spi.connector.codec_for` of the child); each worker
+  answers with one :class:`MultiOutput`, the combined output the engine acts on plus every
+  child's own output (:class:`ChildOutput`, encoded with that child's codec), which the
+  scheduler side aggregates per child over ranks and gives back to that child. The engine
+  only needs ``codec_for(MultiConnector, config)``: the children's classes never meet in
+  one codec.
 """
 
 from __future__ import annotations
@@ -37,15 +40,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping, Set
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import msgpack
 
 from kvframe.config import KVTransferConfig
-from kvframe.errors import ConfigError
+from kvframe.errors import CodecError, ConfigError
 from kvframe.protocol.aggregate import OutputAggregator
-from kvframe.protocol.codec import DEFAULT_CODEC, Codec
+from kvframe.protocol.codec import Codec
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
 from kvframe.spi.connector import (
     BuildContext,
@@ -55,6 +58,7 @@ from kvframe.spi.connector import (
     KVConnectorWorker,
     PluginLookup,
     SchedulerStep,
+    codec_for,
 )
 from kvframe.spi.hookspecs import hookimpl
 from kvframe.spi.request import BlockIds, RequestView
@@ -63,19 +67,15 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "CHILD_EVENT",
-    "MULTI_CODEC",
     "REQUEST_FAILED_EVENT",
+    "ChildOutput",
     "MultiConnector",
     "MultiConnectorScheduler",
     "MultiConnectorWorker",
     "MultiMetadata",
-    "codec_of",
+    "MultiOutput",
     "kvframe_register_connectors",
 ]
-
-CHILD_EVENT = "multi.child"
-"""Kind of the event that carries one child's output of one rank to the scheduler side."""
 
 REQUEST_FAILED_EVENT = "multi.request_failed"
 """Kind of the scheduler-side event for a request whose hand-off failed because its children's
@@ -109,23 +109,42 @@ class MultiMetadata(ConnectorMetadata):
         return False  # the children's metadata must reach their workers every step
 
 
-#: The codec the engine uses for a MultiConnector (children's metadata travel inside as bytes).
-MULTI_CODEC = DEFAULT_CODEC.with_types({"multi.metadata": MultiMetadata})
+def _index(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{attribute.name} = {value!r}; it must be a non-negative int")
 
 
-def codec_of(connector: type[KVConnector], config: KVTransferConfig) -> Codec:
-    """The codec a child's metadata is encoded with: the default codec plus the child's own
-    :meth:`~kvframe.spi.connector.KVConnector.metadata_types` for its configuration.
+@attrs.frozen(kw_only=True)
+class ChildOutput:
+    """One child's own output of one worker rank, for the scheduler side to aggregate per
+    child and give back to that child."""
 
-    Raises :class:`~kvframe.errors.ConfigError` naming the connector when its types cannot
-    be registered (a malformed tag, a class the codec cannot carry)."""
-    try:
-        return DEFAULT_CODEC.with_types(connector.metadata_types(config))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"connector {config.kv_connector!r}: its metadata_types() cannot be registered "
-            f"with the codec: {exc}"
-        ) from exc
+    child: int = attrs.field(validator=_index)
+    """The child's index (configuration order)."""
+    rank: int = attrs.field(validator=_index)
+    """The worker rank that reported it."""
+    output: bytes
+    """The child's :class:`~kvframe.protocol.messages.ConnectorOutput` (or its own subclass of
+    it), encoded with the child's codec, as its metadata is: the children's message classes
+    never need to be registered in one codec."""
+
+
+def _child_outputs(value: Any) -> tuple[ChildOutput, ...]:
+    out = tuple(value)
+    for i, v in enumerate(out):
+        if not isinstance(v, ChildOutput):
+            raise TypeError(f"children[{i}] is {v!r}; expected a ChildOutput")
+    return out
+
+
+@attrs.frozen(kw_only=True)
+class MultiOutput(ConnectorOutput):
+    """One worker rank's report: the combined output the engine acts on (the generic fields)
+    and every child's own output."""
+
+    children: tuple[ChildOutput, ...] = attrs.field(default=(), converter=_child_outputs)
+    """The children's outputs of this rank, in child order; a child with nothing to report is
+    left out."""
 
 
 def _label(index: int, config: KVTransferConfig) -> str:
@@ -247,15 +266,19 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         return meta
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
-        for event in output.events:
-            if event.kind != CHILD_EVENT:
+        """Give each child what its own workers reported (aggregated over ranks); ``output``
+        is a :class:`MultiOutput` (a plain ``ConnectorOutput`` carries no child output)."""
+        reports = output.children if isinstance(output, MultiOutput) else ()
+        for report in reports:
+            # A report this side cannot place (a child or rank it does not have, bytes the
+            # child's codec refuses) is a bug on the worker side: count it, serve the rest.
+            if report.child >= len(self._children):
+                self._count("malformed_child_reports")
                 continue
             try:
-                index = int(event.data["child"])
-                rank = int(event.data["rank"])
-                child_out = DEFAULT_CODEC.decode_as(bytes(event.data["output"]), ConnectorOutput)
-                self._aggs[index].add(rank, child_out)
-            except Exception:
+                child_out = self._codecs[report.child].decode_as(report.output, ConnectorOutput)
+                self._aggs[report.child].add(report.rank, child_out)
+            except (CodecError, TypeError, ValueError):
                 self._count("malformed_child_reports")
         for i, child in enumerate(self._children):
             child.update_connector_output(self._aggs[i].take())
@@ -373,7 +396,7 @@ class MultiConnectorWorker(KVConnectorWorker):
         self._rank = rank
         self._owners: dict[str, int] = {}
         self._holders: dict[str, set[int]] = {}
-        self._stash: ConnectorOutput | None = None
+        self._stash: MultiOutput | None = None
         self._counters: dict[str, int] = {}
 
     @property
@@ -393,7 +416,7 @@ class MultiConnectorWorker(KVConnectorWorker):
         if not isinstance(meta, MultiMetadata):
             raise TypeError(
                 f"MultiConnector's worker got {type(meta).__qualname__}; the engine must decode "
-                "metadata with MultiConnector.codec"
+                "metadata with codec_for(MultiConnector, config)"
             )
         if len(meta.children) != len(self._children):
             raise ValueError(
@@ -429,7 +452,7 @@ class MultiConnectorWorker(KVConnectorWorker):
         for child in self._children:
             child.wait_for_save()
 
-    def _compose(self, finished_req_ids: Set[str]) -> ConnectorOutput:
+    def _compose(self, finished_req_ids: Set[str]) -> MultiOutput:
         sending: set[str] = set()
         recving: set[str] = set()
         invalid: set[int] = set()
@@ -437,6 +460,7 @@ class MultiConnectorWorker(KVConnectorWorker):
         counters: dict[str, Any] = {}
         gauges: dict[str, Any] = {}
         events: list[KVEvent] = []
+        reports: list[ChildOutput] = []
         for i, (label, child) in enumerate(zip(self._labels, self._children, strict=True)):
             out = child.build_connector_worker_output(finished_req_ids)
             for rid in out.finished_recving:
@@ -461,22 +485,20 @@ class MultiConnectorWorker(KVConnectorWorker):
             counters.update(c)
             gauges.update(g)
             events.extend(_prefixed_events(label, out.events))
-            if not out.is_empty:  # nothing to give back: spare the engine an event per step
-                events.append(
-                    KVEvent(
-                        kind=CHILD_EVENT,
-                        data={"child": i, "rank": self._rank, "output": DEFAULT_CODEC.encode(out)},
-                    )
+            if not out.is_empty:  # nothing to give back: spare the engine the bytes
+                reports.append(
+                    ChildOutput(child=i, rank=self._rank, output=self._codecs[i].encode(out))
                 )
         counters.update(self._counters)
         self._counters.clear()
-        return ConnectorOutput(
+        return MultiOutput(
             finished_sending=sending,
             finished_recving=recving,
             invalid_block_ids=invalid,
             failures=failures,
             stats=Stats(counters=counters, gauges=gauges),
             events=tuple(events),
+            children=tuple(reports),
         )
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -484,13 +506,15 @@ class MultiConnectorWorker(KVConnectorWorker):
 
     def build_connector_worker_output(
         self, finished_req_ids: Set[str] = frozenset()
-    ) -> ConnectorOutput:
+    ) -> MultiOutput:
+        """This rank's :class:`MultiOutput`: the combined output and every child's own (the
+        children's outputs reach the scheduler side only through this method)."""
         stash, self._stash = self._stash, None
         return stash if stash is not None else self._compose(finished_req_ids)
 
     # The individual getters share one composed output per step, so an engine that calls
     # them one by one sees the same rules as one that calls build_connector_worker_output.
-    def _take_stash(self) -> ConnectorOutput:
+    def _take_stash(self) -> MultiOutput:
         if self._stash is None:
             self._stash = self._compose(frozenset())
         return self._stash
@@ -529,18 +553,15 @@ class MultiConnectorWorker(KVConnectorWorker):
 
 class MultiConnector(KVConnector):
     """Several connectors behind one (rules in the module docstring). The engine encodes its
-    metadata with :attr:`codec`."""
-
-    codec: ClassVar[Codec] = MULTI_CODEC
-    """The codec the engine uses for this connector's metadata (what
-    ``DEFAULT_CODEC.with_types(MultiConnector.metadata_types(config))`` gives)."""
+    messages with ``codec_for(MultiConnector, config)``."""
 
     @classmethod
     def metadata_types(cls, config: KVTransferConfig) -> Mapping[str, type[Any]]:
-        """Only ``multi.metadata``: the children's metadata travel inside it as bytes encoded
-        with each child's own codec, so their types never meet in one codec (two children
-        may even use the same tag for different classes)."""
-        return {"multi.metadata": MultiMetadata}
+        """``multi.metadata`` (:class:`MultiMetadata`) and ``multi.output``
+        (:class:`MultiOutput`), whatever the children: their messages travel inside these as
+        bytes encoded with each child's own codec, so their types never meet in one codec (two
+        children may even use the same tag for different classes)."""
+        return {"multi.metadata": MultiMetadata, "multi.output": MultiOutput}
 
     @classmethod
     def requires_piecewise_for_cudagraph(
@@ -579,6 +600,8 @@ class MultiConnector(KVConnector):
         """Build every child's scheduler half (in order; on error the ones built are shut
         down). The children are looked up in ``ctx.host`` and built with ``ctx``."""
         children = _children(config, ctx.host)
+        # Before any child is built: a child whose types the codec refuses leaves nothing.
+        codecs = [codec_for(c, sub) for sub, c in children]
         built: list[KVConnectorScheduler] = []
         try:
             for sub, child in children:
@@ -590,7 +613,7 @@ class MultiConnector(KVConnector):
         return MultiConnectorScheduler(
             [_label(i, sub) for i, (sub, _) in enumerate(children)],
             built,
-            [codec_of(c, sub) for sub, c in children],
+            codecs,
             engine.world_size,
         )
 
@@ -600,6 +623,8 @@ class MultiConnector(KVConnector):
     ) -> MultiConnectorWorker:
         """Build every child's worker half for ``rank``; as :meth:`build_scheduler`."""
         children = _children(config, ctx.host)
+        # Before any child is built: a child whose types the codec refuses leaves nothing.
+        codecs = [codec_for(c, sub) for sub, c in children]
         built: list[KVConnectorWorker] = []
         try:
             for sub, child in children:
@@ -611,7 +636,7 @@ class MultiConnector(KVConnector):
         return MultiConnectorWorker(
             [_label(i, sub) for i, (sub, _) in enumerate(children)],
             built,
-            [codec_of(c, sub) for sub, c in children],
+            codecs,
             rank,
         )
 

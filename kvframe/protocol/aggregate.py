@@ -17,6 +17,11 @@ done with it. :class:`OutputAggregator` applies these rules:
   value and report the maximum over ranks. Both cover what arrived since the last ``take``.
 - **Events**: concatenated in rank order (rank 0's events first), each rank's in the order it
   reported them.
+- **Typed records**: the fields a subclass of ``ConnectorOutput`` adds
+  (:func:`~kvframe.protocol.messages.extension_fields`, tuples of a connector's own records)
+  are concatenated like events, and the result is of that subclass. Every rank of one
+  connector reports the same class (plain ``ConnectorOutput`` is accepted alongside it: it adds
+  nothing); a take in which no rank reported a subclass gives a plain ``ConnectorOutput``.
 
 The result does not depend on the order in which ranks report within one ``take``.
 """
@@ -25,8 +30,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
-from kvframe.protocol.messages import ConnectorOutput, KVEvent, Stats
+from kvframe.protocol.messages import ConnectorOutput, KVEvent, Stats, extension_fields
 
 __all__ = ["OutputAggregator"]
 
@@ -106,6 +112,8 @@ class OutputAggregator:
         self._counters: dict[str, int | float] = {}
         self._gauges: list[dict[str, int | float]] = [{} for _ in range(expected_ranks)]
         self._events: list[list[KVEvent]] = [[] for _ in range(expected_ranks)]
+        self._cls: type[ConnectorOutput] = ConnectorOutput
+        self._records: list[dict[str, list[Any]]] = [{} for _ in range(expected_ranks)]
 
     @property
     def expected_ranks(self) -> int:
@@ -124,12 +132,25 @@ class OutputAggregator:
         """Record one rank's output.
 
         Raises ``ValueError`` for a rank outside ``0 .. expected_ranks - 1`` and ``TypeError``
-        for something that is not a ``ConnectorOutput``; nothing was recorded then.
+        for something that is not a ``ConnectorOutput`` or for a subclass other than the one
+        another rank reported since the last :meth:`take`; nothing was recorded then.
         """
         if type(rank) is not int or not 0 <= rank < self._n:
             raise ValueError(f"rank = {rank!r}; this aggregator expects ranks 0..{self._n - 1}")
         if not isinstance(output, ConnectorOutput):
             raise TypeError(f"expected a ConnectorOutput, got {type(output).__name__}")
+        cls = type(output)
+        if cls is not ConnectorOutput:
+            if self._cls is not ConnectorOutput and cls is not self._cls:
+                raise TypeError(
+                    f"rank {rank} reported a {cls.__qualname__}, but a {self._cls.__qualname__} "
+                    "was reported since the last take; every rank of a connector reports the "
+                    "same output class"
+                )
+            self._cls = cls
+            records = self._records[rank]
+            for name in extension_fields(cls):
+                records.setdefault(name, []).extend(getattr(output, name))
         self._sending.report(rank, output.finished_sending)
         self._recving.report(rank, output.finished_recving)
         self._invalid.update(output.invalid_block_ids)
@@ -145,8 +166,9 @@ class OutputAggregator:
         self._events[rank].extend(output.events)
 
     def take(self) -> ConnectorOutput:
-        """Everything that became reportable since the last call, as one output; resets the
-        per-take state (stats, events, invalid blocks). Never raises."""
+        """Everything that became reportable since the last call, as one output (of the
+        subclass the ranks reported, if any); resets the per-take state (stats, events, typed
+        records, invalid blocks). Never raises."""
         gauges: dict[str, int | float] = {}
         for per_rank in self._gauges:
             for name, value in per_rank.items():
@@ -154,14 +176,22 @@ class OutputAggregator:
             per_rank.clear()
         for rid in self._failures:
             self._failed.add(rid)
-        out = ConnectorOutput(
+        records: dict[str, Any] = {
+            name: tuple(r for rank_records in self._records for r in rank_records.get(name, ()))
+            for name in extension_fields(self._cls)
+        }
+        out = self._cls(
             finished_sending=self._sending.take(),
             finished_recving=self._recving.take(),
             invalid_block_ids=frozenset(self._invalid),
             failures={rid: reason for rid, (_, reason) in self._failures.items()},
             stats=Stats(counters=self._counters, gauges=gauges),
             events=tuple(e for per_rank in self._events for e in per_rank),
+            **records,
         )
+        self._cls = ConnectorOutput
+        for rank_records in self._records:
+            rank_records.clear()
         self._invalid.clear()
         self._failures.clear()
         self._counters = {}

@@ -11,8 +11,9 @@ Envelope (all integers big-endian)::
 
 Values are encoded by their declared attrs field types: ``str``, ``int``, ``float``, ``bool``,
 ``bytes``, ``None``, unions of those, ``tuple[X, ...]`` (array), ``frozenset[X]`` (array,
-sorted so equal values give equal bytes), ``Mapping[K, V]`` (map), nested attrs classes (map
-of their fields) and ``Any`` (a plain value, see :func:`kvframe.protocol.messages.freeze_plain`).
+sorted so equal values give equal bytes), ``Mapping[K, V]`` (map), enums whose values are all
+``str`` or all ``int`` (the member's value), nested attrs classes (map of their fields) and
+``Any`` (a plain value, see :func:`kvframe.protocol.messages.freeze_plain`).
 Never pickle: decoding runs no code and builds only the registered classes.
 
 Decoding is total: any input that is not a valid encoding raises
@@ -25,6 +26,7 @@ nothing else. A codec is immutable and stateless; after an error it stays usable
 from __future__ import annotations
 
 import contextlib
+import enum
 import re
 import struct
 import types
@@ -132,6 +134,32 @@ def _any() -> _Conv:
             return freeze_plain(value, path)
         except TypeError as exc:
             raise _Bad(path, str(exc)) from exc
+
+    return _Conv(enc, dec)
+
+
+def _enum(tp: type[enum.Enum], where: str) -> _Conv:
+    by_value = {m.value: m for m in tp}
+    kinds = {type(v) for v in by_value}
+    if not by_value or not (kinds == {str} or kinds == {int}):
+        raise TypeError(
+            f"{where}: the codec carries enums whose values are all str or all int; "
+            f"{tp.__qualname__} has values {sorted(map(repr, by_value))}"
+        )
+    (kind,) = kinds
+    name = tp.__qualname__
+    known = sorted(by_value)
+
+    def enc(value: Any, path: str) -> Any:
+        if type(value) is not tp:
+            raise TypeError(f"{path} = {value!r}; expected a {name}")
+        return value.value
+
+    def dec(value: Any, path: str) -> Any:
+        member = by_value.get(value) if type(value) is kind else None
+        if member is None:
+            raise _Bad(path, f"{value!r} is not a {name} (one of {known})")
+        return member
 
     return _Conv(enc, dec)
 
@@ -266,13 +294,16 @@ def _compile(tp: Any, where: str, cache: dict[Any, _Conv | None]) -> _Conv:
         conv = _sequence(_compile(args[0], where, cache), as_set=True)
     elif origin in (Mapping, dict) and len(args) == 2:
         conv = _mapping(_compile(args[0], where, cache), _compile(args[1], where, cache))
+    elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+        conv = _enum(tp, where)
     elif isinstance(tp, type) and attrs.has(tp):
         cache[tp] = None  # marks "being compiled" so that a recursive type is refused
         conv = _attrs_class(tp, cache)
     else:
         raise TypeError(
             f"{where}: the codec cannot carry values of type {tp!r}; use str, int, float, bool, "
-            "bytes, None, tuple[X, ...], frozenset[X], Mapping[K, V], attrs classes or Any"
+            "bytes, None, tuple[X, ...], frozenset[X], Mapping[K, V], str or int enums, attrs "
+            "classes or Any"
         )
     cache[tp] = conv
     return conv

@@ -6,8 +6,11 @@ finished, what failed). Both cross a process boundary as bytes made by
 :mod:`kvframe.protocol.codec`; the values themselves know nothing about encoding.
 
 A connector that needs more than the generic parts either puts plain values in ``extra`` or
-subclasses :class:`ConnectorMetadata` with its own attrs fields and registers the subclass with
-a codec (:meth:`kvframe.protocol.codec.Codec.with_types`).
+subclasses :class:`ConnectorMetadata` with its own attrs fields; its workers may likewise report
+typed records in a subclass of :class:`ConnectorOutput` (each added field a tuple, see
+:func:`extension_fields`). Both subclasses are registered with a codec
+(:meth:`kvframe.protocol.codec.Codec.with_types`; a connector names them in
+``KVConnector.metadata_types``).
 
 *Plain values* (the type of ``extra``, event data) are what msgpack carries natively: ``None``,
 ``bool``, ``int`` (64-bit), ``float``, ``str``, ``bytes``, sequences of plain values and
@@ -33,6 +36,7 @@ __all__ = [
     "LoadSpec",
     "SaveSpec",
     "Stats",
+    "extension_fields",
     "freeze_plain",
     "thaw_plain",
 ]
@@ -311,6 +315,16 @@ class ConnectorOutput:
 
     Request ids in ``finished_sending`` and ``finished_recving`` are reported once each: a
     worker reports a request in the step its transfer stopped, never again.
+
+    A connector whose workers report typed records to its scheduler half (finished jobs, a
+    child connector's output) subclasses it (attrs, frozen, keyword-only) and registers the
+    subclass with its codec. Every field a subclass adds (:func:`extension_fields`) is a
+    ``tuple`` of records, empty by default: across ranks they are concatenated in rank order,
+    like :attr:`events`, so each record should say which rank made it if the scheduler half
+    needs to know. :attr:`is_empty` covers them.
+
+    Raises ``TypeError`` or ``ValueError`` at construction for a malformed field (a
+    subclass's added field that is not a tuple included); the message names it.
     """
 
     finished_sending: frozenset[str] = attrs.field(default=frozenset(), converter=_str_set)
@@ -325,9 +339,18 @@ class ConnectorOutput:
     stats: Stats = attrs.field(factory=Stats)
     events: tuple[KVEvent, ...] = attrs.field(default=(), converter=_events)
 
+    def __attrs_post_init__(self) -> None:
+        for name in extension_fields(type(self)):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                raise TypeError(
+                    f"{type(self).__qualname__}.{name} = {value!r}; the fields a ConnectorOutput "
+                    "subclass adds are tuples (they are concatenated over worker ranks)"
+                )
+
     @property
     def is_empty(self) -> bool:
-        """True when there is nothing to report."""
+        """True when there is nothing to report (a subclass's added fields included)."""
         return (
             not (
                 self.finished_sending
@@ -337,4 +360,27 @@ class ConnectorOutput:
                 or self.events
             )
             and self.stats.is_empty
+            and not any(getattr(self, name) for name in extension_fields(type(self)))
         )
+
+
+_EXTENSION_FIELDS: dict[type[Any], tuple[str, ...]] = {}
+
+
+def extension_fields(cls: type[ConnectorOutput]) -> tuple[str, ...]:
+    """The fields ``cls`` (``ConnectorOutput`` or an attrs subclass of it) adds to
+    ``ConnectorOutput``, in declaration order: empty for ``ConnectorOutput`` itself.
+
+    Each holds a tuple of connector-specific records;
+    :class:`~kvframe.protocol.aggregate.OutputAggregator` concatenates them over ranks. Raises
+    ``TypeError`` for a class that is not an attrs subclass of ``ConnectorOutput``.
+    """
+    known = _EXTENSION_FIELDS.get(cls)
+    if known is not None:
+        return known
+    if not (isinstance(cls, type) and issubclass(cls, ConnectorOutput) and attrs.has(cls)):
+        raise TypeError(f"{cls!r} is not an attrs subclass of ConnectorOutput")
+    base = {f.name for f in attrs.fields(ConnectorOutput)}
+    names = tuple(f.name for f in attrs.fields(cls) if f.init and f.name not in base)
+    _EXTENSION_FIELDS[cls] = names  # classes are immutable; a race only computes it twice
+    return names

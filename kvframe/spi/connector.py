@@ -55,6 +55,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import attrs
 
 from kvframe.config import KVTransferConfig
+from kvframe.errors import ConfigError
+from kvframe.protocol.codec import DEFAULT_CODEC, Codec
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
 from kvframe.spi.request import BLOCK_HASH_SIZE, BlockIds, RequestView, as_block_ids
 from kvframe.spi.transport import Transport, TransportParams
@@ -70,6 +72,7 @@ __all__ = [
     "KVConnectorWorker",
     "PluginLookup",
     "SchedulerStep",
+    "codec_for",
 ]
 
 
@@ -547,7 +550,10 @@ class KVConnectorWorker(abc.ABC):
 
         The default combines :meth:`get_finished`, :meth:`get_block_ids_with_load_errors`,
         :meth:`get_stats`, :meth:`take_events` and :meth:`take_failures`, so an engine adapter
-        calls either this or those (they drain what they report), never both in one step.
+        calls either this or those (they drain what they report), never both in one step. A
+        connector whose output is a subclass of ``ConnectorOutput`` (typed records for its
+        scheduler half, registered in :meth:`KVConnector.metadata_types`) reports those
+        records only here; engines call this method.
         """
         sending, recving = self.get_finished(finished_req_ids)
         return ConnectorOutput(
@@ -593,16 +599,18 @@ class KVConnector(abc.ABC):
 
     @classmethod
     def metadata_types(cls, config: KVTransferConfig) -> Mapping[str, type[Any]]:
-        """The connector's own message classes (subclasses of
-        :class:`~kvframe.protocol.messages.ConnectorMetadata`, usually) by codec tag, so an
-        engine can build the codec that carries them between scheduler and workers::
-
-            codec = DEFAULT_CODEC.with_types(connector_cls.metadata_types(config))
+        """Every message class the connector sends between its two halves, by codec tag: its
+        subclass of :class:`~kvframe.protocol.messages.ConnectorMetadata` (scheduler →
+        workers) and of :class:`~kvframe.protocol.messages.ConnectorOutput` (each worker →
+        scheduler), if it has them. :func:`codec_for` builds the one codec that carries them
+        from this answer; engines, composite connectors and tests all use it, so the tag →
+        class map is written once, here.
 
         Tags follow :meth:`kvframe.protocol.codec.Codec.with_types` (dotted lowercase, not
-        starting with ``kvframe.``). ``config`` lets a composite connector (MultiConnector)
-        collect its children's types. Default: none (the connector uses the generic
-        messages only)."""
+        starting with ``kvframe.``). ``config`` is the connector's configuration, for a
+        connector whose classes depend on it. Messages that do not travel between the halves
+        (a side channel between engines) do not belong here. Default: none (the connector
+        uses the generic messages only)."""
         return {}
 
     @classmethod
@@ -631,3 +639,22 @@ class KVConnector(abc.ABC):
         :class:`~kvframe.errors.PluginNotFoundError` when the configured transport is not
         installed. Nothing is left running after an error.
         """
+
+
+def codec_for(connector: type[KVConnector], config: KVTransferConfig) -> Codec:
+    """The codec that carries ``connector``'s messages between its halves:
+    :data:`~kvframe.protocol.codec.DEFAULT_CODEC` plus ``connector.metadata_types(config)``.
+
+    What an engine encodes the step's metadata and the workers' outputs with, what
+    MultiConnector encodes each child's messages with, and what tests use: no codec is built
+    from a hand-written tag → class map. Raises :class:`~kvframe.errors.ConfigError` naming
+    the connector when its types cannot be registered (a malformed or reserved tag, a class
+    or field type the codec cannot carry).
+    """
+    try:
+        return DEFAULT_CODEC.with_types(connector.metadata_types(config))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"connector {config.kv_connector!r} ({connector.__qualname__}): its "
+            f"metadata_types() cannot be registered with the codec: {exc}"
+        ) from exc

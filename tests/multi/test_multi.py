@@ -1,24 +1,29 @@
-"""MultiConnector: SPI coverage by reflection, load ownership, delayed free, params clash, and
-P/D + offloading on D never storing blocks that did not finish loading (vLLM #34526)."""
+"""MultiConnector: SPI coverage by reflection, load ownership, delayed free, params clash, the
+children's outputs travelling as typed values (MultiOutput), and P/D + offloading on D never
+storing blocks that did not finish loading (vLLM #34526)."""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping, Set
 from typing import Any
 
+import attrs
 import pytest
 
 from kvframe.config import KVTransferConfig
 from kvframe.connectors.multi import (
-    MULTI_CODEC,
     REQUEST_FAILED_EVENT,
+    ChildOutput,
     MultiConnector,
     MultiConnectorScheduler,
     MultiConnectorWorker,
     MultiMetadata,
+    MultiOutput,
 )
 from kvframe.connectors.offload.scheduler import OffloadingScheduler
 from kvframe.errors import ConfigError
+from kvframe.protocol.aggregate import OutputAggregator
 from kvframe.protocol.codec import DEFAULT_CODEC
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
 from kvframe.spi.connector import (
@@ -27,6 +32,7 @@ from kvframe.spi.connector import (
     KVConnectorScheduler,
     KVConnectorWorker,
     SchedulerStep,
+    codec_for,
 )
 from kvframe.spi.request import BlockIds, RequestView, block_hashes
 from tests.contexts import build_context
@@ -52,11 +58,15 @@ def test_every_spi_method_is_handled(base: type, multi: type) -> None:
     assert not missing, f"{multi.__name__} does not handle {missing}"
 
 
+#: The engine's codec for a MultiConnector: what its metadata_types name, whatever the children.
+MULTI = codec_for(
+    MultiConnector, KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both")
+)
+
+
 def _bind(w: MultiConnectorWorker, **kw: Any) -> None:
     blobs = tuple(DEFAULT_CODEC.encode(ConnectorMetadata()) for _ in range(2))
-    w.bind_connector_metadata(
-        MULTI_CODEC.decode(MULTI_CODEC.encode(MultiMetadata(children=blobs, **kw)))
-    )
+    w.bind_connector_metadata(MULTI.decode(MULTI.encode(MultiMetadata(children=blobs, **kw))))
 
 
 def test_finished_recving_only_from_the_owner_and_once() -> None:
@@ -168,6 +178,103 @@ def test_kv_transfer_params_merge_and_a_clash_fails_the_hand_off() -> None:
     assert not bad.has_pending_work()
 
 
+@attrs.frozen(kw_only=True)
+class _NotesOutput(ConnectorOutput):
+    """A child connector's own output class: typed records for its scheduler half."""
+
+    notes: tuple[str, ...] = ()
+
+
+class _NotesConnector(KVConnector):
+    @classmethod
+    def metadata_types(cls, config: KVTransferConfig) -> Mapping[str, type[Any]]:
+        return {"tests.notes_output": _NotesOutput}
+
+    @classmethod
+    def build_scheduler(cls, config: Any, engine: Any, ctx: Any) -> KVConnectorScheduler:
+        raise NotImplementedError
+
+    @classmethod
+    def build_worker(cls, config: Any, engine: Any, rank: int, ctx: Any) -> KVConnectorWorker:
+        raise NotImplementedError
+
+
+NOTES = codec_for(_NotesConnector, KVTransferConfig(kv_connector="Notes", kv_role="kv_both"))
+
+
+class _NotesWorker(NullWorker):
+    def __init__(self) -> None:
+        super().__init__()
+        self.notes: list[str] = []
+
+    def build_connector_worker_output(
+        self, finished_req_ids: Set[str] = frozenset()
+    ) -> _NotesOutput:
+        out = super().build_connector_worker_output(finished_req_ids)
+        notes, self.notes = tuple(self.notes), []
+        return _NotesOutput(**attrs.asdict(out, recurse=False), notes=notes)
+
+
+class _RecordingSched(_FakeSched):
+    def __init__(self) -> None:
+        super().__init__((0, False), None)
+        self.outputs: list[ConnectorOutput] = []
+
+    def update_connector_output(self, output: ConnectorOutput) -> None:
+        self.outputs.append(output)
+
+
+def test_children_outputs_travel_as_typed_values_and_reach_their_child_per_rank() -> None:
+    codecs = [DEFAULT_CODEC, NOTES]
+    blobs = tuple(c.encode(ConnectorMetadata()) for c in codecs)
+    engine_agg = OutputAggregator(2)
+    for rank in range(2):
+        plain, notes = NullWorker(), _NotesWorker()
+        w = MultiConnectorWorker(["0.Null", "1.Notes"], [plain, notes], codecs, rank)
+        w.bind_connector_metadata(MULTI.decode(MULTI.encode(MultiMetadata(children=blobs))))
+        notes.notes = [f"from rank {rank}"]
+        out = w.build_connector_worker_output()
+        assert type(out) is MultiOutput
+        assert [(c.child, c.rank) for c in out.children] == [(1, rank)]  # child 0: nothing
+        assert not out.events  # no child output is smuggled in an event any more
+        child = NOTES.decode_as(out.children[0].output, ConnectorOutput)
+        assert child == _NotesOutput(notes=(f"from rank {rank}",))
+        wire = MULTI.decode_as(MULTI.encode(out), ConnectorOutput)
+        assert wire == out
+        engine_agg.add(rank, wire)
+        w.clear_connector_metadata()
+    aggregated = engine_agg.take()
+    assert isinstance(aggregated, MultiOutput)
+    assert [(c.child, c.rank) for c in aggregated.children] == [(1, 0), (1, 1)]
+    a, b = _RecordingSched(), _RecordingSched()
+    m = MultiConnectorScheduler(["0.Null", "1.Notes"], [a, b], codecs, 2)
+    m.update_connector_output(aggregated)
+    assert a.outputs == [ConnectorOutput()]
+    assert b.outputs == [_NotesOutput(notes=("from rank 0", "from rank 1"))]
+    assert "malformed_child_reports" not in m.get_stats().counters
+
+
+def test_child_reports_that_cannot_be_placed_are_counted_and_the_rest_delivered() -> None:
+    a, b = _RecordingSched(), _RecordingSched()
+    m = MultiConnectorScheduler(["0.Null", "1.Notes"], [a, b], [DEFAULT_CODEC, NOTES], 1)
+    good = NOTES.encode(_NotesOutput(notes=("ok",)))
+    m.update_connector_output(
+        MultiOutput(
+            children=(
+                ChildOutput(child=5, rank=0, output=good),  # no such child
+                ChildOutput(child=1, rank=3, output=good),  # no such rank
+                ChildOutput(child=1, rank=0, output=b"not a message"),
+                ChildOutput(child=0, rank=0, output=good),  # child 0's codec has no notes
+                ChildOutput(child=1, rank=0, output=good),
+            )
+        )
+    )
+    assert m.get_stats().counters["malformed_child_reports"] == 4
+    assert b.outputs == [_NotesOutput(notes=("ok",))]
+    m.update_connector_output(ConnectorOutput())  # an output without children: nothing to give
+    assert b.outputs[-1] == ConnectorOutput()
+
+
 def test_required_layouts_must_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvframe.connectors.offload import OffloadingConnector
     from kvframe.connectors.pd import PDConnector
@@ -269,7 +376,7 @@ class _MultiD:
         self.scheduled = {}
         self.per_request = {}
         self.step_no += 1
-        bound = MULTI_CODEC.decode_as(MULTI_CODEC.encode(meta), MultiMetadata)
+        bound = MULTI.decode_as(MULTI.encode(meta), MultiMetadata)
         self.metas.append(bound)
         self.worker.bind_connector_metadata(bound)
         self.worker.start_load_kv(None)
@@ -279,7 +386,8 @@ class _MultiD:
         self.worker.wait_for_save()
         out = self.worker.build_connector_worker_output()
         self.worker.clear_connector_metadata()
-        out = MULTI_CODEC.decode_as(MULTI_CODEC.encode(out), ConnectorOutput)
+        out = MULTI.decode_as(MULTI.encode(out), ConnectorOutput)
+        assert isinstance(out, MultiOutput)
         self.sched.update_connector_output(out)
         self.outputs.append(out)
         return out
@@ -295,13 +403,13 @@ class _MultiD:
 
 
 def _stored_requests(d: _MultiD) -> set[str]:
+    from kvframe.connectors.offload import OffloadingConnector
     from kvframe.connectors.offload.metadata import OffloadMetadata
 
     out: set[str] = set()
-    from kvframe.connectors.offload import OFFLOAD_CODEC
-
+    codec = codec_for(OffloadingConnector, d.config.connectors[1])
     for m in d.metas:
-        om = OFFLOAD_CODEC.decode_as(m.children[1], OffloadMetadata)
+        om = codec.decode_as(m.children[1], OffloadMetadata)
         out |= {s.request_id for s in om.offload_stores}
     return out
 
@@ -415,7 +523,7 @@ def test_two_offloading_children_on_the_reference_engine_stay_apart() -> None:
     )
     prompt = [(i * 5 + 1) % 200 + 1 for i in range(70)]
     cfg = EngineConfig(torch_threads=1, num_blocks=48, enable_prefix_caching=False)
-    with Engine(cfg, kv, codec=MultiConnector.codec) as engine:
+    with Engine(cfg, kv) as engine:
         first = engine.generate([prompt], max_tokens=3)[0]
         engine.run_until_idle()
         second = engine.generate([prompt], max_tokens=3)[0]

@@ -11,7 +11,6 @@ from kvframe_refengine import Engine, EngineConfig, FinishReason, ModelConfig, T
 from kvframe_refengine import greedy_reference as _greedy
 
 from kvframe.config import KVTransferConfig
-from kvframe.connectors.multi import MultiConnector
 from kvframe.protocol.messages import ConnectorMetadata
 from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.connector import (
@@ -101,7 +100,7 @@ def test_a_child_registered_by_code_is_found_in_the_engines_host() -> None:
             },
         }
     )
-    with Engine(cfg, multi, plugin_host=host, codec=MultiConnector.codec) as engine:
+    with Engine(cfg, multi, plugin_host=host) as engine:
         (out,) = engine.generate([prompt], max_tokens=3)
         engine.run_until_idle()
         engine.check_no_leaks()
@@ -136,7 +135,7 @@ def test_a_params_clash_fails_the_hand_off_and_frees_every_block() -> None:
     clock = FakeClock(1000.0)
     kv = _two_pd_producers("P-clash")
     cfg = EngineConfig(model=MODEL, block_size=8, num_blocks=48, torch_threads=1)
-    with Engine(cfg, kv, plugin_host=_host(), codec=MultiConnector.codec, clock=clock) as engine:
+    with Engine(cfg, kv, plugin_host=_host(), clock=clock) as engine:
         free_before = engine.pool.num_free
         engine.add_request("r0", _prompt(2, 21), 1, {"do_remote_decode": True})
         final = None

@@ -42,7 +42,7 @@ def _config(
 def _engine(kv: KVTransferConfig, host: PluginHost | None = None) -> Engine:
     # No local prefix cache: a second identical prompt can only be served by the connector.
     cfg = EngineConfig(torch_threads=1, num_blocks=48, enable_prefix_caching=False)
-    return Engine(cfg, kv, plugin_host=host, codec=OffloadingConnector.codec)
+    return Engine(cfg, kv, plugin_host=host)
 
 
 def _run(engine: Engine, prompt: list[int]) -> tuple[tuple[int, ...], int, int]:

@@ -7,17 +7,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from kvframe_refengine import Engine, EngineConfig
 
 from kvframe.config import KVTransferConfig
-from kvframe.connectors.offload import OFFLOAD_CODEC, OffloadingConnector
+from kvframe.connectors.offload import OffloadingConnector
 from kvframe.connectors.offload.metadata import OffloadMetadata
 from kvframe.connectors.offload.scheduler import OffloadingScheduler
 from kvframe.connectors.offload.worker import OffloadingWorker
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
-from kvframe.spi.connector import EngineInfo, SchedulerStep
+from kvframe.spi.connector import EngineInfo, SchedulerStep, codec_for
 from kvframe.spi.offload import offload_key
 from kvframe.spi.request import RequestView, block_hashes
 from tests.contexts import build_context
@@ -38,7 +39,7 @@ def _kv(cpu: int = 1 << 20) -> KVTransferConfig:
 
 def _engine(**overrides: Any) -> Engine:
     cfg = EngineConfig(torch_threads=1, num_blocks=48, enable_prefix_caching=False, **overrides)
-    return Engine(cfg, _kv(), codec=OffloadingConnector.codec)
+    return Engine(cfg, _kv())
 
 
 def _sched(e: Engine) -> OffloadingScheduler:
@@ -218,6 +219,7 @@ class _Pair:
         self.kv = {f"l{i}": torch.rand((16, 2, BS, 1, 8)) for i in range(2)}
         self.worker.register_kv_caches(self.kv)
         self.sched.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata() or b""})
+        self.codec = codec_for(OffloadingConnector, cfg)
         self.n = 0
 
     def step(self, invalid: frozenset[int] = frozenset(), **fields: Any) -> OffloadMetadata:
@@ -225,8 +227,8 @@ class _Pair:
             SchedulerStep(step=self.n, now=time.monotonic(), **fields)
         )
         self.n += 1
-        blob = OFFLOAD_CODEC.encode(meta)
-        self.worker.bind_connector_metadata(OFFLOAD_CODEC.decode_as(blob, ConnectorMetadata))
+        blob = self.codec.encode(meta)
+        self.worker.bind_connector_metadata(self.codec.decode_as(blob, ConnectorMetadata))
         self.worker.start_load_kv(None)
         for name, t in self.kv.items():
             self.worker.wait_for_layer_load(name)
@@ -235,10 +237,9 @@ class _Pair:
         self.after_save()
         out = self.worker.build_connector_worker_output()
         self.worker.clear_connector_metadata()
+        out = self.codec.decode_as(self.codec.encode(out), ConnectorOutput)
         if invalid:
-            out = ConnectorOutput(
-                invalid_block_ids=invalid, events=out.events, finished_sending=out.finished_sending
-            )
+            out = attrs.evolve(out, invalid_block_ids=invalid)
         self.sched.update_connector_output(out)
         self.last = out
         return meta

@@ -12,10 +12,9 @@ import torch
 
 from kvframe.config import KVTransferConfig
 from kvframe.connectors.pd import PDConnector
-from kvframe.connectors.pd.metadata import PD_CODEC
-from kvframe.protocol.messages import ConnectorOutput
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
 from kvframe.runtime.plugins import PluginHost
-from kvframe.spi.connector import BuildContext, EngineInfo, SchedulerStep
+from kvframe.spi.connector import BuildContext, EngineInfo, SchedulerStep, codec_for
 from kvframe.spi.request import RequestView
 
 BLOCK = 16
@@ -51,6 +50,7 @@ class Driver:
         ctx = BuildContext(host=host, clock=clock)
         self.sched = PDConnector.build_scheduler(self.config, self.info, ctx)
         self.worker = PDConnector.build_worker(self.config, self.info, 0, ctx)
+        self.codec = codec_for(PDConnector, self.config)
         self.kv = {f"layer{i}": torch.zeros((num_blocks, *SHAPE)) for i in range(LAYERS)}
         self.worker.register_kv_caches(self.kv)
         meta = self.worker.get_handshake_metadata()
@@ -62,11 +62,13 @@ class Driver:
     def step(self) -> ConnectorOutput:
         meta = self.sched.build_connector_meta(SchedulerStep(step=self.step_no, now=self.clock()))
         self.step_no += 1
-        self.worker.bind_connector_metadata(PD_CODEC.decode(PD_CODEC.encode(meta)))
+        self.worker.bind_connector_metadata(
+            self.codec.decode_as(self.codec.encode(meta), ConnectorMetadata)
+        )
         self.worker.start_load_kv(None)
         out = self.worker.build_connector_worker_output()
         self.worker.clear_connector_metadata()
-        out = PD_CODEC.decode(PD_CODEC.encode(out))
+        out = self.codec.decode_as(self.codec.encode(out), ConnectorOutput)
         self.sched.update_connector_output(out)
         self.outputs.append(out)
         return out

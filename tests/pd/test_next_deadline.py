@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvframe.connectors.pd.metadata import PD_CODEC
+from kvframe.connectors.pd.metadata import PDMetadata
 from kvframe.spi.connector import KVConnectorScheduler, SchedulerStep
 from kvframe.testing.clock import FakeClock
 from tests.pd.driver import Driver, view
@@ -61,7 +61,7 @@ def test_d_with_only_queued_requests_sleeps_until_the_next_heartbeat() -> None:
         # The new lease is confirmed at once: the next step is due now.
         assert d.sched.next_deadline() == -math.inf
         meta = d.sched.build_connector_meta(SchedulerStep(step=0, now=clock()))
-        assert PD_CODEC.decode(PD_CODEC.encode(meta)).pd_heartbeats  # type: ignore[attr-defined]
+        assert d.codec.decode_as(d.codec.encode(meta), PDMetadata).pd_heartbeats
         # Then nothing is due before the next heartbeat batch, one interval (1 s) later.
         assert d.sched.next_deadline() == clock() + 1.0
         clock.advance(1.0)

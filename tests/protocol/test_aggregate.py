@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -205,3 +206,64 @@ class AggregatorMachine(RuleBasedStateMachine):
 
 
 TestAggregatorMachine = AggregatorMachine.TestCase
+
+
+@attrs.frozen(kw_only=True)
+class Record:
+    rank: int
+    n: int
+
+
+@attrs.frozen(kw_only=True)
+class RecordsOutput(ConnectorOutput):
+    """A connector's own output: typed per-rank records besides the generic parts."""
+
+    records: tuple[Record, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class OtherOutput(ConnectorOutput):
+    other: tuple[int, ...] = ()
+
+
+def test_typed_records_concatenate_in_rank_order_and_keep_their_class() -> None:
+    agg = OutputAggregator(2)
+    agg.add(1, RecordsOutput(records=(Record(rank=1, n=0),), finished_sending={"r"}))
+    agg.add(0, ConnectorOutput(finished_sending={"r"}))  # a plain output adds nothing
+    agg.add(0, RecordsOutput(records=(Record(rank=0, n=1),), notes=("a",)))
+    out = agg.take()
+    assert type(out) is RecordsOutput
+    assert out.records == (Record(rank=0, n=1), Record(rank=1, n=0))
+    assert out.notes == ("a",)
+    assert out.finished_sending == {"r"}
+    # Nothing reported since: a plain, empty output.
+    again = agg.take()
+    assert type(again) is ConnectorOutput
+    assert again.is_empty
+
+
+def test_two_output_classes_in_one_take_are_refused_and_nothing_is_recorded() -> None:
+    agg = OutputAggregator(2)
+    agg.add(0, RecordsOutput(records=(Record(rank=0, n=0),)))
+    with pytest.raises(TypeError, match="rank 1 reported a OtherOutput, but a RecordsOutput"):
+        agg.add(1, OtherOutput(other=(1,), finished_sending={"x"}))
+    out = agg.take()
+    assert out == RecordsOutput(records=(Record(rank=0, n=0),))
+    agg.add(1, OtherOutput(other=(1,)))  # a new take may carry another class
+    assert agg.take() == OtherOutput(other=(1,))
+
+
+@given(st.permutations([(0, 0), (0, 1), (1, 2), (2, 3), (1, 4)]))
+def test_typed_records_do_not_depend_on_the_order_of_reports(order: list[tuple[int, int]]) -> None:
+    agg = OutputAggregator(3)
+    for rank, n in order:
+        agg.add(rank, RecordsOutput(records=(Record(rank=rank, n=n),)))
+    out = agg.take()
+    assert isinstance(out, RecordsOutput)
+    assert [r.rank for r in out.records] == sorted(r.rank for r in out.records)
+    assert sorted(r.n for r in out.records) == [0, 1, 2, 3, 4]
+    # Within a rank, records keep the order that rank reported them in.
+    for rank in range(3):
+        mine = [n for r, n in order if r == rank]
+        assert [r.n for r in out.records if r.rank == rank] == mine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -313,3 +314,70 @@ def test_decoded_values_are_read_only() -> None:
         back.extra["a"][1]["b"] = 3  # type: ignore[index]
     with pytest.raises(TypeError):
         back.extra["m"]["q"] = ()  # type: ignore[index]
+
+
+class Colour(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+@attrs.frozen(kw_only=True)
+class Painted(ConnectorMetadata):
+    colour: Colour = Colour.RED
+    level: Level | None = None
+    palette: tuple[Colour, ...] = ()
+
+
+PAINTED = DEFAULT_CODEC.with_types({"tests.painted": Painted})
+
+
+@given(
+    st.builds(
+        Painted,
+        colour=st.sampled_from(Colour),
+        level=st.none() | st.sampled_from(Level),
+        palette=st.lists(st.sampled_from(Colour), max_size=3).map(tuple),
+    )
+)
+def test_enums_travel_as_their_values(msg: Painted) -> None:
+    back = PAINTED.decode_as(PAINTED.encode(msg), Painted)
+    assert back == msg
+    assert type(back.colour) is Colour
+    assert back.level is None or type(back.level) is Level
+
+
+def test_an_enum_value_the_class_does_not_have_is_a_codec_error() -> None:
+    data = PAINTED.encode(Painted())
+    body = msgpack.unpackb(data[7 + len(b"tests.painted") :])
+    body["colour"] = "green"
+    bad = data[: 7 + len(b"tests.painted")] + msgpack.packb(body)
+    with pytest.raises(CodecError, match=r"'green' is not a Colour \(one of \['blue', 'red'\]\)"):
+        PAINTED.decode(bad)
+    body["colour"] = 1  # the right kind matters too: an int is not a str-valued member
+    with pytest.raises(CodecError, match="is not a Colour"):
+        PAINTED.decode(data[: 7 + len(b"tests.painted")] + msgpack.packb(body))
+
+
+class Mixed(enum.Enum):
+    A = "a"
+    B = 2
+
+
+@attrs.frozen
+class MixedHolder:
+    m: Mixed
+
+
+def test_enums_of_mixed_or_other_values_are_refused_at_registration() -> None:
+    with pytest.raises(TypeError, match=r"MixedHolder\.m: the codec carries enums whose values"):
+        DEFAULT_CODEC.with_types({"tests.bad": MixedHolder})
+
+
+def test_encoding_a_non_member_names_the_field() -> None:
+    with pytest.raises(TypeError, match=r"Painted\.colour = 'red'; expected a Colour"):
+        PAINTED.encode(attrs.evolve(Painted(), colour="red"))  # type: ignore[arg-type]

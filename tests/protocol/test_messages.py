@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 
 from kvframe.protocol.messages import (
@@ -13,6 +14,7 @@ from kvframe.protocol.messages import (
     LoadSpec,
     SaveSpec,
     Stats,
+    extension_fields,
     freeze_plain,
     thaw_plain,
 )
@@ -89,3 +91,30 @@ def test_freeze_and_thaw_plain() -> None:
     assert thaw_plain(frozen) == value
     with pytest.raises(TypeError, match=r"v\['a'\]\[1\] has type object"):
         freeze_plain({"a": [0, object()]}, "v")
+
+
+@attrs.frozen(kw_only=True)
+class JobsOutput(ConnectorOutput):
+    jobs: tuple[int, ...] = ()
+    names: tuple[str, ...] = ()
+
+
+def test_a_subclass_adds_tuple_fields_that_is_empty_covers() -> None:
+    assert extension_fields(ConnectorOutput) == ()
+    assert extension_fields(JobsOutput) == ("jobs", "names")
+    assert JobsOutput().is_empty
+    assert not JobsOutput(jobs=(1,)).is_empty
+    with pytest.raises(TypeError, match=r"JobsOutput\.jobs = \[1\]; the fields a ConnectorOutput"):
+        JobsOutput(jobs=[1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not an attrs subclass of ConnectorOutput"):
+        extension_fields(ConnectorMetadata)  # type: ignore[arg-type]
+
+
+def test_a_typed_output_round_trips_through_its_codec_as_its_own_class() -> None:
+    from kvframe.protocol.codec import DEFAULT_CODEC
+
+    codec = DEFAULT_CODEC.with_types({"tests.jobs": JobsOutput})
+    out = JobsOutput(jobs=(3, 1), names=("a",), finished_sending={"r"})
+    back = codec.decode_as(codec.encode(out), ConnectorOutput)
+    assert type(back) is JobsOutput
+    assert back == out

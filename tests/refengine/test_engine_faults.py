@@ -13,7 +13,6 @@ from kvframe_refengine import Engine, EngineConfig, FinishReason, ModelConfig
 from kvframe_refengine.engine import MAX_REQUEST_ID_BYTES
 
 from kvframe.config import KVTransferConfig
-from kvframe.connectors.pd.metadata import PD_CODEC
 from kvframe.runtime.plugins import PluginHost
 from tests.refengine.test_engine_connector import _engine as _fake_engine
 from tests.refengine.test_engine_connector import _prefill
@@ -166,7 +165,7 @@ def _pd_consumer() -> Engine:
     )
     host = PluginHost(autoload=False, env={})
     host.load()
-    return Engine(EngineConfig(model=MODEL, block_size=8), kv, plugin_host=host, codec=PD_CODEC)
+    return Engine(EngineConfig(model=MODEL, block_size=8), kv, plugin_host=host)
 
 
 def test_scheduler_connector_counters_accumulate_across_reads() -> None:

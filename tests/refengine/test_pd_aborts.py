@@ -19,7 +19,6 @@ import zmq
 from kvframe_refengine import Engine, EngineConfig, FinishReason, ModelConfig
 
 from kvframe.config import KVTransferConfig
-from kvframe.connectors.pd.metadata import PD_CODEC
 from kvframe.core.reader import ReadState
 from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.transport import XferStatus
@@ -42,7 +41,7 @@ def _engine(role: str, engine_id: str, host: PluginHost, **extra: Any) -> Engine
         }
     )
     cfg = EngineConfig(model=MODEL, block_size=8, num_blocks=64)
-    return Engine(cfg, kv, plugin_host=host, codec=PD_CODEC)
+    return Engine(cfg, kv, plugin_host=host)
 
 
 @pytest.fixture

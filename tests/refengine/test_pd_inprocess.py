@@ -13,7 +13,6 @@ from kvframe_refengine import Engine, EngineConfig, FinishReason, ModelConfig, T
 from kvframe_refengine import greedy_reference as _greedy
 
 from kvframe.config import KVTransferConfig
-from kvframe.connectors.pd.metadata import PD_CODEC
 from kvframe.runtime.plugins import PluginHost
 
 MODEL = ModelConfig(seed=3)
@@ -32,7 +31,7 @@ def _engine(role: str, engine_id: str, host: PluginHost) -> Engine:
         }
     )
     cfg = EngineConfig(model=MODEL, block_size=8, num_blocks=64)
-    return Engine(cfg, kv, plugin_host=host, codec=PD_CODEC)
+    return Engine(cfg, kv, plugin_host=host)
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@ from kvframe.spi.connector import (
     KVConnector,
     KVConnectorScheduler,
     KVConnectorWorker,
+    codec_for,
 )
 from kvframe_refengine.block_pool import BlockPool
 from kvframe_refengine.model import ModelConfig, TinyLM
@@ -137,8 +138,8 @@ class Engine:
             in (:class:`~kvframe.spi.connector.BuildContext`); loaded here. Default a fresh
             :class:`~kvframe.runtime.plugins.PluginHost` (entry points and built-ins).
         codec: encodes the connector's metadata and output when ``config.encode_metadata``;
-            default :data:`~kvframe.protocol.codec.DEFAULT_CODEC` extended with the connector's
-            own message classes (``KVConnector.metadata_types``).
+            default :func:`~kvframe.spi.connector.codec_for` of the connector (the default
+            codec plus the connector's own message classes, ``KVConnector.metadata_types``).
         clock: the engine's monotonic clock in seconds (``SchedulerStep.now``, arrival times,
             and the connector's ``BuildContext.clock``).
 
@@ -224,7 +225,7 @@ class Engine:
         # The connector names its own message classes (KVConnector.metadata_types).
         if kv is None or ctx is None:
             return DEFAULT_CODEC
-        return DEFAULT_CODEC.with_types(ctx.host.connector(kv.kv_connector).metadata_types(kv))
+        return codec_for(ctx.host.connector(kv.kv_connector), kv)
 
     def _build_connector(
         self, kv: KVTransferConfig | None, ctx: BuildContext | None
@@ -255,8 +256,9 @@ class Engine:
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"cannot encode the connector's metadata ({type(meta).__qualname__}): {exc}; "
-                "pass Engine(codec=...) with a codec that knows the connector's message types "
-                "(Codec.with_types), or EngineConfig(encode_metadata=False)"
+                "list its message classes in the connector's metadata_types() (the engine's "
+                "codec is codec_for(connector, config)), pass Engine(codec=...), or "
+                "EngineConfig(encode_metadata=False)"
             ) from exc
 
     def _decode_metadata(self, sent: Any) -> ConnectorMetadata:

@@ -18,8 +18,9 @@ vLLM calls                             kvframe receives
                                        request; ``now`` = ``time.monotonic()``);
                                        the result travels as codec bytes in
                                        :class:`KVFrameMetadata` (never pickled objects)
-``update_connector_output``            an aggregated ``ConnectorOutput`` (failures and events
-                                       ride in :class:`KVFrameWorkerMeta`)
+``update_connector_output``            an aggregated ``ConnectorOutput`` of the connector's
+                                       class (failures, events and the connector's own typed
+                                       records ride in :class:`KVFrameWorkerMeta`)
 ``request_finished(Request, ids)``     ``RequestView`` with ``finish_reason``; the returned
                                        ``kv_transfer_params`` go back to the client as is
 ``has_pending_push_work()``            ``has_pending_work()``: vLLM keeps stepping while a
@@ -44,7 +45,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import msgpack
+import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -54,7 +55,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvframe.protocol.codec import DEFAULT_CODEC
+from kvframe.errors import CodecError
+from kvframe.protocol.aggregate import OutputAggregator
+from kvframe.protocol.codec import Codec
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
 from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.connector import (
@@ -63,6 +66,7 @@ from kvframe.spi.connector import (
     KVConnector,
     KVConnectorScheduler,
     KVConnectorWorker,
+    codec_for,
 )
 from kvframe.spi.request import BlockIds, as_block_ids
 from kvframe_vllm.config import AdapterConfig
@@ -108,8 +112,10 @@ class KVFrameHandshake(KVConnectorHandshakeMetadata):
 
 @dataclasses.dataclass(frozen=True)
 class KVFrameWorkerMeta(KVConnectorWorkerMetadata):
-    """What kvframe workers report that vLLM's ``KVConnectorOutput`` has no field for:
-    per-request failure reasons and kvframe events, msgpack-encoded, one entry per report."""
+    """What kvframe workers report that vLLM's ``KVConnectorOutput`` has no field for: each
+    rank's kvframe output less what vLLM carries itself (finished ids, invalid blocks, stats)
+    — failure reasons, events and the connector's own typed records — encoded with the
+    connector's codec, one entry per report, in rank order."""
 
     reports: tuple[bytes, ...] = ()
 
@@ -120,29 +126,32 @@ class KVFrameWorkerMeta(KVConnectorWorkerMetadata):
         return KVFrameWorkerMeta(reports=self.reports + other.reports)
 
     @staticmethod
-    def pack(failures: Mapping[str, str], events: Iterable[KVEvent]) -> bytes:
-        """One rank's report as msgpack bytes."""
-        out: bytes = msgpack.packb(
-            {
-                "failures": dict(failures),
-                "events": [{"kind": e.kind, "data": _thaw(e.data)} for e in events],
-            }
+    def pack(codec: Codec, output: ConnectorOutput) -> bytes | None:
+        """One rank's report: ``output`` (of the connector's output class) less what vLLM
+        carries itself, encoded with the connector's ``codec``; ``None`` when nothing is left
+        to report."""
+        rest = attrs.evolve(
+            output,
+            finished_sending=frozenset(),
+            finished_recving=frozenset(),
+            invalid_block_ids=frozenset(),
+            stats=Stats(),
         )
-        return out
+        return None if rest.is_empty else codec.encode(rest)
 
-    def unpack(self) -> tuple[dict[str, str], list[KVEvent]]:
-        """All reports merged: ``(failures, events)``. Raises ``ValueError`` for bytes that
-        are not a report (nothing else in the engine is affected)."""
-        failures: dict[str, str] = {}
-        events: list[KVEvent] = []
-        for blob in self.reports:
+    def unpack(self, codec: Codec) -> ConnectorOutput:
+        """All reports merged as kvframe aggregates ranks
+        (:class:`~kvframe.protocol.aggregate.OutputAggregator`: a failure keeps the first
+        report's reason, events and typed records are concatenated), in the connector's output
+        class. Raises ``ValueError`` for bytes that are not a report (nothing else in the
+        engine is affected)."""
+        agg = OutputAggregator(max(1, len(self.reports)))
+        for i, blob in enumerate(self.reports):
             try:
-                obj = msgpack.unpackb(blob, raw=False)
-                failures.update({str(k): str(v) for k, v in obj["failures"].items()})
-                events.extend(KVEvent(kind=e["kind"], data=e["data"]) for e in obj["events"])
-            except Exception as exc:
+                agg.add(i, codec.decode_as(blob, ConnectorOutput))
+            except (CodecError, TypeError) as exc:
                 raise ValueError(f"malformed kvframe worker report: {exc}") from exc
-        return failures, events
+        return agg.take()
 
 
 def _thaw(value: Any) -> Any:
@@ -208,7 +217,7 @@ class KVFrameConnector(KVConnectorBase_V1):
         self._ctx = BuildContext(host=host, clock=time.monotonic)
         self._cls = connector_class(self._adapter, host)
         # The SPI's rule: the default codec plus the connector's own message classes.
-        self._codec = DEFAULT_CODEC.with_types(self._cls.metadata_types(self._adapter.config))
+        self._codec = codec_for(self._cls, self._adapter.config)
         self._engine = _engine_info(vllm_config, kv_cache_config)
         self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
         self._scheduler: KVConnectorScheduler | None = None
@@ -364,12 +373,13 @@ class KVFrameConnector(KVConnectorBase_V1):
         return KVFrameMetadata(payload=self._codec.encode(meta))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Hand the aggregated worker output to the kvframe scheduler half."""
-        failures: dict[str, str] = {}
-        events: list[KVEvent] = []
+        """Hand the aggregated worker output to the kvframe scheduler half (of the connector's
+        output class when the workers reported one)."""
+        rest = ConnectorOutput()
         wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(wmeta, KVFrameWorkerMeta):
-            failures, events = wmeta.unpack()
+            rest = wmeta.unpack(self._codec)
+        failures = dict(rest.failures)
         for rid in getattr(connector_output, "failed_recving", None) or ():
             failures.setdefault(rid, "load failed")
         stats = Stats()
@@ -377,17 +387,17 @@ class KVFrameConnector(KVConnectorBase_V1):
         if isinstance(raw, KVFrameStats):
             stats = raw.as_kvframe()
             self._absorb(stats, "workers.")
-        for ev in events:
+        for ev in rest.events:
             _log_event(ev)
         recving = frozenset(connector_output.finished_recving or ())
         self._failed_loads.update(rid for rid in failures if rid in recving)
-        out = ConnectorOutput(
+        out = attrs.evolve(
+            rest,
             finished_sending=frozenset(connector_output.finished_sending or ()),
-            finished_recving=frozenset(connector_output.finished_recving or ()),
+            finished_recving=recving,
             invalid_block_ids=frozenset(connector_output.invalid_block_ids or ()),
             failures=failures,
             stats=stats,
-            events=tuple(events),
         )
         self._sched().update_connector_output(out)
         self._absorb(self._sched().get_stats())
@@ -518,11 +528,11 @@ class KVFrameConnector(KVConnectorBase_V1):
         return KVFrameStats.from_kvframe(self._pending.stats)
 
     def build_connector_worker_meta(self) -> KVFrameWorkerMeta | None:
-        """Failures and events of this step's report (then the report is done)."""
+        """Failures, events and typed records of this step's report (then the report is
+        done)."""
         out, self._pending = self._pending, None
-        if out is None or not (out.failures or out.events):
-            return None
-        return KVFrameWorkerMeta(reports=(KVFrameWorkerMeta.pack(out.failures, out.events),))
+        blob = None if out is None else KVFrameWorkerMeta.pack(self._codec, out)
+        return None if blob is None else KVFrameWorkerMeta(reports=(blob,))
 
     # -- both ------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -9,28 +9,28 @@ failure behaviour.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from kvframe.config import KVTransferConfig
 from kvframe.connectors.offload.manager import TieredOffloadManager
-from kvframe.connectors.offload.metadata import OFFLOAD_CODEC, OffloadMetadata
+from kvframe.connectors.offload.metadata import JobReport, OffloadMetadata, OffloadOutput
 from kvframe.connectors.offload.options import OffloadOptions
 from kvframe.connectors.offload.policies import ARCPolicy, LRUPolicy
 from kvframe.connectors.offload.scheduler import OffloadingScheduler
 from kvframe.connectors.offload.tiers import CPUTier, DiskTier, create_cpu_tier, create_disk_tier
 from kvframe.connectors.offload.worker import OffloadingWorker
-from kvframe.protocol.codec import Codec
 from kvframe.spi.connector import BuildContext, EngineInfo, KVConnector
 from kvframe.spi.hookspecs import hookimpl
 
 __all__ = [
-    "OFFLOAD_CODEC",
     "ARCPolicy",
     "CPUTier",
     "DiskTier",
+    "JobReport",
     "LRUPolicy",
     "OffloadMetadata",
     "OffloadOptions",
+    "OffloadOutput",
     "OffloadingConnector",
     "OffloadingScheduler",
     "OffloadingWorker",
@@ -43,16 +43,14 @@ __all__ = [
 
 class OffloadingConnector(KVConnector):
     """Offload KV blocks to tiers (host memory, disk, plugins) and load them back layer by
-    layer. The engine encodes its metadata with :attr:`codec`."""
-
-    codec: ClassVar[Codec] = OFFLOAD_CODEC
-    """The codec that knows :class:`~kvframe.connectors.offload.metadata.OffloadMetadata`
-    (what ``DEFAULT_CODEC.with_types(OffloadingConnector.metadata_types(config))`` gives)."""
+    layer. The engine encodes its messages with ``codec_for(OffloadingConnector, config)``."""
 
     @classmethod
     def metadata_types(cls, config: KVTransferConfig) -> Mapping[str, type[Any]]:
-        """The offloading step metadata (tag ``offload.metadata``)."""
-        return {"offload.metadata": OffloadMetadata}
+        """The step metadata (tag ``offload.metadata``, :class:`OffloadMetadata`) and the
+        workers' output with their job reports (tag ``offload.output``,
+        :class:`OffloadOutput`)."""
+        return {"offload.metadata": OffloadMetadata, "offload.output": OffloadOutput}
 
     @classmethod
     def requires_piecewise_for_cudagraph(

@@ -1,37 +1,38 @@
 """What the offloading connector's scheduler tells its workers each step, and the job records
 the workers report back.
 
-Registered with the codec under the tag ``offload.metadata`` (:data:`OFFLOAD_CODEC`). Keys are
-the 32-byte offload keys (:func:`kvframe.spi.offload.offload_key`); slots are tier slots.
-Workers report each finished job in one ``offload.job`` :class:`~kvframe.protocol.messages.KVEvent`
-per rank (:func:`job_event`), which the scheduler reads back in ``update_connector_output``.
+Two messages, registered through ``OffloadingConnector.metadata_types``:
+:class:`OffloadMetadata` (tag ``offload.metadata``, scheduler → workers) and
+:class:`OffloadOutput` (tag ``offload.output``, each worker → scheduler: the generic output plus
+one :class:`JobReport` per finished job of that rank, which the scheduler reads back in
+``update_connector_output``). Keys are the 32-byte offload keys
+(:func:`kvframe.spi.offload.offload_key`); slots are tier slots.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from kvframe.protocol.codec import DEFAULT_CODEC
-from kvframe.protocol.messages import ConnectorMetadata, KVEvent
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
 
 __all__ = [
-    "JOB_EVENT",
-    "OFFLOAD_CODEC",
+    "FAILURE_CODES",
     "CopyJob",
     "JobReport",
     "LoadJob",
     "OffloadMetadata",
+    "OffloadOutput",
     "RemoveJob",
     "StoreJob",
-    "job_event",
-    "parse_job_event",
 ]
 
-JOB_EVENT = "offload.job"
-"""The event kind a worker reports a finished job under."""
+FAILURE_CODES = frozenset({"nospace", "corrupt", "error"})
+"""Why a worker could not store or copy a key: the tier is full, the entry is corrupt, anything
+else."""
 
 
 def _same_length(instance: Any, *names: str) -> None:
@@ -120,47 +121,47 @@ class OffloadMetadata(ConnectorMetadata):
         )
 
 
-#: The codec that knows the offloading metadata (and every generic message).
-OFFLOAD_CODEC = DEFAULT_CODEC.with_types({"offload.metadata": OffloadMetadata})
+def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{attribute.name} = {value!r}; it must be a non-negative int")
+
+
+def _failed(value: Mapping[bytes, str]) -> Mapping[bytes, str]:
+    out = dict(value)
+    for key, code in out.items():
+        if not isinstance(key, bytes) or code not in FAILURE_CODES:
+            raise ValueError(
+                f"failed[{key!r}] = {code!r}; keys are bytes and codes one of "
+                f"{sorted(FAILURE_CODES)}"
+            )
+    return types.MappingProxyType(out)
 
 
 @attrs.frozen(kw_only=True)
 class JobReport:
     """One rank's outcome of one job."""
 
-    job_id: int
-    rank: int
-    failed: Mapping[bytes, str] = attrs.field(factory=dict)
-    """Key → failure code (``"nospace"``, ``"corrupt"`` or ``"error"``) for the keys that
-    failed; empty when the whole job succeeded."""
+    job_id: int = attrs.field(validator=_non_negative)
+    rank: int = attrs.field(validator=_non_negative)
+    """The worker rank that ran it (the scheduler waits for every rank's report)."""
+    failed: Mapping[bytes, str] = attrs.field(factory=dict, converter=_failed, hash=False)
+    """Key → failure code (one of :data:`FAILURE_CODES`) for the keys that failed; empty when
+    the whole job succeeded."""
     error: str = ""
     """A human-readable reason for the first failure."""
 
 
-def job_event(report: JobReport) -> KVEvent:
-    """The event a worker emits for ``report``."""
-    return KVEvent(
-        kind=JOB_EVENT,
-        data={
-            "job": report.job_id,
-            "rank": report.rank,
-            "failed": [[k, code] for k, code in report.failed.items()],
-            "error": report.error,
-        },
-    )
+def _jobs(value: Any) -> tuple[JobReport, ...]:
+    out = tuple(value)
+    for i, v in enumerate(out):
+        if not isinstance(v, JobReport):
+            raise TypeError(f"jobs[{i}] is {v!r}; expected a JobReport")
+    return out
 
 
-def parse_job_event(event: KVEvent) -> JobReport:
-    """The report in an ``offload.job`` event. Raises ``ValueError`` naming what is wrong for
-    a malformed one (a foreign or corrupted event)."""
-    data = event.data
-    try:
-        failed = {bytes(k): str(code) for k, code in data["failed"]}
-        return JobReport(
-            job_id=int(data["job"]),
-            rank=int(data["rank"]),
-            failed=failed,
-            error=str(data.get("error", "")),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"malformed {JOB_EVENT} event {dict(data)!r}: {exc}") from exc
+@attrs.frozen(kw_only=True)
+class OffloadOutput(ConnectorOutput):
+    """One worker rank's report: the generic output and the jobs that finished on this rank
+    since the last report. Aggregated over ranks, ``jobs`` holds every rank's reports."""
+
+    jobs: tuple[JobReport, ...] = attrs.field(default=(), converter=_jobs)

@@ -37,14 +37,13 @@ import msgpack
 from kvframe.config import KVTransferConfig
 from kvframe.connectors.offload.manager import TieredOffloadManager
 from kvframe.connectors.offload.metadata import (
-    JOB_EVENT,
     CopyJob,
     JobReport,
     LoadJob,
     OffloadMetadata,
+    OffloadOutput,
     RemoveJob,
     StoreJob,
-    parse_job_event,
 )
 from kvframe.connectors.offload.options import OffloadOptions
 from kvframe.errors import ConfigError, KVFrameError
@@ -413,15 +412,9 @@ class OffloadingScheduler(KVConnectorScheduler):
         self._sent_loads.clear()
         if output.invalid_block_ids:
             self._count("load_failed_blocks", len(output.invalid_block_ids))
-        for event in output.events:
-            if event.kind != JOB_EVENT:
-                continue
-            try:
-                report = parse_job_event(event)
-            except ValueError as exc:
-                self._count("malformed_job_reports")
-                self._events.append(KVEvent(kind="offload.bad_report", data={"error": str(exc)}))
-                continue
+        # The workers' job reports (a plain ConnectorOutput, from an engine that did not
+        # collect build_connector_worker_output, carries none).
+        for report in output.jobs if isinstance(output, OffloadOutput) else ():
             self._reports.setdefault(report.job_id, []).append(report)
         for job_id in list(self._reports):
             reports = self._reports[job_id]

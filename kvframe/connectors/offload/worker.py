@@ -18,8 +18,11 @@ says it must:
   the forward pass); the time is counted in the ``save_wait_us`` counter. Stores at finish
   (``held``) are not waited for: the engine keeps those blocks (``delay_free``) until this
   worker reports the request in ``finished_sending``;
-- ``get_finished`` collects finished stores (``finished_sending`` for held ones) and reports
-  every finished job as an ``offload.job`` event, which the scheduler side reads back.
+- ``get_finished`` collects finished stores (``finished_sending`` for held ones) and finished
+  copies; ``build_connector_worker_output`` reports every finished job as a
+  :class:`~kvframe.connectors.offload.metadata.JobReport` in its
+  :class:`~kvframe.connectors.offload.metadata.OffloadOutput`, which the scheduler side reads
+  back (an engine that collects only the separate getters never hands the reports over).
 
 Copies between the KV cache and the memory tier (loads, stores: on the step's critical path)
 run in their own pool, apart from tier-to-tier copies and removals (disk I/O), so a slow disk
@@ -35,6 +38,7 @@ import time
 from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import msgpack
 
 from kvframe.config import KVTransferConfig
@@ -44,8 +48,8 @@ from kvframe.connectors.offload.metadata import (
     JobReport,
     LoadJob,
     OffloadMetadata,
+    OffloadOutput,
     StoreJob,
-    job_event,
 )
 from kvframe.connectors.offload.options import OffloadOptions
 from kvframe.connectors.offload.scheduler import build_tiers, check_components
@@ -120,6 +124,7 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
         self._removing: dict[tuple[int, bytes], cf.Future[None]] = {}
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
+        self._jobs: list[JobReport] = []
         self._init_reports()
         self._counters: dict[str, int] = {}
         self._closed = False
@@ -261,7 +266,7 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
         if not isinstance(meta, OffloadMetadata):
             raise TypeError(
                 f"OffloadingConnector's worker got {type(meta).__qualname__}; the engine must "
-                "decode metadata with OffloadingConnector.codec"
+                "decode metadata with codec_for(OffloadingConnector, config)"
             )
         super().bind_connector_metadata(meta)
 
@@ -363,9 +368,15 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
                 del self._removing[where]
 
     def _report(self, job_id: int, failed: Mapping[bytes, str], error: str) -> None:
-        self._events.append(
-            job_event(JobReport(job_id=job_id, rank=self._rank, failed=dict(failed), error=error))
-        )
+        self._jobs.append(JobReport(job_id=job_id, rank=self._rank, failed=failed, error=error))
+
+    def build_connector_worker_output(
+        self, finished_req_ids: Set[str] = frozenset()
+    ) -> OffloadOutput:
+        """This rank's report: the generic output and the jobs finished since the last one."""
+        out = super().build_connector_worker_output(finished_req_ids)
+        jobs, self._jobs = tuple(self._jobs), []
+        return OffloadOutput(**attrs.asdict(out, recurse=False), jobs=jobs)
 
     def _count(self, name: str, n: int = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + n

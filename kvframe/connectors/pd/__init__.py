@@ -40,7 +40,9 @@ class PDConnector(KVConnector):
 
     @classmethod
     def metadata_types(cls, config: KVTransferConfig) -> Mapping[str, type[Any]]:
-        """The P/D step metadata (tag ``pd.metadata``)."""
+        """The P/D step metadata (tag ``pd.metadata``); the workers report the generic
+        ``ConnectorOutput``. (The side-channel handshake between engines has its own messages,
+        in :mod:`kvframe.connectors.pd.handshake`: they never travel between the halves.)"""
         from kvframe.connectors.pd.metadata import PDMetadata
 
         return {"pd.metadata": PDMetadata}

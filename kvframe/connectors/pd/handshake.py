@@ -3,24 +3,34 @@
 Decode (D) asks, prefill (P) answers. One exchange gives D everything it needs to read P's KV
 cache and gives P what it needs to talk back (heartbeat acknowledgements and failure notices):
 
-- D → P: D's engine id and rank, D's transport name and transport metadata, D's send time.
-- P → D: P's engine id, rank and tensor-parallel size, P's transport metadata, P's KV
-  :class:`~kvframe.spi.transport.BlockLayout`, the lease duration, and P's clock reading.
+- D → P: :class:`HandshakeRequest` — D's engine id and rank, D's transport name and transport
+  metadata.
+- P → D: :class:`HandshakeAccept` — a :class:`HandshakeResponse` (P's engine id, rank and
+  tensor-parallel size, P's transport metadata, P's KV
+  :class:`~kvframe.spi.transport.BlockLayout`, the lease duration, P's incarnation) and P's
+  clock reading; or a :class:`HandshakeRefusal` saying why not.
+- Later exchanges of the same handshake: :class:`ClockPing` → :class:`ClockPong` (a clock
+  reading only).
 
 **Frame.** Every message is ``header + payload``. The header is fixed-size and checked *before*
-the payload is decoded, so an incompatible or hostile peer never reaches the msgpack decoder::
+the payload is decoded, so an incompatible or hostile peer never reaches the decoder::
 
     offset size  field
     0      4     magic  b"KVFH"
-    4      1     protocol version (HANDSHAKE_VERSION)
-    5      1     kind: 1 = request, 2 = response, 3 = error
-    6      16    compatibility hash (blake2b-128 of what both sides must agree on)
-    22     ...   msgpack payload (a map), at most MAX_PAYLOAD bytes
+    4      1     side-channel version (HANDSHAKE_VERSION)
+    5      16    compatibility hash (blake2b-128 of what both sides must agree on)
+    21     ...   payload, at most MAX_PAYLOAD bytes: one message in the envelope of
+                 kvframe.protocol.codec (magic, protocol version, type tag, msgpack body)
 
-A version or hash mismatch is answered with an error frame naming both values; the client
-raises :class:`~kvframe.errors.IncompatiblePeerError`. A client that gets no answer in time
-raises :class:`~kvframe.errors.HandshakeTimeoutError`. Malformed frames raise
-:class:`~kvframe.errors.HandshakeError` on the client and are counted and dropped on the server.
+The payload's messages are frozen attrs values, registered in :data:`HANDSHAKE_CODEC` (which
+knows nothing else a hostile peer could make it build). :func:`decode_frame` is the one reader,
+used by both sides: a frame of another version or with another compatibility hash raises
+:class:`~kvframe.errors.IncompatiblePeerError` before a byte of its payload is parsed; any other
+malformed frame raises :class:`~kvframe.errors.HandshakeError`, and nothing else escapes it.
+The server answers a refused request with a refusal (and counts it); the client raises
+:class:`~kvframe.errors.IncompatiblePeerError` (a refusal for incompatibility, or a frame it
+cannot read for the same reason) or :class:`~kvframe.errors.HandshakeError`. A client that gets
+no answer in time raises :class:`~kvframe.errors.HandshakeTimeoutError`.
 
 **Clock sample.** The client records ``t_send`` and ``t_recv`` on its own clock around the
 exchange and the server puts its clock reading in the answer; together they are one sample for
@@ -31,45 +41,56 @@ returns all of them so the estimator can keep the lowest round trip.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import attrs
-import msgpack
 import zmq
 
 from kvframe.errors import (
+    CodecError,
     HandshakeError,
     HandshakeTimeoutError,
     IncompatiblePeerError,
 )
-from kvframe.spi.transport import BlockLayout, MemoryKind, MemoryRegion
+from kvframe.protocol.codec import Codec
+from kvframe.spi.transport import BlockLayout
 
 __all__ = [
+    "HANDSHAKE_CODEC",
     "HANDSHAKE_VERSION",
     "MAX_PAYLOAD",
+    "REFUSAL_CODES",
+    "ClockPing",
+    "ClockPong",
     "ClockSample",
+    "HandshakeAccept",
+    "HandshakeRefusal",
     "HandshakeRequest",
     "HandshakeResponse",
     "HandshakeResult",
     "HandshakeServer",
     "compat_hash",
+    "decode_frame",
+    "encode_frame",
     "handshake",
-    "layout_from_wire",
-    "layout_to_wire",
 ]
 
 #: The side-channel protocol version; a peer speaking another one is refused before its
-#: payload is decoded.
-HANDSHAKE_VERSION = 1
+#: payload is decoded. (2: the payload is a codec message; 1 was a bare msgpack map.)
+HANDSHAKE_VERSION = 2
 #: The largest payload (bytes) either side accepts.
 MAX_PAYLOAD = 1 << 20
 _MAGIC = b"KVFH"
-_HEADER = struct.Struct("!4sBB16s")
-_REQUEST, _RESPONSE, _ERROR = 1, 2, 3
+_HEADER = struct.Struct("!4sB16s")
+_MAX_REASON = 2000  # characters of a refusal's message: a refusal always fits in a frame
+REFUSAL_CODES = frozenset({"malformed", "incompatible", "refused"})
+"""Why a server refused: the request was not a valid frame, the peer speaks another version
+or has another compatibility hash, or the responder refused it (wrong transport, ...)."""
 
 
 def compat_hash(**facts: Any) -> bytes:
@@ -80,54 +101,111 @@ def compat_hash(**facts: Any) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
-def layout_to_wire(layout: BlockLayout) -> dict[str, Any]:
-    """A :class:`BlockLayout` as plain msgpack-able values."""
-    return {
-        "regions": [[r.addr, r.length, r.kind.value, r.device_id] for r in layout.regions],
-        "block_lens": list(layout.block_lens),
-        "num_blocks": layout.num_blocks,
-    }
+def _non_empty(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{attribute.name} = {value!r}; it must be a non-empty str")
 
 
-def layout_from_wire(obj: Any) -> BlockLayout:
-    """Inverse of :func:`layout_to_wire`; raises :class:`HandshakeError` for malformed input."""
-    try:
-        regions = tuple(
-            MemoryRegion(addr=int(a), length=int(n), kind=MemoryKind(k), device_id=int(d))
-            for a, n, k, d in obj["regions"]
-        )
-        return BlockLayout(
-            regions=regions,
-            block_lens=tuple(int(b) for b in obj["block_lens"]),
-            num_blocks=int(obj["num_blocks"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise HandshakeError(f"malformed KV layout in handshake: {exc}") from exc
+def _rank(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{attribute.name} = {value!r}; it must be a non-negative int")
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{attribute.name} = {value!r}; it must be a positive int")
+
+
+def _finite(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{attribute.name} = {value!r}; it must be a finite number of seconds")
+
+
+def _positive_seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{attribute.name} = {value!r}; it must be a positive number of seconds")
+
+
+def _refusal_code(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in REFUSAL_CODES:
+        raise ValueError(f"code = {value!r}; it must be one of {sorted(REFUSAL_CODES)}")
 
 
 @attrs.frozen(kw_only=True)
 class HandshakeRequest:
-    """What D sends."""
+    """What D sends (tag ``pd.handshake.request``)."""
 
-    engine_id: str
-    rank: int
+    engine_id: str = attrs.field(validator=_non_empty)
+    rank: int = attrs.field(validator=_rank)
     transport: str
     transport_metadata: bytes
 
 
 @attrs.frozen(kw_only=True)
 class HandshakeResponse:
-    """What P answers."""
+    """What P's responder answers (inside a :class:`HandshakeAccept`)."""
 
-    engine_id: str
-    rank: int
-    tp_size: int
+    engine_id: str = attrs.field(validator=_non_empty)
+    rank: int = attrs.field(validator=_rank)
+    tp_size: int = attrs.field(validator=_positive_int)
     transport: str
     transport_metadata: bytes
     layout: BlockLayout
-    kv_lease_duration: float
-    extra: Mapping[str, Any] = attrs.field(factory=dict)
-    """Connector-specific facts (plain msgpack types)."""
+    kv_lease_duration: float = attrs.field(validator=_positive_seconds)
+    incarnation: str | None = None
+    """A random token naming the P worker instance (``None``: it sends none); D drops a
+    connection whose peer's incarnation changed."""
+
+
+@attrs.frozen(kw_only=True)
+class HandshakeAccept:
+    """P's answer to a :class:`HandshakeRequest` (tag ``pd.handshake.accept``)."""
+
+    response: HandshakeResponse
+    now: float = attrs.field(validator=_finite)
+    """P's clock when it answered."""
+
+
+@attrs.frozen(kw_only=True)
+class ClockPing:
+    """D asks for another clock reading (tag ``pd.handshake.ping``)."""
+
+
+@attrs.frozen(kw_only=True)
+class ClockPong:
+    """P's answer to a :class:`ClockPing` (tag ``pd.handshake.pong``)."""
+
+    now: float = attrs.field(validator=_finite)
+    """P's clock when it answered."""
+
+
+@attrs.frozen(kw_only=True)
+class HandshakeRefusal:
+    """P refused the request (tag ``pd.handshake.refusal``)."""
+
+    code: str = attrs.field(validator=_refusal_code)
+    """One of :data:`REFUSAL_CODES`."""
+    message: str
+    """Why, in a sentence naming the values involved."""
+
+
+HANDSHAKE_CODEC = Codec(max_message_bytes=MAX_PAYLOAD).with_types(
+    {
+        "pd.handshake.request": HandshakeRequest,
+        "pd.handshake.accept": HandshakeAccept,
+        "pd.handshake.ping": ClockPing,
+        "pd.handshake.pong": ClockPong,
+        "pd.handshake.refusal": HandshakeRefusal,
+    }
+)
+"""The codec of the side channel's payloads (at most :data:`MAX_PAYLOAD` bytes). The
+side channel runs between two engines, not between a connector's halves, so these classes are
+not in ``PDConnector.metadata_types``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -158,37 +236,53 @@ class HandshakeResult:
     samples: tuple[ClockSample, ...]
 
 
-def _frame(kind: int, chash: bytes, payload: Mapping[str, Any]) -> bytes:
-    body: bytes = msgpack.packb(payload, use_bin_type=True)
-    return _HEADER.pack(_MAGIC, HANDSHAKE_VERSION, kind, chash) + body
+def encode_frame(message: object, chash: bytes) -> bytes:
+    """``message`` (one of the classes of :data:`HANDSHAKE_CODEC`) as a frame under this
+    side's compatibility hash ``chash``.
+
+    Raises ``TypeError`` for a message the codec does not carry and ``ValueError`` for one
+    whose payload would exceed :data:`MAX_PAYLOAD`; nothing is returned then.
+    """
+    if not isinstance(chash, bytes) or len(chash) != 16:
+        raise ValueError(f"chash = {chash!r}; a compatibility hash is 16 bytes (compat_hash)")
+    return _HEADER.pack(_MAGIC, HANDSHAKE_VERSION, chash) + HANDSHAKE_CODEC.encode(message)
 
 
-def _unframe(data: bytes) -> tuple[int, int, bytes, bytes]:
+def decode_frame(data: bytes, chash: bytes) -> object:
+    """The message in the frame ``data``, checked against this side's compatibility hash.
+
+    In order, before any of the payload is parsed: the length, the magic, the payload's size,
+    the version and the compatibility hash. Raises
+    :class:`~kvframe.errors.IncompatiblePeerError` for another version or hash (the payload is
+    never decoded then) and :class:`~kvframe.errors.HandshakeError` for anything else wrong
+    (the message says what); nothing else, for any bytes.
+    """
     if len(data) < _HEADER.size:
-        raise HandshakeError(f"handshake frame of {len(data)} bytes is shorter than its header")
-    magic, version, kind, chash = _HEADER.unpack_from(data)
+        raise HandshakeError(
+            f"handshake frame of {len(data)} bytes is shorter than its {_HEADER.size}-byte header"
+        )
+    magic, version, their_hash = _HEADER.unpack_from(data)
     if magic != _MAGIC:
         raise HandshakeError(f"not a kvframe handshake frame (magic {magic!r})")
-    if len(data) - _HEADER.size > MAX_PAYLOAD:
-        raise HandshakeError(f"handshake payload over {MAX_PAYLOAD} bytes")
-    return version, kind, chash, data[_HEADER.size :]
-
-
-def _decode_map(body: bytes) -> dict[str, Any]:
+    size = len(data) - _HEADER.size
+    if size > MAX_PAYLOAD:
+        raise HandshakeError(
+            f"handshake payload of {size} bytes is over the limit of {MAX_PAYLOAD} bytes"
+        )
+    if version != HANDSHAKE_VERSION:
+        raise IncompatiblePeerError(
+            f"handshake version {version} is not supported (this side speaks "
+            f"{HANDSHAKE_VERSION}); run the same kvframe version on both engines"
+        )
+    if their_hash != chash:
+        raise IncompatiblePeerError(
+            f"compatibility hash mismatch: the engines disagree on KV layout, dtype, block "
+            f"size or transport (ours {chash.hex()}, theirs {their_hash.hex()})"
+        )
     try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_PAYLOAD)
-    except Exception as exc:  # msgpack raises a zoo of types on garbage
+        return HANDSHAKE_CODEC.decode(data[_HEADER.size :])
+    except CodecError as exc:
         raise HandshakeError(f"undecodable handshake payload: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise HandshakeError(f"handshake payload is a {type(obj).__name__}, not a map")
-    return obj
-
-
-def _field(obj: Mapping[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
-    value = obj.get(key)
-    if (isinstance(value, bool) and typ is not bool) or not isinstance(value, typ):
-        raise HandshakeError(f"handshake field {key!r} is {value!r}, expected {typ}")
-    return value
 
 
 def handshake(
@@ -208,23 +302,22 @@ def handshake(
     Raises :class:`HandshakeTimeoutError`, :class:`IncompatiblePeerError` or
     :class:`HandshakeError`. Nothing is left open after it returns or raises.
     """
+    try:
+        first = encode_frame(request, chash)
+    except (TypeError, ValueError) as exc:
+        raise HandshakeError(f"cannot send the handshake request to {host}:{port}: {exc}") from exc
+    ping = encode_frame(ClockPing(), chash)
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     deadline = clock() + timeout
     got: list[ClockSample] = []
     response: HandshakeResponse | None = None
-    payload = {
-        "engine_id": request.engine_id,
-        "rank": request.rank,
-        "transport": request.transport,
-        "transport_metadata": request.transport_metadata,
-    }
     try:
         sock.connect(f"tcp://{host}:{port}")
         for i in range(max(1, samples)):
             t_send = clock()
-            sock.send(_frame(_REQUEST, chash, payload if i == 0 else {"ping": True}))
+            sock.send(first if i == 0 else ping)
             remaining = deadline - clock()
             if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                 raise HandshakeTimeoutError(
@@ -233,35 +326,26 @@ def handshake(
                 )
             data = sock.recv()
             t_recv = clock()
-            version, kind, their_hash, body = _unframe(data)
-            obj = _decode_map(body) if version == HANDSHAKE_VERSION else {}
-            if kind == _ERROR or version != HANDSHAKE_VERSION:
-                reason = obj.get("message", "") if isinstance(obj, dict) else ""
-                if version != HANDSHAKE_VERSION or obj.get("code") == "incompatible":
-                    raise IncompatiblePeerError(
-                        f"{host}:{port} refused the handshake: {reason or 'version mismatch'} "
-                        f"(our version {HANDSHAKE_VERSION}, theirs {version}; our hash "
-                        f"{chash.hex()}, theirs {their_hash.hex()})"
-                    )
-                raise HandshakeError(f"{host}:{port} refused the handshake: {reason}")
-            if kind != _RESPONSE:
-                raise HandshakeError(f"unexpected handshake frame kind {kind} from {host}:{port}")
-            got.append(
-                ClockSample(
-                    t_send=t_send, t_recv=t_recv, remote_now=float(_field(obj, "now", (int, float)))
+            try:
+                answer = decode_frame(data, chash)
+            except IncompatiblePeerError as exc:
+                raise IncompatiblePeerError(
+                    f"{host}:{port} is incompatible with this engine: {exc}"
+                ) from exc
+            except HandshakeError as exc:
+                raise HandshakeError(f"bad handshake answer from {host}:{port}: {exc}") from exc
+            if isinstance(answer, HandshakeRefusal):
+                error = IncompatiblePeerError if answer.code == "incompatible" else HandshakeError
+                raise error(f"{host}:{port} refused the handshake: {answer.message}")
+            expected = HandshakeAccept if i == 0 else ClockPong
+            if not isinstance(answer, expected):
+                raise HandshakeError(
+                    f"{host}:{port} answered a {type(answer).__name__}; expected a "
+                    f"{expected.__name__}"
                 )
-            )
-            if i == 0:
-                response = HandshakeResponse(
-                    engine_id=_field(obj, "engine_id", str),
-                    rank=_field(obj, "rank", int),
-                    tp_size=_field(obj, "tp_size", int),
-                    transport=_field(obj, "transport", str),
-                    transport_metadata=_field(obj, "transport_metadata", bytes),
-                    layout=layout_from_wire(_field(obj, "layout", dict)),
-                    kv_lease_duration=float(_field(obj, "kv_lease_duration", (int, float))),
-                    extra=_field(obj, "extra", dict),
-                )
+            got.append(ClockSample(t_send=t_send, t_recv=t_recv, remote_now=answer.now))
+            if isinstance(answer, HandshakeAccept):
+                response = answer.response
     except zmq.ZMQError as exc:
         raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from exc
     finally:
@@ -277,8 +361,9 @@ class HandshakeServer:
     on the server thread; typically it returns a prepared value and queues the requester's
     transport metadata for the engine thread). ``port=0`` binds an ephemeral port; read
     :attr:`port` after construction. Malformed, incompatible or oversized requests are answered
-    with an error frame when possible and counted in :attr:`rejected`; the server keeps
-    serving. :meth:`close` stops the thread and releases the socket; safe twice.
+    with a :class:`HandshakeRefusal` when possible and counted in :attr:`rejected` (the reason
+    in :attr:`last_error`); the server keeps serving. :meth:`close` stops the thread and
+    releases the socket; safe twice.
     """
 
     def __init__(
@@ -341,59 +426,35 @@ class HandshakeServer:
         with self._lock:
             self.rejected += 1
             self.last_error = message
-        return _frame(_ERROR, self._chash, {"code": code, "message": message})
+        refusal = HandshakeRefusal(code=code, message=message[:_MAX_REASON])
+        return encode_frame(refusal, self._chash)
 
     def _answer(self, data: bytes) -> bytes:
+        # The version and the compatibility hash are checked before the payload is decoded.
         try:
-            version, kind, their_hash, body = _unframe(data)
+            message = decode_frame(data, self._chash)
+        except IncompatiblePeerError as exc:
+            return self._reject("incompatible", str(exc))
         except HandshakeError as exc:
             return self._reject("malformed", str(exc))
-        if version != HANDSHAKE_VERSION:
+        if isinstance(message, ClockPing):
+            return encode_frame(ClockPong(now=self._clock()), self._chash)
+        if not isinstance(message, HandshakeRequest):
             return self._reject(
-                "incompatible",
-                f"handshake version {version} is not supported (this side speaks "
-                f"{HANDSHAKE_VERSION})",
+                "malformed",
+                f"unexpected handshake message {type(message).__name__}; expected a "
+                "HandshakeRequest or a ClockPing",
             )
-        if their_hash != self._chash:
-            return self._reject(
-                "incompatible",
-                f"compatibility hash mismatch: the engines disagree on KV layout, dtype, block "
-                f"size or transport (ours {self._chash.hex()}, yours {their_hash.hex()})",
-            )
-        if kind != _REQUEST:
-            return self._reject("malformed", f"unexpected frame kind {kind}")
         try:
-            obj = _decode_map(body)
-            if obj.get("ping") is True:
-                return _frame(_RESPONSE, self._chash, {"now": self._clock()})
-            request = HandshakeRequest(
-                engine_id=_field(obj, "engine_id", str),
-                rank=_field(obj, "rank", int),
-                transport=_field(obj, "transport", str),
-                transport_metadata=_field(obj, "transport_metadata", bytes),
-            )
-            response = self._respond(request)
+            response = self._respond(message)
+            reply = encode_frame(HandshakeAccept(response=response, now=self._clock()), self._chash)
         except HandshakeError as exc:
             return self._reject("malformed", str(exc))
         except Exception as exc:  # the responder refused (e.g. wrong transport name)
             return self._reject("refused", f"{type(exc).__name__}: {exc}")
         with self._lock:
             self.served += 1
-        return _frame(
-            _RESPONSE,
-            self._chash,
-            {
-                "engine_id": response.engine_id,
-                "rank": response.rank,
-                "tp_size": response.tp_size,
-                "transport": response.transport,
-                "transport_metadata": response.transport_metadata,
-                "layout": layout_to_wire(response.layout),
-                "kv_lease_duration": response.kv_lease_duration,
-                "extra": dict(response.extra),
-                "now": self._clock(),
-            },
-        )
+        return reply
 
     def close(self) -> None:
         """Stop serving and release the socket. Safe to call twice."""

@@ -1,7 +1,8 @@
 """What the P/D connector's scheduler tells its workers each step (on top of the generic parts
 of :class:`~kvframe.protocol.messages.ConnectorMetadata`).
 
-Registered with the codec under the tag ``pd.metadata``; see :data:`PD_CODEC`.
+Registered with the codec under the tag ``pd.metadata`` through ``PDConnector.metadata_types``:
+``codec_for(PDConnector, config)`` (:func:`kvframe.spi.connector.codec_for`) carries it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from typing import Any
 
 import attrs
 
-from kvframe.protocol.codec import DEFAULT_CODEC
 from kvframe.protocol.messages import ConnectorMetadata
 from kvframe.spi.request import BlockIds, _block_ids
 
-__all__ = ["PD_CODEC", "PDGrant", "PDLoad", "PDMetadata", "RemoteEngineAddr", "RemoteRelease"]
+__all__ = ["PDGrant", "PDLoad", "PDMetadata", "RemoteEngineAddr", "RemoteRelease"]
 
 
 def _checked(value: Any, cls: type) -> tuple[Any, ...]:
@@ -154,7 +154,3 @@ class PDMetadata(ConnectorMetadata):
         return super().is_empty and not (
             self.grants or self.pd_heartbeats or self.pd_loads or self.releases or self.engines
         )
-
-
-#: The codec that knows the P/D metadata (and every generic message).
-PD_CODEC = DEFAULT_CODEC.with_types({"pd.metadata": PDMetadata})

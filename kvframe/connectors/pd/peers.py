@@ -275,8 +275,7 @@ class RemoteEngines:
         for s in result.samples:
             entry.clock.add(s.t_send, s.remote_now, s.t_recv)
         entry.response = resp
-        token = resp.extra.get("incarnation")
-        entry.incarnation = token if isinstance(token, str) and token else None
+        entry.incarnation = resp.incarnation or None
         entry.state = PeerState.READY
         entry.error = None
         entry.failures = 0

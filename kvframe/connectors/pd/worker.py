@@ -278,7 +278,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             transport_metadata=self._local_meta,
             layout=self._layout,
             kv_lease_duration=self._policy.duration,
-            extra={"incarnation": self._incarnation},
+            incarnation=self._incarnation,
         )
 
     # -- per step ------------------------------------------------------------------------
