@@ -1,0 +1,277 @@
+"""LeaseHolder on explicit clock readings: renewals, acknowledgements, loss notices, claims.
+
+Readers are played by hand here (their heartbeats and lease-done notices built from the wire
+types); ``test_pd_network.py`` drives the holder against real readers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvframe.core import wire
+from kvframe.core.holder import HolderCounters, HolderOutput, LeaseHolder
+from kvframe.core.lease import LeasePolicy, LeaseState
+from kvframe.errors import InvalidTransitionError, LeaseError
+
+POLICY = LeasePolicy.from_duration(6.0)  # duration 6, interval 1, extension 4
+
+
+def make() -> LeaseHolder[str]:
+    return LeaseHolder(POLICY, max_drift=0.0)
+
+
+def beat(seq: int, sent_at: float, *ids: str) -> wire.Heartbeat:
+    return wire.Heartbeat(seq=seq, sent_at=sent_at, request_ids=ids)
+
+
+def done(seq: int, *entries: tuple[str, wire.DoneReason]) -> wire.LeaseDone:
+    return wire.LeaseDone(seq=seq, sent_at=0.0, done=entries)
+
+
+READ = wire.DoneReason.READ
+RELEASED = wire.DoneReason.RELEASED
+
+
+def acked(out: HolderOutput[str]) -> dict[str, float]:
+    return {rid: x for m in out.replies if isinstance(m, wire.LeaseAck) for rid, x in m.expiries}
+
+
+def lost(out: HolderOutput[str]) -> dict[str, wire.LostReason]:
+    return {rid: x for m in out.replies if isinstance(m, wire.LeaseLost) for rid, x in m.lost}
+
+
+def ended(out: HolderOutput[str]) -> dict[str, LeaseState]:
+    return {lease.request_id: lease.state for lease in out.ended}
+
+
+# -- heartbeats --------------------------------------------------------------------------------
+def test_a_heartbeat_renews_and_is_acknowledged_with_the_holders_clock() -> None:
+    h = make()
+    h.grant("L", 100.0, "blocks")
+    # The reader's clock is 10,000 s behind; the first message seeds the mapping.
+    out = h.receive("D1", beat(7, -9_899.0, "L"), 101.0)
+    assert out.replies == (wire.LeaseAck(echo_seq=7, holder_now=101.0, expiries=[("L", 106.0)]),)
+    assert out.ended == ()
+    # Sent 2 s later on the reader's clock, delayed 1.5 s more than the first: renewed as of
+    # its send time (103), not its arrival (104.5).
+    out = h.receive("D1", beat(8, -9_897.0, "L"), 104.5)
+    assert acked(out) == {"L": 107.0}
+    assert h.claimant("L") == "D1"
+    assert h.table.lease("L").renewals == 2  # type: ignore[union-attr]
+
+
+def test_a_heartbeat_answers_acks_before_loss_notices() -> None:
+    h = make()
+    for lid in ("live", "used", "gone", "due"):
+        h.grant(lid, 0.0, lid)
+    h.receive("D1", done(1, ("used", READ), ("gone", RELEASED)), 0.5)
+    h.table.renew(["live"], 5.0)  # keep one lease past the others' expiry (6.0)
+    out = h.receive("D1", beat(2, 6.0, "live", "used", "gone", "due", "never"), 6.0)
+    assert [type(m).__name__ for m in out.replies] == ["LeaseAck", "LeaseLost"]
+    assert acked(out) == {"live": 10.0}
+    assert lost(out) == {
+        "used": wire.LostReason.CONSUMED,
+        "gone": wire.LostReason.ABORTED,
+        "due": wire.LostReason.EXPIRED,  # due but not reaped yet: never revived
+        "never": wire.LostReason.UNKNOWN,
+    }
+    assert all(m.echo_seq == 2 and m.holder_now == 6.0 for m in out.replies)  # type: ignore[union-attr]
+    out = h.expire(6.0)
+    assert ended(out) == {"due": LeaseState.EXPIRED}
+    out = h.receive("D1", beat(3, 6.5, "due"), 6.5)
+    assert lost(out) == {"due": wire.LostReason.EXPIRED}
+
+
+def test_a_heartbeat_sent_too_long_ago_renews_nothing_and_is_not_answered() -> None:
+    h = make()
+    h.receive("D1", beat(1, 0.0, "nothing-yet"), 0.0)  # seeds the mapping: no delay
+    h.grant("L", 8.0, "blocks")  # expires at 14
+    out = h.receive("D1", beat(2, 1.0, "L"), 10.0)  # sent at 1, 1 + 4 <= 10: stale
+    assert out == HolderOutput()
+    assert h.table.lease("L").expiry == 14.0  # type: ignore[union-attr]
+    assert h.claimant("L") is None
+    assert h.counters.ids_ignored == 2  # "nothing-yet" (unknown) and "L" (stale)
+
+
+def test_an_older_heartbeat_than_one_accepted_extends_nothing() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    h.receive("D1", beat(4, 0.0, "seed"), 0.0)
+    assert acked(h.receive("D1", beat(5, 3.0, "L"), 3.0)) == {"L": 7.0}
+    out = h.receive("D1", beat(3, 2.5, "L"), 3.1)  # reordered: sent before seq 5
+    assert acked(out) in ({}, {"L": 7.0})  # dropped, or answered with the expiry it has
+    assert lost(out) == {}
+    assert h.table.lease("L").expiry == 7.0  # type: ignore[union-attr]
+    assert h.counters.heartbeats_stale == 1
+    assert h.take_counts() == {"heartbeats_stale": 1}
+    assert h.take_counts() == {}
+    # The same sequence number again (a batch split in two) is accepted.
+    assert acked(h.receive("D1", beat(5, 3.2, "L"), 3.2)) == {"L": 7.2}
+    # Sequence numbers of different readers are independent.
+    h.grant("M", 3.2, "m")
+    assert acked(h.receive("D2", beat(1, 3.3, "M"), 3.3)) == {"M": 9.2}
+
+
+def test_a_reconnected_reader_starts_its_sequence_again_and_keeps_its_claims() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    h.receive("D1", beat(100, 0.0, "L"), 0.0)
+    h.connected("D1")
+    assert h.claimant("L") == "D1"
+    assert acked(h.receive("D1", beat(1, 1.0, "L"), 1.0)) == {"L": 6.0}
+
+
+def test_a_heartbeat_that_sat_out_of_order_still_renews_what_only_it_names() -> None:
+    """Transports may deliver notifications out of order (``ordered_notifications=False``),
+    and a reader's urgent heartbeat (one lease to confirm) can overtake the scheduler's batch
+    (every lease it keeps) sent just before it. Dropping the batch because its sequence number
+    is older starves the leases only it names: here every batch arrives 0.3 s after it was
+    sent (well within a heartbeat interval) and lease "b" expires anyway. Renewing as of the
+    batch's own send time would be as safe (a stale one extends nothing)."""
+    h = make()
+    h.grant("a", 0.0, "a")
+    h.grant("b", 0.0, "b")
+    seq = 0
+    for k in range(8):
+        t = float(k)
+        urgent = beat(seq + 2, t + 0.1, "a")
+        batch = beat(seq + 1, t, "a", "b")
+        seq += 2
+        h.receive("D1", urgent, t + 0.2)
+        h.receive("D1", batch, t + 0.3)
+        assert "b" not in ended(h.expire(t + 0.3)), (
+            f"lease b expired at {t + 0.3} though the reader heartbeat it every second"
+        )
+
+
+# -- lease done --------------------------------------------------------------------------------
+def test_lease_done_consumes_or_aborts_and_frees_once() -> None:
+    h = make()
+    h.grant("r", 0.0, "r-blocks")
+    h.grant("x", 0.0, "x-blocks")
+    out = h.receive("D1", done(1, ("r", READ), ("x", RELEASED)), 1.0)
+    assert ended(out) == {"r": LeaseState.CONSUMED, "x": LeaseState.ABORTED}
+    assert [lease.payload for lease in out.ended] == ["r-blocks", "x-blocks"]
+    assert out.replies == ()
+    assert h.live_count == 0
+    assert h.next_deadline() is None
+    # Again (a duplicated notice): nothing ends twice; the reader is told why.
+    out = h.receive("D1", done(2, ("r", READ), ("x", RELEASED), ("n", READ)), 1.5)
+    assert out.ended == ()
+    assert lost(out) == {
+        "r": wire.LostReason.CONSUMED,
+        "x": wire.LostReason.ABORTED,
+        "n": wire.LostReason.UNKNOWN,
+    }
+    assert h.take_counts() == {"done_for_unknown_lease": 3}
+
+
+def test_a_lease_past_its_expiry_but_not_reaped_is_still_consumed() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    out = h.receive("D1", done(1, ("L", READ)), 7.0)
+    assert ended(out) == {"L": LeaseState.CONSUMED}
+    assert h.expire(7.0).ended == ()
+
+
+# -- claims ------------------------------------------------------------------------------------
+def test_the_first_reader_claims_a_lease_and_no_other_can_renew_or_end_it() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    assert acked(h.receive("D1", beat(1, 0.0, "L"), 0.5)) == {"L": 6.0}  # grant expiry kept
+    assert h.claimant("L") == "D1"
+    out = h.receive("D2", beat(1, 1.0, "L"), 1.0)
+    assert out.replies == (
+        wire.LeaseLost(echo_seq=1, holder_now=1.0, lost=[("L", wire.LostReason.CLAIMED)]),
+    )
+    for reason in (READ, RELEASED):
+        out = h.receive("D2", done(2, ("L", reason)), 2.0)
+        assert out.ended == ()
+        assert lost(out) == {"L": wire.LostReason.CLAIMED}
+    assert h.table.lease("L").expiry == 6.0  # type: ignore[union-attr]
+    assert h.table.state("L") is LeaseState.LIVE
+    assert h.counters == HolderCounters(
+        heartbeats=2, heartbeats_stale=0, ids_ignored=1, claimed_elsewhere=3, done_unknown=0
+    )
+    assert h.take_counts() == {"claimed_elsewhere": 3}
+    out = h.receive("D1", done(3, ("L", READ)), 3.0)
+    assert ended(out) == {"L": LeaseState.CONSUMED}
+    assert h.claimant("L") is None
+    assert lost(h.receive("D2", beat(2, 3.5, "L"), 3.5)) == {"L": wire.LostReason.CONSUMED}
+
+
+def test_an_unclaimed_lease_is_ended_by_any_reader() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    assert h.claimant("L") is None
+    assert ended(h.receive("D2", done(1, ("L", RELEASED)), 0.5)) == {"L": LeaseState.ABORTED}
+
+
+def test_a_heartbeat_that_renews_nothing_claims_nothing() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    h.receive("D1", beat(1, 0.0, "seed"), 0.0)
+    assert h.receive("D1", beat(2, 1.0, "L"), 5.5) == HolderOutput()  # stale (1 + 4 <= 5.5)
+    assert h.claimant("L") is None
+    assert acked(h.receive("D2", beat(1, 5.6, "L"), 5.6)) == {"L": 9.6}
+    assert h.claimant("L") == "D2"
+
+
+def test_expiry_reclaims_and_drops_the_claim() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    h.receive("D1", beat(1, 0.0, "L"), 0.0)
+    assert h.next_deadline() == 6.0
+    assert h.expire(5.99).ended == ()
+    out = h.expire(6.0)
+    assert ended(out) == {"L": LeaseState.EXPIRED}
+    assert out.replies == ()
+    assert h.claimant("L") is None
+    assert h.expire(7.0).ended == ()
+    assert lost(h.receive("D2", beat(1, 7.0, "L"), 7.0)) == {"L": wire.LostReason.EXPIRED}
+
+
+def test_the_holder_aborts_a_live_lease_once() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    h.receive("D1", beat(1, 0.0, "L"), 0.0)
+    assert ended(h.abort("L", 1.0)) == {"L": LeaseState.ABORTED}
+    assert h.claimant("L") is None
+    assert h.abort("L", 2.0) == HolderOutput()
+    assert h.abort("never", 2.0) == HolderOutput()
+
+
+# -- inputs it refuses or ignores --------------------------------------------------------------
+def test_messages_sent_the_wrong_way_are_ignored() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    ack = wire.LeaseAck(echo_seq=1, holder_now=0.0, expiries=[("L", 100.0)])
+    notice = wire.LeaseLost(echo_seq=1, holder_now=0.0, lost=[("L", wire.LostReason.UNKNOWN)])
+    assert h.receive("D1", ack, 1.0) == HolderOutput()
+    assert h.receive("D1", notice, 1.0) == HolderOutput()
+    assert h.table.lease("L").expiry == 6.0  # type: ignore[union-attr]
+
+
+def test_grant_refuses_a_used_lease_id() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    h.receive("D1", done(1, ("L", READ)), 0.5)
+    with pytest.raises(InvalidTransitionError):
+        h.grant("L", 1.0, "again")
+    assert h.live_count == 0
+
+
+@pytest.mark.parametrize("message", ["heartbeat", "done"])
+def test_a_time_that_is_not_finite_raises_and_changes_nothing(message: str) -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks")
+    h.grant("M", 0.0, "blocks")
+    h.receive("D1", beat(1, 0.0, "L", "M"), 0.0)
+    before = (h.claimant("L"), h.claimant("M"), h.table.lease("L"), h.table.lease("M"))
+    msg: wire.Message = beat(2, 0.5, "L", "M") if message == "heartbeat" else done(2, ("L", READ))
+    with pytest.raises(LeaseError):
+        h.receive("D1", msg, math.nan)
+    after = (h.claimant("L"), h.claimant("M"), h.table.lease("L"), h.table.lease("M"))
+    assert after == before, "a refused call dropped a claim: another reader can now take it"

@@ -1,0 +1,784 @@
+"""LeaseReader on explicit clock readings: every decision, every state, every deadline.
+
+The holder's side is played by hand (acks and loss notices built here), so each number can be
+checked: the holder's clock is offset by 5000 s from the reader's, and the reader allows 1 %
+of drift. ``test_pd_network.py`` drives the reader against the real holder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import attrs
+import pytest
+
+from kvframe.core import wire
+from kvframe.core.lease import LeasePolicy
+from kvframe.core.reader import (
+    READ_TRANSITIONS,
+    Action,
+    LeaseReader,
+    LoadEnded,
+    PostRead,
+    ReaderTimeouts,
+    ReadEvent,
+    ReadState,
+    Reconnect,
+    SendMessage,
+    StopRead,
+)
+from kvframe.errors import ConfigError, InvalidTransitionError, LeaseError
+
+E = "P"
+INC = "inc-A"
+POLICY = LeasePolicy.from_duration(6.0)  # interval 1, extension 4
+T = ReaderTimeouts(
+    margin=0.5, peer_timeout=3.0, confirm_timeout=4.0, transfer_timeout=5.0, resend_after=1.0
+)
+BOUND = 12.0  # peer + confirm + transfer
+DRIFT = 0.01
+HOLDER = 5000.0  # the holder's clock reads 5000 s more than the reader's
+
+
+def make(drift: float = DRIFT, remember: int = 65_536) -> LeaseReader:
+    return LeaseReader(POLICY, T, max_drift=drift, remember=remember)
+
+
+def kinds(actions: list[Action]) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+def sent(actions: list[Action], engine: str = E) -> list[wire.Message]:
+    """The messages ``actions`` send to ``engine``."""
+    return [a.message for a in actions if isinstance(a, SendMessage) and a.engine == engine]
+
+
+def heartbeat(actions: list[Action], engine: str = E) -> wire.Heartbeat:
+    """The one heartbeat among ``actions``."""
+    beats = [m for m in sent(actions, engine) if isinstance(m, wire.Heartbeat)]
+    assert len(beats) == 1, actions
+    return beats[0]
+
+
+def releases(actions: list[Action]) -> list[str]:
+    """Lease ids released by ``actions``."""
+    out = []
+    for m in sent(actions):
+        if isinstance(m, wire.LeaseDone):
+            for lid, why in m.done:
+                assert why is wire.DoneReason.RELEASED
+                out.append(lid)
+    return out
+
+
+def ended(actions: list[Action], rid: str = "q") -> LoadEnded:
+    hits = [a for a in actions if isinstance(a, LoadEnded) and a.request_id == rid]
+    assert len(hits) == 1, actions
+    return hits[0]
+
+
+def ack(hb: wire.Heartbeat, lid: str, remaining: float, holder_now: float) -> wire.LeaseAck:
+    """The holder's answer to ``hb``: ``lid`` lasts ``remaining`` more seconds of its clock."""
+    return wire.LeaseAck(
+        echo_seq=hb.seq, holder_now=holder_now, expiries=[(lid, holder_now + remaining)]
+    )
+
+
+def lost(lid: str, why: wire.LostReason = wire.LostReason.EXPIRED) -> wire.LeaseLost:
+    return wire.LeaseLost(echo_seq=0, holder_now=HOLDER, lost=[(lid, why)])
+
+
+def confirming(r: LeaseReader, t: float = 0.0, rid: str = "q", lid: str = "L") -> wire.Heartbeat:
+    """Connect, add load ``rid`` at ``t``: it asks for a confirmation. Returns the heartbeat."""
+    assert r.peer_ready(E, t, incarnation=INC) == []
+    hb = heartbeat(r.add(rid, E, lid, t, incarnation=INC))
+    assert hb.request_ids == (lid,)
+    assert hb.sent_at == t
+    assert r.state(rid) is ReadState.CONFIRMING
+    return hb
+
+
+def posted(r: LeaseReader, t: float = 0.0, rid: str = "q", lid: str = "L") -> PostRead:
+    """A load posted at ``t + 0.25`` under a bound of ``t + 4 * (1 - drift)``."""
+    hb = confirming(r, t, rid, lid)
+    out = r.receive(E, ack(hb, lid, 4.0, HOLDER + t + 0.1), t + 0.25)
+    assert kinds(out) == ["PostRead"], out
+    post = out[0]
+    assert isinstance(post, PostRead)
+    assert r.state(rid) is ReadState.POSTED
+    return post
+
+
+# -- configuration -----------------------------------------------------------------------------
+def test_timeouts_from_policy_and_bound() -> None:
+    t = ReaderTimeouts.from_policy(POLICY, peer_timeout=7.0)
+    assert t == ReaderTimeouts(
+        margin=1.0, peer_timeout=7.0, confirm_timeout=4.0, transfer_timeout=4.0, resend_after=1.0
+    )
+    assert ReaderTimeouts.from_policy(POLICY, peer_timeout=7.0, margin=0.1).margin == 0.1
+    assert make().bound() == BOUND
+
+
+@pytest.mark.parametrize("field", [f.name for f in attrs.fields(ReaderTimeouts)])
+@pytest.mark.parametrize("bad", [0, -1.0, math.inf, math.nan, True])
+def test_timeouts_refuse_bad_values(field: str, bad: object) -> None:
+    values: dict[str, object] = {f.name: 1.0 for f in attrs.fields(ReaderTimeouts)}
+    values[field] = bad
+    with pytest.raises(ConfigError, match=field):
+        ReaderTimeouts(**values)  # type: ignore[arg-type]
+
+
+# -- confirmation ------------------------------------------------------------------------------
+def test_an_ack_confirms_from_the_send_time_shrunk_by_the_drift() -> None:
+    r = make()
+    hb = confirming(r, t=10.0)
+    # The holder computed 4 s of lease at its 5011.0; the ack took 2 s to come back.
+    out = r.receive(E, ack(hb, "L", 4.0, HOLDER + 11.0), 12.0)
+    bound = 10.0 + 4.0 * (1 - DRIFT)  # sent + (expiry - holder_now) * (1 - drift)
+    assert r.confirmed_bound(E, "L") == pytest.approx(bound, abs=1e-12)
+    assert out == [
+        PostRead(
+            request_id="q",
+            engine=E,
+            notification=wire.LeaseDone(
+                seq=out[0].notification.seq,  # type: ignore[union-attr]
+                sent_at=12.0,
+                done=[("L", wire.DoneReason.READ)],
+            ),
+        )
+    ]
+    assert r.next_deadline() == pytest.approx(bound)  # the bound is earlier than 12 + 5
+    assert r.take_counts()["acks"] == 1
+
+
+def test_the_bound_counts_from_the_heartbeat_answered_not_the_latest() -> None:
+    r = make(drift=0.0)
+    first = confirming(r, t=10.0)
+    second = heartbeat(r.tick(11.0))  # resent after resend_after
+    assert second.seq != first.seq
+    assert second.sent_at == 11.0
+    # An answer to the first heartbeat, arriving after the second was sent.
+    r.receive(E, ack(first, "L", 0.75, HOLDER + 10.5), 11.1)
+    assert r.confirmed_bound(E, "L") == 10.75
+    assert r.state("q") is ReadState.CONFIRMING  # 10.75 - 11.1 < margin
+    out = r.receive(E, ack(second, "L", 0.75, HOLDER + 11.05), 11.1)
+    assert r.confirmed_bound(E, "L") == 11.75
+    assert kinds(out) == ["PostRead"]
+
+
+def test_a_read_needs_the_margin() -> None:
+    r = make(drift=0.0)
+    hb = confirming(r, t=10.0)
+    assert r.receive(E, ack(hb, "L", 0.75, HOLDER + 10.1), 10.375) == []  # 0.375 s left
+    assert r.state("q") is ReadState.CONFIRMING
+    assert r.confirmed_bound(E, "L") == 10.75
+    hb2 = heartbeat(r.tick(11.0))
+    assert kinds(r.receive(E, ack(hb2, "L", 0.5, HOLDER + 11.0), 11.0)) == ["PostRead"]  # 0.5
+
+
+def test_a_scheduler_heartbeat_confirms_before_the_load_arrives() -> None:
+    r = make()
+    r.peer_ready(E, 0.0, incarnation=INC)
+    hb = heartbeat(r.heartbeat(E, ["L", "L"], 0.0))
+    assert hb.request_ids == ("L",)
+    assert r.receive(E, ack(hb, "L", 4.0, HOLDER), 0.1) == []
+    out = r.add("q", E, "L", 0.2, incarnation=INC)
+    assert kinds(out) == ["PostRead"]  # no heartbeat needed
+
+
+def test_heartbeats_while_disconnected_are_deferred() -> None:
+    r = make()
+    assert r.heartbeat(E, ["L"], 0.0) == []
+    assert r.heartbeat(E, [], 0.0) == []
+    assert r.take_counts() == {"heartbeats_deferred": 1}
+
+
+@pytest.mark.parametrize("case", ["unknown seq", "other engine", "lost before"])
+def test_acks_that_cannot_confirm_change_nothing(case: str) -> None:
+    r = make()
+    hb = confirming(r)
+    if case == "unknown seq":
+        out = r.receive(E, attrs.evolve(ack(hb, "L", 4.0, HOLDER), echo_seq=hb.seq + 99), 0.1)
+    elif case == "other engine":
+        out = r.receive("P2", ack(hb, "L", 4.0, HOLDER), 0.1)
+    else:
+        r.heartbeat(E, ["M"], 0.0)
+        hb_m = heartbeat(r.heartbeat(E, ["M"], 0.05))
+        r.receive(E, lost("M"), 0.06)
+        out = r.receive(E, ack(hb_m, "M", 4.0, HOLDER), 0.1)
+        assert r.confirmed_bound(E, "M") == -math.inf
+    assert out == []
+    assert r.state("q") is ReadState.CONFIRMING
+    assert r.confirmed_bound(E, "L") == -math.inf
+
+
+# -- completion --------------------------------------------------------------------------------
+def test_completion_before_the_bound_is_done() -> None:
+    r = make()
+    posted(r)
+    out = r.transfer_done("q", 3.9)  # bound 3.96
+    assert out == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]
+    assert len(r) == 0
+    assert r.next_deadline() is None
+
+
+@pytest.mark.parametrize("at", [3.96, 3.97, 20.0])
+def test_completion_at_or_after_the_bound_fails_without_a_release(at: float) -> None:
+    r = make()
+    posted(r)
+    out = r.transfer_done("q", at)
+    # The READ's own notification consumes the lease: no release.
+    assert kinds(out) == ["StopRead", "LoadEnded"]
+    assert ended(out).state is ReadState.FAILED
+    assert "after the confirmed lease bound" in (ended(out).reason or "")
+
+
+def test_a_posted_read_times_out_at_the_bound_then_releases() -> None:
+    r = make()
+    posted(r)
+    assert r.next_deadline() == pytest.approx(3.96)
+    assert r.tick(3.95) == []
+    out = r.tick(3.96)
+    assert kinds(out) == ["StopRead", "LoadEnded", "SendMessage"]
+    assert ended(out).state is ReadState.FAILED
+    assert releases(out) == ["L"]
+
+
+def test_a_posted_read_times_out_at_the_transfer_timeout_when_earlier() -> None:
+    r = make()
+    hb = confirming(r, t=1.0)
+    r.receive(E, ack(hb, "L", 30.0, HOLDER + 1.0), 2.0)  # bound 1 + 29.7
+    assert r.next_deadline() == 2.0 + T.transfer_timeout
+    assert kinds(r.tick(7.0)) == ["StopRead", "LoadEnded", "SendMessage"]
+
+
+def test_a_later_ack_while_posted_moves_the_bound() -> None:
+    r = make(drift=0.0)
+    posted(r)  # bound 4.0
+    hb = heartbeat(r.heartbeat(E, ["L"], 1.0))
+    assert r.receive(E, ack(hb, "L", 4.0, HOLDER + 1.1), 1.2) == []
+    assert r.confirmed_bound(E, "L") == 5.0
+    assert r.next_deadline() == 5.0  # not later than posted + transfer_timeout (5.25)
+    assert r.transfer_done("q", 4.5)[0] == LoadEnded(request_id="q", engine=E, state=ReadState.DONE)
+
+
+def test_a_failed_transfer_stops_reports_and_releases() -> None:
+    r = make()
+    posted(r)
+    out = r.transfer_failed("q", "boom", 1.0)
+    assert kinds(out) == ["StopRead", "LoadEnded", "SendMessage"]
+    assert ended(out).reason == "transfer failed: boom"
+    assert releases(out) == ["L"]
+
+
+# -- loss notices ------------------------------------------------------------------------------
+ENDING_REASONS = [w for w in wire.LostReason if w is not wire.LostReason.CONSUMED]
+
+
+@pytest.mark.parametrize("why", list(wire.LostReason))
+def test_a_loss_notice_fails_a_confirming_load(why: wire.LostReason) -> None:
+    r = make()
+    confirming(r)
+    out = r.receive(E, lost("L", why), 0.1)
+    assert kinds(out) == ["LoadEnded"]  # the holder knows: no release
+    assert ended(out).state is ReadState.FAILED
+    assert r.confirmed_bound(E, "L") == -math.inf
+
+
+@pytest.mark.parametrize("why", ENDING_REASONS)
+def test_a_loss_notice_stops_a_posted_read_first(why: wire.LostReason) -> None:
+    r = make()
+    posted(r)
+    out = r.receive(E, lost("L", why), 1.0)
+    assert kinds(out) == ["StopRead", "LoadEnded"]
+    assert ended(out).state is ReadState.FAILED
+
+
+def test_consumed_while_posted_is_our_own_read_and_ignored() -> None:
+    r = make()
+    posted(r)
+    # Our READ's notification reached the holder before the transport told us.
+    assert r.receive(E, lost("L", wire.LostReason.CONSUMED), 1.0) == []
+    assert r.state("q") is ReadState.POSTED
+    assert r.transfer_done("q", 1.1) == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]
+
+
+def test_a_loss_notice_fails_a_load_waiting_for_its_connection() -> None:
+    r = make()
+    confirming(r)
+    r.peer_lost(E, 0.1)
+    assert r.state("q") is ReadState.WAITING_PEER
+    out = r.receive(E, lost("L"), 0.2)  # answered over the old connection
+    assert kinds(out) == ["LoadEnded"]
+
+
+def test_a_loss_notice_before_the_load_fails_it_at_once() -> None:
+    r = make()
+    r.peer_ready(E, 0.0, incarnation=INC)
+    r.heartbeat(E, ["L"], 0.0)
+    assert r.receive(E, lost("L", wire.LostReason.CLAIMED), 0.1) == []
+    out = r.add("q", E, "L", 0.2, incarnation=INC)
+    assert kinds(out) == ["LoadEnded"]
+    assert "another decoder" in (ended(out).reason or "")
+    assert len(r) == 0
+
+
+def test_loss_notices_for_unknown_leases_are_ignored() -> None:
+    r = make()
+    confirming(r)
+    assert r.receive(E, lost("M"), 0.1) == []
+    assert r.state("q") is ReadState.CONFIRMING
+
+
+# -- single-use tickets ------------------------------------------------------------------------
+@pytest.mark.parametrize("state", [ReadState.WAITING_PEER, ReadState.CONFIRMING, ReadState.POSTED])
+def test_a_ticket_in_use_refuses_a_second_load_at_once(state: ReadState) -> None:
+    r = make()
+    if state is ReadState.WAITING_PEER:
+        r.add("q", E, "L", 0.0)
+    elif state is ReadState.CONFIRMING:
+        confirming(r)
+    else:
+        posted(r)
+    before = (r.state("q"), r.next_deadline(), r.confirmed_bound(E, "L"))
+    out = r.add("q2", E, "L", 1.0, incarnation=INC)
+    assert kinds(out) == ["LoadEnded"]
+    assert ended(out, "q2").state is ReadState.FAILED
+    assert "reading it now" in (ended(out, "q2").reason or "")
+    assert (r.state("q"), r.next_deadline(), r.confirmed_bound(E, "L")) == before
+    assert r.loads() == ["q"]
+    assert r.take_counts()["duplicate_tickets"] == 1
+
+
+def _done(r: LeaseReader) -> None:
+    posted(r)
+    r.transfer_done("q", 1.0)
+
+
+def _failed(r: LeaseReader) -> None:
+    posted(r)
+    r.transfer_failed("q", "boom", 1.0)
+
+
+def _lost(r: LeaseReader) -> None:
+    confirming(r)
+    r.receive(E, lost("L"), 1.0)
+
+
+def _aborted(r: LeaseReader) -> None:
+    confirming(r)
+    r.abort("q", 1.0)
+
+
+def _timed_out(r: LeaseReader) -> None:
+    r.add("q", E, "L", 0.0)
+    r.tick(3.0)
+
+
+def _released(r: LeaseReader) -> None:
+    r.release(E, ["L"], 0.0)
+
+
+END_A_LOAD: dict[str, Callable[[LeaseReader], None]] = {
+    "done": _done,
+    "failed": _failed,
+    "lost": _lost,
+    "aborted": _aborted,
+    "timed out": _timed_out,
+    "released": _released,
+}
+
+
+@pytest.mark.parametrize("how", list(END_A_LOAD))
+def test_a_spent_ticket_refuses_a_replay_at_once(how: str) -> None:
+    r = make()
+    END_A_LOAD[how](r)
+    assert len(r) == 0
+    r.tick(2.0)
+    out = r.add("q2", E, "L", 2.0, incarnation=INC)
+    assert kinds(out) == ["LoadEnded"], out
+    assert ended(out, "q2").state is ReadState.FAILED
+    assert len(r) == 0
+
+
+def test_add_refuses_a_request_id_that_has_not_ended() -> None:
+    r = make()
+    confirming(r)
+    before = (r.state("q"), r.next_deadline(), r.loads())
+    with pytest.raises(InvalidTransitionError, match="already confirming"):
+        r.add("q", E, "M", 0.1)
+    assert (r.state("q"), r.next_deadline(), r.loads()) == before
+    assert r.confirmed_bound(E, "M") == -math.inf
+
+
+@pytest.mark.parametrize(("rid", "engine", "lid"), [("", E, "L"), ("q", "", "L"), ("q", E, "")])
+def test_add_refuses_empty_ids(rid: str, engine: str, lid: str) -> None:
+    r = make()
+    with pytest.raises(LeaseError):
+        r.add(rid, engine, lid, 0.0)
+    assert len(r) == 0
+
+
+def test_add_refuses_a_time_that_is_not_finite() -> None:
+    r = make()
+    with pytest.raises(LeaseError):
+        r.add("q", E, "L", math.nan)
+    assert len(r) == 0
+
+
+# -- timeouts and deadlines --------------------------------------------------------------------
+def test_waiting_for_the_connection_times_out_and_queues_the_release() -> None:
+    r = make()
+    assert r.add("q", E, "L", 0.0) == []
+    assert r.next_deadline() == T.peer_timeout
+    assert r.tick(2.99) == []
+    out = r.tick(3.0)
+    assert kinds(out) == ["LoadEnded"]
+    assert "no connection" in (ended(out).reason or "")
+    out = r.peer_ready(E, 4.0, incarnation=INC)
+    assert releases(out) == ["L"]
+
+
+def test_confirmation_is_resent_then_times_out() -> None:
+    r = make()
+    first = confirming(r, t=0.0)
+    assert r.next_deadline() == T.resend_after
+    assert r.tick(0.99) == []
+    seqs = {first.seq}
+    for k in range(1, 4):
+        assert r.next_deadline() == float(k)
+        hb = heartbeat(r.tick(float(k)))
+        assert hb.request_ids == ("L",)
+        assert hb.sent_at == float(k)
+        assert hb.seq not in seqs
+        seqs.add(hb.seq)
+    assert r.next_deadline() == T.confirm_timeout  # the resend at 4 coincides
+    out = r.tick(4.0)
+    assert kinds(out) == ["LoadEnded", "SendMessage"]
+    assert "did not confirm" in (ended(out).reason or "")
+    assert releases(out) == ["L"]
+    assert r.take_counts()["urgent_heartbeats"] == 4
+
+
+def test_every_state_deadline_is_capped_by_the_overall_bound() -> None:
+    r = make(drift=0.0)
+    r.add("q", E, "L", 0.0)  # hard deadline 12
+    assert r.next_deadline() == 3.0
+    r.peer_ready(E, 2.9, incarnation=INC)
+    assert r.state("q") is ReadState.CONFIRMING
+    r.peer_lost(E, 6.0)
+    assert r.next_deadline() == 9.0  # 6 + peer_timeout
+    out = r.peer_ready(E, 8.9, incarnation=INC)
+    hb = heartbeat(out)
+    assert min(8.9 + T.confirm_timeout, 12.0) == 12.0
+    r.receive(E, ack(hb, "L", 60.0, HOLDER + 9.0), 9.0)
+    assert r.state("q") is ReadState.POSTED
+    assert r.next_deadline() == 12.0  # not 9 + transfer_timeout, not the bound 68.9
+    assert r.tick(11.99) == []
+    assert kinds(r.tick(12.0)) == ["StopRead", "LoadEnded", "SendMessage"]
+
+
+def test_next_deadline_is_the_earliest_of_every_load_and_resend() -> None:
+    r = make()
+    assert r.next_deadline() is None
+    r.add("w", E, "Lw", 0.0)  # waiting: 3.0
+    r.peer_ready("P2", 0.5, incarnation=INC)
+    r.add("c", "P2", "Lc", 0.5, incarnation=INC)  # confirming: resend 1.5, timeout 4.5
+    assert r.next_deadline() == 1.5
+    heartbeat(r.tick(1.5), "P2")
+    assert r.next_deadline() == 2.5
+    heartbeat(r.tick(2.5), "P2")
+    assert r.next_deadline() == 3.0
+    r.tick(3.0)
+    assert r.loads() == ["c"]
+    assert r.next_deadline() == 3.5
+
+
+def test_a_tick_at_next_deadline_always_moves_it() -> None:
+    # Resend due at 0.4 + 1.0 == 1.4; but 1.4 - 0.4 == 0.9999999999999999 < resend_after.
+    r = make()
+    confirming(r, t=0.4)
+    deadline = r.next_deadline()
+    assert deadline == 1.4
+    out = r.tick(deadline)
+    assert kinds(out) == ["SendMessage"], "the resend due at next_deadline() did not happen"
+    next_one = r.next_deadline()
+    assert next_one is not None
+    assert next_one > deadline
+
+
+# -- connections -------------------------------------------------------------------------------
+def test_a_lost_connection_forgets_its_confirmations() -> None:
+    r = make()
+    hb = confirming(r)
+    r.peer_lost(E, 0.1)
+    assert r.state("q") is ReadState.WAITING_PEER
+    assert r.next_deadline() == 0.1 + T.peer_timeout
+    # A late ack from the old connection: unmatched, confirms nothing.
+    assert r.receive(E, ack(hb, "L", 4.0, HOLDER), 0.2) == []
+    assert r.confirmed_bound(E, "L") == -math.inf
+    assert r.take_counts()["acks_unmatched"] == 1
+    hb2 = heartbeat(r.peer_ready(E, 0.3, incarnation=INC))
+    assert hb2.seq != hb.seq
+    assert r.receive(E, ack(hb, "L", 4.0, HOLDER), 0.35) == []  # still unmatched
+    assert kinds(r.receive(E, ack(hb2, "L", 4.0, HOLDER), 0.4)) == ["PostRead"]
+
+
+def test_a_lost_connection_leaves_posted_reads_to_their_transfers() -> None:
+    r = make()
+    posted(r)
+    assert r.peer_lost(E, 1.0) == []
+    assert r.state("q") is ReadState.POSTED
+    assert r.next_deadline() == pytest.approx(3.96)  # its own bound
+    assert r.confirmed_bound(E, "L") == -math.inf
+    assert r.transfer_done("q", 2.0) == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]
+
+
+def test_a_failed_connection_fails_every_load_and_drops_queued_releases() -> None:
+    r = make()
+    posted(r, rid="p", lid="Lp")
+    r.add("c", E, "Lc", 0.5, incarnation=INC)
+    r.release(E, ["Lr"], 0.6)  # connected: sent at once
+    r.peer_lost(E, 0.7)
+    r.release(E, ["Lq"], 0.8)  # queued
+    r.add("w", E, "Lw", 0.9)
+    out = r.peer_failed(E, "handshake refused", 1.0)
+    assert kinds(out) == ["StopRead", "LoadEnded", "LoadEnded", "LoadEnded"]
+    assert out[0] == StopRead(request_id="p")
+    assert {ended(out, rid).state for rid in ("p", "c", "w")} == {ReadState.FAILED}
+    assert "handshake refused" in (ended(out, "w").reason or "")
+    assert releases(r.peer_ready(E, 2.0, incarnation=INC)) == []
+    assert r.take_counts()["releases_dropped"] == 1
+
+
+def test_a_broken_read_is_read_once_more_on_a_new_connection() -> None:
+    r = make()
+    first = posted(r)
+    out = r.transfer_failed("q", "link down", 1.0, peer_broken=True)
+    assert out == [StopRead(request_id="q")]
+    assert r.state("q") is ReadState.WAITING_PEER
+    assert r.confirmed_bound(E, "L") == -math.inf
+    assert r.heartbeat(E, ["L"], 1.1) == []  # not connected any more
+    hb = heartbeat(r.peer_ready(E, 2.0, incarnation=INC))
+    out = r.receive(E, ack(hb, "L", 4.0, HOLDER + 2.0), 2.1)
+    assert kinds(out) == ["PostRead"]
+    assert out[0] != first
+    # Broken again: no third read.
+    out = r.transfer_failed("q", "link down", 2.5, peer_broken=True)
+    assert kinds(out)[:2] == ["StopRead", "LoadEnded"]
+    assert ended(out).state is ReadState.FAILED
+    assert r.take_counts()["reads_retried"] == 1
+
+
+def test_a_ticket_of_another_instance_reconnects_first() -> None:
+    r = make()
+    r.peer_ready(E, 0.0, incarnation=INC)
+    out = r.add("q", E, "L", 0.0, incarnation="inc-B")
+    assert out == [Reconnect(engine=E, incarnation="inc-B")]
+    assert r.state("q") is ReadState.WAITING_PEER
+    r.peer_lost(E, 0.1)
+    hb = heartbeat(r.peer_ready(E, 0.2, incarnation="inc-B"))
+    assert r.state("q") is ReadState.CONFIRMING
+    assert hb.request_ids == ("L",)
+
+
+def test_a_load_whose_holder_restarted_fails_on_the_new_connection() -> None:
+    r = make()
+    r.add("q", E, "L", 0.0, incarnation="inc-B")
+    r.add("n", E, "N", 0.0)  # no incarnation in its ticket: not checked
+    out = r.peer_ready(E, 0.5, incarnation=INC)
+    assert ended(out, "q").state is ReadState.FAILED
+    assert "restarted" in (ended(out, "q").reason or "")
+    assert releases(out) == []
+    assert r.state("n") is ReadState.CONFIRMING
+
+
+def test_releases_are_queued_until_the_connection_is_ready() -> None:
+    r = make()
+    assert r.release(E, ["A", "B", "A"], 0.0) == []
+    r.add("q", E, "L", 0.1)
+    assert kinds(r.abort("q", 0.2)) == ["LoadEnded"]  # its release is queued too
+    out = r.peer_ready(E, 1.0, incarnation=INC)
+    assert releases(out) == ["A", "B", "L"]
+    assert isinstance(out[0], SendMessage)
+    assert r.release(E, ["C"], 1.1) != []  # connected: at once
+
+
+# -- aborts ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        (ReadState.WAITING_PEER, ["LoadEnded"]),  # the release waits for a connection
+        (ReadState.CONFIRMING, ["LoadEnded", "SendMessage"]),
+        (ReadState.POSTED, ["StopRead", "LoadEnded", "SendMessage"]),
+    ],
+)
+def test_abort_stops_reports_then_releases(state: ReadState, expected: list[str]) -> None:
+    r = make()
+    if state is ReadState.WAITING_PEER:
+        r.add("q", E, "L", 0.0)
+    elif state is ReadState.CONFIRMING:
+        confirming(r)
+    else:
+        posted(r)
+    out = r.abort("q", 1.0)
+    assert kinds(out) == expected
+    assert ended(out) == LoadEnded(
+        request_id="q", engine=E, state=ReadState.ABORTED, reason="aborted by the engine"
+    )
+    if state is ReadState.WAITING_PEER:
+        assert releases(r.peer_ready(E, 2.0, incarnation=INC)) == ["L"]
+    else:
+        assert releases(out) == ["L"]
+    assert r.abort("q", 2.0) == []  # ended: reported once already
+    assert r.abort("never", 2.0) == []
+
+
+# -- every (state x event) through the public API ----------------------------------------------
+TRANSFER_EVENTS = {
+    ReadEvent.TRANSFER_DONE,
+    ReadEvent.TRANSFER_LATE,
+    ReadEvent.TRANSFER_FAILED,
+    ReadEvent.PEER_BROKEN,
+}
+
+
+def reader_in(state: ReadState) -> tuple[LeaseReader, wire.Heartbeat]:
+    """A reader whose load "q" (lease "L") is in ``state`` (or ended so) by t = 0.5."""
+    r = make()
+    hb = confirming(r)
+    if state is ReadState.WAITING_PEER:
+        r.peer_lost(E, 0.1)
+    elif state is ReadState.POSTED:
+        r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.1), 0.25)  # bound 3.96
+    elif state is ReadState.DONE:
+        r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.1), 0.25)
+        r.transfer_done("q", 0.5)
+    elif state is ReadState.FAILED:
+        r.receive(E, lost("L"), 0.5)
+    elif state is ReadState.ABORTED:
+        r.abort("q", 0.5)
+    assert r.state("q") is (None if state in READ_TRANSITIONS.terminal else state)
+    return r, hb
+
+
+def apply(r: LeaseReader, event: ReadEvent, hb: wire.Heartbeat) -> list[Action]:
+    """Make ``event`` happen to load "q" the way a worker would report it, at t = 1 (or at its
+    deadline for ``TIMEOUT``, after the bound for ``TRANSFER_LATE``)."""
+    t = 1.0
+    if event is ReadEvent.PEER_READY:
+        return r.peer_ready(E, t, incarnation=INC)
+    if event is ReadEvent.CONFIRMED:
+        out = r.heartbeat(E, ["L"], t)
+        beat = heartbeat(out) if out else hb
+        return out + r.receive(E, ack(beat, "L", 4.0, HOLDER + t), t)
+    if event is ReadEvent.PEER_LOST:
+        return r.peer_lost(E, t)
+    if event is ReadEvent.LOST:
+        return r.receive(E, lost("L"), t)
+    if event is ReadEvent.PEER_FAILED:
+        return r.peer_failed(E, "refused", t)
+    if event is ReadEvent.PEER_BROKEN:
+        return r.transfer_failed("q", "link down", t, peer_broken=True)
+    if event is ReadEvent.TRANSFER_DONE:
+        return r.transfer_done("q", t)
+    if event is ReadEvent.TRANSFER_LATE:
+        return r.transfer_done("q", 3.96)  # the bound passed; no tick came
+    if event is ReadEvent.TRANSFER_FAILED:
+        return r.transfer_failed("q", "boom", t)
+    if event is ReadEvent.ABORT:
+        return r.abort("q", t)
+    assert event is ReadEvent.TIMEOUT
+    return r.tick(20.0)  # later than any deadline of any state
+
+
+def snapshot(r: LeaseReader) -> tuple[object, ...]:
+    return (
+        r.loads(),
+        r.state("q"),
+        r.next_deadline(),
+        r.confirmed_bound(E, "L"),
+        len(r),
+        r.engine_busy(E),
+    )
+
+
+@pytest.mark.parametrize("event", list(ReadEvent), ids=lambda e: e.value)
+@pytest.mark.parametrize("state", list(ReadState), ids=lambda s: s.value)
+def test_every_state_and_event_through_the_api(state: ReadState, event: ReadEvent) -> None:
+    """A legal pair lands where READ_TRANSITIONS says (so every listed step is taken by the
+    machine); an illegal one raises and changes nothing (a transfer reported for a load that
+    is not posted) or is a race the reader ignores (the load stays where it was); an ended load
+    is never reported again."""
+    r, hb = reader_in(state)
+    before = snapshot(r)
+    if event in TRANSFER_EVENTS and state is not ReadState.POSTED:
+        with pytest.raises(InvalidTransitionError, match="only a posted load"):
+            apply(r, event, hb)
+        assert snapshot(r) == before
+        return
+    out = apply(r, event, hb)
+    ends = [a for a in out if isinstance(a, LoadEnded) and a.request_id == "q"]
+    assert len(ends) <= 1
+    if state in READ_TRANSITIONS.terminal:
+        assert ends == []
+        assert r.state("q") is None
+        assert not any(isinstance(a, StopRead | PostRead) for a in out)
+        return
+    after = ends[0].state if ends else r.state("q")
+    if READ_TRANSITIONS.legal(state, event):
+        assert after is READ_TRANSITIONS.next(state, event)
+        if state is ReadState.POSTED and after is not ReadState.DONE:
+            assert StopRead(request_id="q") in out  # stopped, before it is reported
+            if ends:
+                assert out.index(StopRead(request_id="q")) < out.index(ends[0])
+    else:
+        assert after is state
+        assert ends == []
+        assert not any(isinstance(a, StopRead) for a in out)
+
+
+def test_the_api_walk_covers_every_step() -> None:
+    reachable = {ReadState.WAITING_PEER, ReadState.CONFIRMING, ReadState.POSTED}
+    steps = {(s.source, s.event) for s in READ_TRANSITIONS.steps}
+    assert {s for s, _ in steps} <= reachable
+    assert len(steps) == len(READ_TRANSITIONS.steps) == 19
+
+
+def test_transfer_reports_for_unknown_loads_raise() -> None:
+    r = make()
+    with pytest.raises(InvalidTransitionError, match="ended or unknown"):
+        r.transfer_done("nope", 0.0)
+    with pytest.raises(InvalidTransitionError, match="ended or unknown"):
+        r.transfer_failed("nope", "boom", 0.0)
+
+
+def test_an_illegal_report_does_not_move_the_readers_clock() -> None:
+    """Illegal input must leave the reader unchanged, its clock included (as LeaseTable does:
+    it checks the transition before it advances its clock)."""
+    r = make()
+    r.add("q", E, "L", 0.0)  # waits for a connection until 3.0
+    with pytest.raises(InvalidTransitionError):
+        r.transfer_done("q", 100.0)
+    assert r.tick(1.0) == [], "the refused transfer_done(now=100) advanced the clock to 100"
+
+
+# -- inspection --------------------------------------------------------------------------------
+def test_inspection() -> None:
+    r = make()
+    posted(r, rid="p", lid="Lp")
+    r.add("w", "P2", "Lw", 0.5)
+    assert len(r) == 2
+    assert r.loads() == ["p", "w"]
+    assert r.loads(ReadState.POSTED) == ["p"]
+    assert r.loads(ReadState.WAITING_PEER) == ["w"]
+    assert r.state("nope") is None
+    assert r.engine_busy(E)
+    assert r.engine_busy("P2")
+    assert not r.engine_busy("P3")
+    assert r.confirmed_bound("P3", "x") == -math.inf
+    counts = r.take_counts()
+    assert counts["acks"] == 1
+    assert counts["urgent_heartbeats"] == 1
+    assert r.take_counts() == {}
