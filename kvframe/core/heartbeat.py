@@ -333,6 +333,21 @@ class HeartbeatGuard:
         self.accepted += 1
         return peer.mapper.observe(sent_at, now)
 
+    def map_send_time(self, engine_id: str, sent_at: float, now: float) -> float:
+        """The send time of any message from ``engine_id`` on P's clock (``<= now``, never
+        earlier than the truth for drift up to ``max_drift``), whatever its sequence number.
+
+        A holder may renew from an out-of-order heartbeat as of this time: the mapping alone
+        keeps a stale one from extending anything, so dropping reordered heartbeats outright
+        (what :meth:`accept`'s verdict allows) is not needed for safety, and over a transport
+        that reorders notifications it would starve the leases only the overtaken one names.
+
+        :raises LeaseError: a time is not finite. Nothing is recorded then.
+        """
+        check_now(sent_at, "sent_at")
+        check_now(now)
+        return self._peer(engine_id).mapper.observe(sent_at, now)
+
     def forget(self, engine_id: str) -> None:
         """Drop everything known about ``engine_id`` (it restarted or was removed). A restarted
         engine starts its sequence numbers again, so forget it before its first heartbeat."""

@@ -4,10 +4,10 @@ The holder (a prefill worker) keeps finished KV blocks under leases (:class:`Lea
 answers the readers (decode workers) that talk to it through the transport's notifications.
 :class:`LeaseHolder` makes every decision the worker used to make inline:
 
-- a **heartbeat** renews the leases it names — only if it is not older than one already
-  accepted from that reader (:class:`~kvframe.core.heartbeat.HeartbeatGuard`), as of its send
-  time mapped onto the holder's clock (so a stale burst extends nothing) — and is answered with
-  an acknowledgement (new expiries) and, for ids with no live lease, a loss notice;
+- a **heartbeat** renews the leases it names as of its send time mapped onto the holder's clock
+  (:class:`~kvframe.core.heartbeat.HeartbeatGuard`: a stale burst extends nothing, a reordered
+  one renews only as far as it would have on time) and is answered with an acknowledgement
+  (new expiries) and, for ids with no live lease, a loss notice;
 - a **lease done** notice consumes (after a read) or aborts (after a release) each lease;
 - **one reader per lease**: the first reader that names a lease *claims* it; any other reader
   naming it is told it is lost (``CLAIMED``) and can neither renew nor end it. A ticket that a
@@ -30,6 +30,7 @@ from typing import Generic, TypeVar
 import attrs
 
 from kvframe.core import wire
+from kvframe.core._checks import check_now
 from kvframe.core.clock import DEFAULT_MAX_DRIFT
 from kvframe.core.heartbeat import HeartbeatGuard
 from kvframe.core.lease import (
@@ -77,7 +78,8 @@ class HolderCounters:
     heartbeats: int
     """Heartbeats received (accepted or not)."""
     heartbeats_stale: int
-    """Heartbeats older than one already accepted from the same reader: dropped unanswered."""
+    """Heartbeats older than one already accepted from the same reader (reordered or delayed):
+    they renew only as of their own mapped send time."""
     ids_ignored: int
     """Ids in heartbeats that renewed nothing (unknown, ended, due, stale or claimed)."""
     claimed_elsewhere: int
@@ -172,6 +174,7 @@ class LeaseHolder(Generic[_PayloadT]):
 
         :raises LeaseError: ``now`` is not finite (nothing changes).
         """
+        check_now(now)
         if isinstance(message, wire.Heartbeat):
             return self._heartbeat(reader, message, now)
         if isinstance(message, wire.LeaseDone):
@@ -209,8 +212,11 @@ class LeaseHolder(Generic[_PayloadT]):
         self._heartbeats += 1
         sent_at = self._guard.accept(reader, msg.seq, msg.sent_at, now)
         if sent_at is None:
+            # Overtaken by a newer heartbeat (a transport that reorders notifications). It
+            # still renews what it names, as of its own mapped send time: a stale one extends
+            # nothing, and dropping it would starve leases that only it names.
             self._stale += 1
-            return HolderOutput()
+            sent_at = self._guard.map_send_time(reader, msg.sent_at, now)
         mine, theirs = self._split_claims(reader, msg.request_ids)
         result = self._table.renew(mine, now, sent_at=sent_at)
         lost: list[tuple[str, wire.LostReason]] = [(r, wire.LostReason.CLAIMED) for r in theirs]

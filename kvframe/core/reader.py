@@ -462,12 +462,13 @@ class LeaseReader:
         for name, value in (("request_id", request_id), ("engine", engine), ("lease_id", lease_id)):
             if not isinstance(value, str) or not value:
                 raise LeaseError(f"{name} must be a non-empty str, got {value!r}")
-        t = self._advance(now)
+        check_now(now)
         if request_id in self._loads:
             raise InvalidTransitionError(
                 f"load {request_id!r} is already {self._loads[request_id].state.value}; it "
                 "must end before the request id is loaded again"
             )
+        t = self._advance(now)
         out: list[Action] = []
         ticket = self._ticket(engine, lease_id)
         load = _Load(
@@ -526,8 +527,9 @@ class LeaseReader:
 
         :raises InvalidTransitionError: the load is not posted.
         """
-        t = self._advance(now)
+        check_now(now)
         load = self._posted(request_id, ReadEvent.TRANSFER_DONE)
+        t = self._advance(now)
         out: list[Action] = []
         if t < load.bound:
             self._end(load, ReadEvent.TRANSFER_DONE, t, out)
@@ -553,8 +555,9 @@ class LeaseReader:
 
         :raises InvalidTransitionError: the load is not posted.
         """
-        t = self._advance(now)
+        check_now(now)
         load = self._posted(request_id, ReadEvent.TRANSFER_FAILED)
+        t = self._advance(now)
         out: list[Action] = []
         if peer_broken and not load.retried:
             self._fire(load, ReadEvent.PEER_BROKEN, t)
@@ -574,10 +577,13 @@ class LeaseReader:
     ) -> list[Action]:
         """A usable connection to ``engine`` (instance ``incarnation``) exists now."""
         t = self._advance(now)
+        out: list[Action] = []
         peer = self._peers.setdefault(engine, _Peer())
+        if peer.ready and incarnation != peer.incarnation:
+            # Another instance behind the same name: nothing confirmed by the old one counts.
+            self._peer_down(engine, t, out, "replaced", failed=False)
         peer.ready = True
         peer.incarnation = incarnation
-        out: list[Action] = []
         pending = list(peer.pending_release)
         peer.pending_release.clear()
         if pending:
@@ -648,11 +654,16 @@ class LeaseReader:
         """Tell ``engine`` these leases are no longer needed (the request ended before a load,
         or its KV was found locally). Queued until connected; the tickets are spent."""
         t = self._advance(now)
-        ids = list(dict.fromkeys(lease_ids))
         out: list[Action] = []
-        for lid in ids:
-            self._ticket(engine, lid).spent = True
-        self._send_release(engine, ids, t, out)
+        free: list[str] = []
+        for lid in dict.fromkeys(lease_ids):
+            ticket = self._ticket(engine, lid)
+            ticket.spent = True
+            if ticket.user is None:
+                free.append(lid)
+            # else: a load reads it (the same ticket reached this reader twice): that load
+            # ends the lease itself; releasing it now would free the blocks under the read.
+        self._send_release(engine, free, t, out)
         return out
 
     def receive(self, engine: str, message: wire.Message, now: float) -> list[Action]:
@@ -686,7 +697,7 @@ class LeaseReader:
                 self._end(load, ReadEvent.TIMEOUT, t, out, reason=reason)
             elif load.state is ReadState.CONFIRMING:
                 ticket = self._tickets[(load.engine, load.lease_id)]
-                if t - ticket.urgent_at >= self._t.resend_after:
+                if t >= ticket.urgent_at + self._t.resend_after:
                     self._urgent_heartbeat(load, ticket, t)
         self._flush(t, out)
         self._forget(t)
@@ -709,15 +720,19 @@ class LeaseReader:
 
     def _forget(self, t: float) -> None:
         # A ticket matters while a load uses it, while an answer to its last heartbeat may
-        # still come, while its bound lies ahead (a spent one must not be read on it), and for
-        # one extension after a loss notice. Beyond that, a load naming it again asks the
-        # holder, which answers with a loss notice.
+        # still come, while its bound lies ahead, once spent, and for one extension after a
+        # loss notice. Beyond that, a load naming it again asks the holder, which answers with
+        # a loss notice.
         keep = self._policy.extension
         wait = self._t.confirm_timeout
+        # A spent ticket is never forgotten by time (only under the ``remember`` cap): a
+        # release of its first use may still be on its way to the holder, and a replay read
+        # on a fresh confirmation would then have its blocks freed under it.
         stale = [
             key
             for key, tk in self._tickets.items()
             if tk.user is None
+            and not tk.spent
             and tk.bound < t
             and t - tk.touched > wait
             and (tk.lost is None or t - tk.lost_at > keep)
