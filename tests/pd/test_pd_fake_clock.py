@@ -13,6 +13,7 @@ import zmq
 
 from kvframe.core.reader import ReadState
 from kvframe.testing.clock import FakeClock
+from kvframe.testing.faults import Faults
 from tests.pd.driver import Driver, view
 
 LEASE = 6.0  # interval 1 s, extension 4 s, margin 1 s
@@ -114,7 +115,7 @@ def test_no_confirmation_fails_the_load_after_confirm_timeout(
 ) -> None:
     p, d = pd
     params = _prefill(p, "r", [1])
-    d.worker.transport.fabric.faults.drop_notifications(endpoint=d.worker.transport.name)
+    Faults.of(d.worker.transport.fabric).drop_notifications(endpoint=d.worker.transport.name)
     _arrive(d, "q", params, clock)
     _schedule(d, "q", params, [5])
     _steps([d, p], lambda: d.worker.reader.state("q") is ReadState.CONFIRMING)
@@ -133,7 +134,7 @@ def test_a_posted_read_that_never_completes_fails_at_its_confirmed_bound(
 ) -> None:
     p, d = pd
     params = _prefill(p, "r", [1, 2])
-    d.worker.transport.fabric.faults.delay_transfers(10**9, endpoint=d.worker.transport.name)
+    Faults.of(d.worker.transport.fabric).delay_transfers(10**9, endpoint=d.worker.transport.name)
     _arrive(d, "q", params, clock)
     _schedule(d, "q", params, [5, 6])
     _steps([d, p], lambda: d.worker.reader.state("q") is ReadState.POSTED)
