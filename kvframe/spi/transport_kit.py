@@ -16,8 +16,8 @@ What is here, in the order a transport needs it:
   typo, in the wording of :mod:`kvframe.config`.
 - :class:`OpenGuard` — the ``TransportClosedError`` after ``close()``, and a ``close`` that
   knows whether it is the first.
-- :func:`check_op` and :func:`check_notification` — ``ValueError`` / ``CapabilityError`` exactly as
-  the SPI's failure table says.
+- :func:`check_regions`, :func:`check_op` and :func:`check_notification` — ``ValueError`` /
+  ``CapabilityError`` exactly as the SPI's failure table says.
 - :func:`block_table`, :func:`check_inside` — a layout's region-major (address, length) table
   and the "is it inside registered memory" check.
 - :func:`pair_descriptors` (and the one-sided :func:`descriptor_ids`) — a request's per-block
@@ -91,6 +91,7 @@ __all__ = [
     "check_notification",
     "check_op",
     "check_post",
+    "check_regions",
     "descriptor_ids",
     "flag",
     "instance",
@@ -391,6 +392,31 @@ class OpenGuard:
         first = not self._closed
         self._closed = True
         return first
+
+
+def check_regions(
+    regions: Iterable[Any], capabilities: TransportCapabilities, who: str, hint: str = ""
+) -> list[MemoryRegion]:
+    """The regions of a ``register_memory`` call, as a list, when the transport may register
+    them all.
+
+    Raises ``ValueError`` for something that is not a
+    :class:`~kvframe.spi.transport.MemoryRegion` and
+    :class:`~kvframe.errors.CapabilityError` for a memory kind
+    ``capabilities.memory_kinds`` leaves out (``hint`` is added to that message). Nothing is
+    registered then, as the SPI says.
+    """
+    out = list(regions)
+    for region in out:
+        if not isinstance(region, MemoryRegion):
+            raise ValueError(f"register_memory takes MemoryRegion values, got {region!r}")
+        if region.kind not in capabilities.memory_kinds:
+            kinds = ", ".join(sorted(k.value for k in capabilities.memory_kinds))
+            raise CapabilityError(
+                f"{who} cannot register {region.kind.value} memory (it moves {kinds} memory)"
+                + (f"; {hint}" if hint else "")
+            )
+    return out
 
 
 def check_op(op: Any, capabilities: TransportCapabilities, who: str) -> Op:
@@ -901,6 +927,14 @@ class Transfer(Generic[R]):
             or not isinstance(tr.record, record_type)
         ):
             raise ValueError("unknown transfer handle: it was not posted by this transport")
+        return tr
+
+    @classmethod
+    def polling(cls, handle: XferHandle, owner: object, record_type: type[T]) -> Transfer[T]:
+        """:meth:`of`, for ``poll``: also raises :class:`~kvframe.errors.TransportClosedError`
+        once the handle was released."""
+        tr = cls.of(handle, owner, record_type)
+        tr.polled()
         return tr
 
     @property

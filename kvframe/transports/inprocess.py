@@ -65,7 +65,6 @@ import msgpack
 import numpy as np
 
 from kvframe.errors import (
-    CapabilityError,
     ConfigError,
     PeerUnreachableError,
     TransferFailedError,
@@ -398,16 +397,8 @@ class InProcessTransport(Transport):
         registered.
         """
         self._guard.check()
-        regions = list(regions)
-        for region in regions:
-            if not isinstance(region, MemoryRegion):
-                raise ValueError(f"expected MemoryRegion, got {type(region).__name__}")
-            if region.kind not in self.capabilities.memory_kinds:
-                raise CapabilityError(
-                    f"in-process transport cannot register {region.kind.value} memory here "
-                    "(device memory needs torch with a visible CUDA device)"
-                )
-        self._regions.extend(regions)
+        hint = "device memory needs torch with a visible CUDA device"
+        self._regions.extend(kit.check_regions(regions, self.capabilities, self._who, hint))
 
     def local_metadata(self) -> bytes:
         """msgpack of the fabric id, this endpoint's name and its incarnation."""
@@ -534,8 +525,7 @@ class InProcessTransport(Transport):
     def poll(self, handle: XferHandle) -> XferStatus:
         """Make one progress step, then answer the transfer's status."""
         self._guard.check()
-        tr = kit.Transfer.of(handle, self, _Copy)
-        tr.polled()  # raises for a released handle
+        tr = kit.Transfer.polling(handle, self, _Copy)  # TransportClosedError once released
         self._step()
         return tr.status
 

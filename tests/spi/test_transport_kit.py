@@ -46,6 +46,7 @@ from kvframe.spi.transport_kit import (
     check_notification,
     check_op,
     check_post,
+    check_regions,
     descriptor_ids,
     flag,
     instance,
@@ -451,3 +452,21 @@ def test_check_post_runs_every_check_in_the_spis_order() -> None:
     table.remove("P")
     with pytest.raises(PeerUnreachableError, match="removed or replaced"):
         check_post(owner, table, Op.READ, local, [0], remote, [1], regions=None, notification=None)
+
+
+def test_check_regions() -> None:
+    host = MemoryRegion(addr=4096, length=64)
+    assert check_regions(iter([host]), CAPS, "fast") == [host]
+    device = MemoryRegion(addr=4096, length=64, kind=MemoryKind.DEVICE)
+    with pytest.raises(CapabilityError, match=r"cannot register device memory .*; needs CUDA"):
+        check_regions([host, device], CAPS, "fast", "needs CUDA")
+    with pytest.raises(ValueError, match="takes MemoryRegion values"):
+        check_regions([(4096, 64)], CAPS, "fast")
+
+
+def test_polling_a_released_transfer_raises() -> None:
+    handle, tr, owner = _post()
+    assert Transfer.polling(handle, owner, str) is tr
+    tr.release()
+    with pytest.raises(TransportClosedError):
+        Transfer.polling(handle, owner, str)

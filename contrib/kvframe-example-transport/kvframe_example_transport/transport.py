@@ -59,7 +59,6 @@ import msgpack
 import numpy as np
 
 from kvframe.errors import (
-    CapabilityError,
     PeerUnreachableError,
     TransferFailedError,
 )
@@ -217,11 +216,7 @@ class TcpTransport(Transport):
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
         """Allow peers to READ and WRITE these host regions."""
         self._guard.check()
-        regions = list(regions)
-        for r in regions:
-            if r.kind is not MemoryKind.HOST:
-                raise CapabilityError(f"example-tcp moves host memory only, not {r.kind.value}")
-        self._regions.extend(regions)
+        self._regions.extend(kit.check_regions(regions, self.capabilities, self._who))
 
     def local_metadata(self) -> bytes:
         """msgpack of name, address, port, incarnation and registered regions."""
@@ -334,8 +329,7 @@ class TcpTransport(Transport):
     def poll(self, handle: XferHandle) -> XferStatus:
         """Make progress, then answer the transfer's status."""
         self._guard.check()
-        tr = kit.Transfer.of(handle, self, _Pending)
-        tr.polled()  # raises for a released handle
+        tr = kit.Transfer.polling(handle, self, _Pending)  # TransportClosedError once released
         self.progress()
         return tr.status
 

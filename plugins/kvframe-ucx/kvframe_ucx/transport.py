@@ -322,13 +322,8 @@ class UcxTransport(Transport):
         registered then).
         """
         self._guard.check()
-        regions = list(regions)
-        for r in regions:
-            if r.kind is not MemoryKind.HOST:
-                raise CapabilityError(
-                    f"the ucx transport moves host memory only, not {r.kind.value}"
-                )
-        self._regions.extend(regions)
+        hint = "the ucx transport moves host memory only"
+        self._regions.extend(kit.check_regions(regions, self.capabilities, self._who, hint))
 
     def local_metadata(self) -> bytes:
         """msgpack of version, name, incarnation, UCX worker address and registered regions."""
@@ -493,8 +488,7 @@ class UcxTransport(Transport):
         """Make progress, then answer the transfer's status. Raises
         :class:`~kvframe.errors.TransportClosedError` for a released handle."""
         self._guard.check()
-        tr = kit.Transfer.of(handle, self, _Xfer)
-        tr.polled()  # raises for a released handle
+        tr = kit.Transfer.polling(handle, self, _Xfer)  # TransportClosedError once released
         if tr.pending:
             self.progress()
         return tr.status
