@@ -1,7 +1,7 @@
 """Child process of :class:`kvframe.testing.endpoint.ChildEndpoint`.
 
 Run as ``python -m kvframe.testing._endpoint FD`` where ``FD`` is an inherited socket; the
-commands arrive on it as length-prefixed msgpack frames (see :mod:`kvframe.testing.endpoint`).
+commands arrive on it as length-prefixed codec messages (see :mod:`kvframe.testing._wire`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ An *endpoint* is a transport plus the host buffers it moves, behind a small comm
 (allocate, write, read, register, metadata, add_peer, prepare, post, poll, release, notify,
 drain, close). :class:`LocalEndpoint` runs the commands on a transport in this process;
 :class:`ChildEndpoint` sends them to ``python -m kvframe.testing._endpoint`` over a socket pair,
-framed as length-prefixed msgpack (never pickle), and the child runs them on a
+one frozen message per command and per answer, encoded by the one codec and length-prefixed
+(:mod:`kvframe.testing._wire`; never pickle), and the child runs them on a
 :class:`LocalEndpoint` of its own.
 
 Progress: the child calls ``drain_notifications()`` at least every millisecond between
@@ -26,22 +27,21 @@ import itertools
 import os
 import select
 import socket
-import struct
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
-import msgpack
 import numpy as np
 
+import kvframe.testing._wire as wire
 from kvframe import errors
+from kvframe.protocol.messages import thaw_plain
 from kvframe.spi.transport import (
     BlockLayout,
     LayoutHandle,
-    MemoryKind,
     MemoryRegion,
     Notification,
     Op,
@@ -49,7 +49,6 @@ from kvframe.spi.transport import (
     TransportCapabilities,
     TransportParams,
     XferHandle,
-    XferState,
     XferStatus,
 )
 
@@ -62,8 +61,7 @@ __all__ = [
     "serve_child",
 ]
 
-_FRAME = struct.Struct(">I")
-_MAX_FRAME = 256 * 1024 * 1024
+_A = TypeVar("_A")
 
 
 class RemoteError(Exception):
@@ -150,55 +148,7 @@ class TransportSpec:
         return {"name": self.name, "options": dict(self.options), "factory": self.factory}
 
 
-# -- values on the wire ---------------------------------------------------------------------
-
-
-def _region_to_wire(r: MemoryRegion) -> list[Any]:
-    return [r.addr, r.length, r.kind.value, r.device_id]
-
-
-def _region_from_wire(v: Sequence[Any]) -> MemoryRegion:
-    return MemoryRegion(addr=v[0], length=v[1], kind=MemoryKind(v[2]), device_id=v[3])
-
-
-def _layout_to_wire(layout: BlockLayout) -> dict[str, Any]:
-    return {
-        "regions": [_region_to_wire(r) for r in layout.regions],
-        "block_lens": list(layout.block_lens),
-        "num_blocks": layout.num_blocks,
-    }
-
-
-def _layout_from_wire(v: Mapping[str, Any]) -> BlockLayout:
-    return BlockLayout(
-        regions=[_region_from_wire(r) for r in v["regions"]],
-        block_lens=list(v["block_lens"]),
-        num_blocks=v["num_blocks"],
-    )
-
-
-def _caps_to_wire(c: TransportCapabilities) -> dict[str, Any]:
-    return {
-        "memory_kinds": sorted(k.value for k in c.memory_kinds),
-        "read": c.read,
-        "write": c.write,
-        "notifications": c.notifications,
-        "max_notification_bytes": c.max_notification_bytes,
-        "cross_process": c.cross_process,
-        "ordered_notifications": c.ordered_notifications,
-    }
-
-
-def _caps_from_wire(v: Mapping[str, Any]) -> TransportCapabilities:
-    return TransportCapabilities(
-        memory_kinds=frozenset(MemoryKind(k) for k in v["memory_kinds"]),
-        read=v["read"],
-        write=v["write"],
-        notifications=v["notifications"],
-        max_notification_bytes=v["max_notification_bytes"],
-        cross_process=v["cross_process"],
-        ordered_notifications=v["ordered_notifications"],
-    )
+# -- errors on the wire ---------------------------------------------------------------------
 
 
 _ERROR_TYPES: dict[str, type[BaseException]] = {
@@ -206,20 +156,20 @@ _ERROR_TYPES: dict[str, type[BaseException]] = {
 } | {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError}
 
 
-def _error_to_wire(exc: BaseException, *, kvframe: bool = False) -> dict[str, Any]:
+def _error_to_wire(exc: BaseException, *, kvframe: bool = False) -> wire.Failure:
     """``kvframe=True``: name the nearest class of :mod:`kvframe.errors` (a plugin's own
     subclass of ``TransferFailedError`` travels as ``TransferFailedError``)."""
     name = type(exc).__name__
     if kvframe:
         name = next(c.__name__ for c in type(exc).__mro__ if c.__name__ in errors.__all__)
-    return {"type": name, "message": str(exc)}
+    return wire.Failure(type_name=name, message=str(exc))
 
 
-def _error_from_wire(v: Mapping[str, Any]) -> BaseException:
-    cls = _ERROR_TYPES.get(v["type"])
+def _error_from_wire(failure: wire.Failure) -> BaseException:
+    cls = _ERROR_TYPES.get(failure.type_name)
     if cls is None:
-        return RemoteError(v["type"], v["message"])
-    return cls(v["message"])
+        return RemoteError(failure.type_name, failure.message)
+    return cls(failure.message)
 
 
 # -- the endpoint interface -----------------------------------------------------------------
@@ -473,28 +423,6 @@ class LocalEndpoint(Endpoint):
 # -- the child side -------------------------------------------------------------------------
 
 
-def _send_frame(sock: socket.socket, obj: Any) -> None:
-    body: bytes = msgpack.packb(obj, use_bin_type=True)
-    sock.sendall(_FRAME.pack(len(body)) + body)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks = bytearray()
-    while len(chunks) < n:
-        chunk = sock.recv(n - len(chunks))
-        if not chunk:
-            raise EOFError("the other end closed the endpoint connection")
-        chunks += chunk
-    return bytes(chunks)
-
-
-def _recv_frame(sock: socket.socket) -> Any:
-    (size,) = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
-    if size > _MAX_FRAME:
-        raise errors.CodecError(f"endpoint frame of {size} bytes is over the {_MAX_FRAME} limit")
-    return msgpack.unpackb(_recv_exact(sock, size), raw=False)
-
-
 class ChildEndpoint(Endpoint):
     """An endpoint in a child process (``python -m kvframe.testing._endpoint``).
 
@@ -566,10 +494,19 @@ class ChildEndpoint(Endpoint):
         return self._proc.pid
 
     def create(self, wire_spec: Mapping[str, Any], endpoint_name: str) -> None:
-        """Build a new transport in the child (closing the previous one and its buffers)."""
-        result = self._call("create", spec=dict(wire_spec), endpoint_name=endpoint_name)
-        self.name = result["name"]
-        self.capabilities = _caps_from_wire(result["capabilities"])
+        """Build a new transport in the child (closing the previous one and its buffers);
+        ``wire_spec`` is what :meth:`TransportSpec.to_wire` gives."""
+        created = self._call(
+            wire.Create(
+                name=wire_spec["name"],
+                options=wire_spec.get("options", {}),
+                factory=wire_spec.get("factory"),
+                endpoint_name=endpoint_name,
+            ),
+            wire.Created,
+        )
+        self.name = created.name
+        self.capabilities = created.capabilities
 
     def kill(self) -> None:
         """Kill the child at once (SIGKILL), as a crash would. Idempotent."""
@@ -578,11 +515,13 @@ class ChildEndpoint(Endpoint):
         self._proc.wait()
         self._sock.close()
 
-    def _call(self, cmd: str, **args: Any) -> Any:
+    def _call(self, command: object, expected: type[_A]) -> _A:
+        """Send ``command`` and return the child's answer, which must be an ``expected``."""
         if self._sock.fileno() < 0:
             raise errors.PeerUnreachableError("the child endpoint was stopped")
+        name = type(command).__name__
         try:
-            _send_frame(self._sock, {"cmd": cmd, "args": args})
+            wire.send(self._sock, command)
         except OSError as exc:
             raise errors.PeerUnreachableError(f"child endpoint is gone: {exc}") from exc
         deadline = time.monotonic() + self._timeout
@@ -594,60 +533,72 @@ class ChildEndpoint(Endpoint):
                 self.pump_while_waiting()
             if time.monotonic() > deadline:
                 raise errors.PeerUnreachableError(
-                    f"child endpoint did not answer {cmd!r} within {self._timeout} s"
+                    f"child endpoint did not answer {name} within {self._timeout} s"
                 )
         try:
-            reply = _recv_frame(self._sock)
+            reply = wire.recv(self._sock)
         except (EOFError, OSError) as exc:
             raise errors.PeerUnreachableError(f"child endpoint is gone: {exc}") from exc
-        if not reply["ok"]:
-            raise _error_from_wire(reply["error"])
-        return reply["result"]
+        except errors.CodecError as exc:
+            raise errors.PeerUnreachableError(
+                f"child endpoint answered {name} with a malformed frame: {exc}"
+            ) from exc
+        if isinstance(reply, wire.Failure):
+            raise _error_from_wire(reply)
+        if not isinstance(reply, expected):
+            raise errors.PeerUnreachableError(
+                f"child endpoint answered {name} with a {type(reply).__name__}, not a "
+                f"{expected.__name__}"
+            )
+        return reply
+
+    def _value(self, command: object) -> Any:
+        return self._call(command, wire.Done).value
 
     def alloc(self, nbytes: int) -> MemoryRegion:
         """See :meth:`Endpoint.alloc`; runs in the child process."""
-        return _region_from_wire(self._call("alloc", nbytes=nbytes))
+        return self._call(wire.Alloc(nbytes=nbytes), wire.Allocated).region
 
     def write(self, addr: int, data: bytes) -> None:
         """See :meth:`Endpoint.write`; runs in the child process."""
-        self._call("write", addr=addr, data=bytes(data))
+        self._value(wire.Write(addr=addr, data=bytes(data)))
 
     def read(self, addr: int, length: int) -> bytes:
         """See :meth:`Endpoint.read`; runs in the child process."""
-        data: bytes = self._call("read", addr=addr, length=length)
+        data: bytes = self._value(wire.Read(addr=addr, length=length))
         return data
 
     def checksum(self, addr: int, length: int) -> str:
         """See :meth:`Endpoint.checksum`; runs in the child process."""
-        digest: str = self._call("checksum", addr=addr, length=length)
+        digest: str = self._value(wire.Checksum(addr=addr, length=length))
         return digest
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         """See :meth:`Endpoint.register`; runs in the child process."""
-        self._call("register", regions=[_region_to_wire(r) for r in regions])
+        self._value(wire.Register(regions=tuple(regions)))
 
     def metadata(self) -> bytes:
         """See :meth:`Endpoint.metadata`; runs in the child process."""
-        blob: bytes = self._call("metadata")
+        blob: bytes = self._value(wire.Metadata())
         return blob
 
     def add_peer(self, metadata: bytes) -> str:
         """See :meth:`Endpoint.add_peer`; runs in the child process."""
-        name: str = self._call("add_peer", metadata=metadata)
+        name: str = self._value(wire.AddPeer(metadata=metadata))
         return name
 
     def remove_peer(self, peer: str) -> None:
         """See :meth:`Endpoint.remove_peer`; runs in the child process."""
-        self._call("remove_peer", peer=peer)
+        self._value(wire.RemovePeer(peer=peer))
 
     def prepare_local(self, layout: BlockLayout) -> int:
         """See :meth:`Endpoint.prepare_local`; runs in the child process."""
-        lid: int = self._call("prepare_local", layout=_layout_to_wire(layout))
+        lid: int = self._value(wire.PrepareLocal(layout=layout))
         return lid
 
     def prepare_remote(self, peer: str, layout: BlockLayout) -> int:
         """See :meth:`Endpoint.prepare_remote`; runs in the child process."""
-        lid: int = self._call("prepare_remote", peer=peer, layout=_layout_to_wire(layout))
+        lid: int = self._value(wire.PrepareRemote(peer=peer, layout=layout))
         return lid
 
     def post(
@@ -662,54 +613,55 @@ class ChildEndpoint(Endpoint):
         notification: bytes | None = None,
     ) -> int:
         """See :meth:`Endpoint.post`; runs in the child process."""
-        xid: int = self._call(
-            "post",
-            op=op.value,
-            local=local,
-            local_blocks=[int(b) for b in local_blocks],
-            remote=remote,
-            remote_blocks=[int(b) for b in remote_blocks],
-            regions=None if regions is None else [int(r) for r in regions],
-            notification=notification,
+        xid: int = self._value(
+            wire.Post(
+                op=op,
+                local=local,
+                local_blocks=tuple(int(b) for b in local_blocks),
+                remote=remote,
+                remote_blocks=tuple(int(b) for b in remote_blocks),
+                regions=None if regions is None else tuple(int(r) for r in regions),
+                notification=notification,
+            )
         )
         return xid
 
     def poll(self, xfer: int) -> XferStatus:
         """See :meth:`Endpoint.poll`; runs in the child process."""
-        result = self._call("poll", xfer=xfer)
-        error = None if result["error"] is None else _error_from_wire(result["error"])
+        polled = self._call(wire.Poll(xfer=xfer), wire.Polled)
+        error = None if polled.error is None else _error_from_wire(polled.error)
         assert error is None or isinstance(error, errors.TransportError)
         return XferStatus(
-            state=XferState(result["state"]),
+            state=polled.state,
             error=error,
-            nbytes=result["nbytes"],
-            transfer_seconds=result["transfer_seconds"],
+            nbytes=polled.nbytes,
+            transfer_seconds=polled.transfer_seconds,
         )
 
     def release(self, xfer: int) -> None:
         """See :meth:`Endpoint.release`; runs in the child process."""
-        self._call("release", xfer=xfer)
+        self._value(wire.Release(xfer=xfer))
 
     def notify(self, peer: str, payload: bytes) -> None:
         """See :meth:`Endpoint.notify`; runs in the child process."""
-        self._call("notify", peer=peer, payload=bytes(payload))
+        self._value(wire.Notify(peer=peer, payload=bytes(payload)))
 
     def drain(self) -> list[Notification]:
         """See :meth:`Endpoint.drain`; runs in the child process."""
-        return [Notification(sender=s, payload=p) for s, p in self._call("drain")]
+        return list(self._call(wire.Drain(), wire.Drained).notifications)
 
     def pump(self) -> None:
         """Nothing to do: the child makes progress by itself every millisecond."""
 
     def close(self) -> None:
         """See :meth:`Endpoint.close`; runs in the child process."""
-        self._call("close")
+        self._value(wire.Close())
 
     def shutdown(self) -> None:
         """See :meth:`Endpoint.shutdown`; runs in the child process."""
         if self._proc.poll() is None and self._sock.fileno() >= 0:
             with contextlib.suppress(Exception):
-                self._call("exit")
+                self._value(wire.Exit())
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=10)
         self.kill()
@@ -736,90 +688,92 @@ class _Server:
             raise ValueError("no transport yet: send 'create' first")
         return self.endpoint
 
-    def handle(self, cmd: str, args: Mapping[str, Any]) -> Any:
-        if cmd == "create":
+    def handle(self, command: object) -> object:
+        """Run one command; the answer to send back (raises what the endpoint raised)."""
+        if isinstance(command, wire.Create):
             if self.endpoint is not None:
                 self.endpoint.shutdown()
                 self.endpoint = None
             spec = TransportSpec(
-                name=args["spec"]["name"],
-                options=args["spec"]["options"],
-                factory=args["spec"]["factory"],
+                name=command.name, options=thaw_plain(command.options), factory=command.factory
             )
-            self.endpoint = LocalEndpoint(spec.build(args["endpoint_name"]))
-            return {
-                "name": self.endpoint.name,
-                "capabilities": _caps_to_wire(self.endpoint.capabilities),
-            }
-        if cmd == "exit":
+            self.endpoint = LocalEndpoint(spec.build(command.endpoint_name))
+            return wire.Created(name=self.endpoint.name, capabilities=self.endpoint.capabilities)
+        if isinstance(command, wire.Exit):
             self.running = False
-            return None
+            return wire.Done()
         ep = self._ep()
-        if cmd == "alloc":
-            return _region_to_wire(ep.alloc(args["nbytes"]))
-        if cmd == "write":
-            return ep.write(args["addr"], args["data"])
-        if cmd == "read":
-            return ep.read(args["addr"], args["length"])
-        if cmd == "checksum":
-            return ep.checksum(args["addr"], args["length"])
-        if cmd == "register":
-            return ep.register([_region_from_wire(r) for r in args["regions"]])
-        if cmd == "metadata":
-            return ep.metadata()
-        if cmd == "add_peer":
-            return ep.add_peer(args["metadata"])
-        if cmd == "remove_peer":
-            return ep.remove_peer(args["peer"])
-        if cmd == "prepare_local":
-            return ep.prepare_local(_layout_from_wire(args["layout"]))
-        if cmd == "prepare_remote":
-            return ep.prepare_remote(args["peer"], _layout_from_wire(args["layout"]))
-        if cmd == "post":
-            return ep.post(
-                Op(args["op"]),
-                args["local"],
-                args["local_blocks"],
-                args["remote"],
-                args["remote_blocks"],
-                regions=args["regions"],
-                notification=args["notification"],
-            )
-        if cmd == "poll":
-            status = ep.poll(args["xfer"])
+        if isinstance(command, wire.Alloc):
+            return wire.Allocated(region=ep.alloc(command.nbytes))
+        if isinstance(command, wire.Poll):
+            status = ep.poll(command.xfer)
             err = None if status.error is None else _error_to_wire(status.error, kvframe=True)
-            return {
-                "state": status.state.value,
-                "error": err,
-                "nbytes": status.nbytes,
-                "transfer_seconds": status.transfer_seconds,
-            }
-        if cmd == "release":
-            return ep.release(args["xfer"])
-        if cmd == "notify":
-            return ep.notify(args["peer"], args["payload"])
-        if cmd == "drain":
-            return [[n.sender, n.payload] for n in ep.drain()]
-        if cmd == "close":
+            return wire.Polled(
+                state=status.state,
+                error=err,
+                nbytes=status.nbytes,
+                transfer_seconds=status.transfer_seconds,
+            )
+        if isinstance(command, wire.Drain):
+            return wire.Drained(notifications=tuple(ep.drain()))
+        return wire.Done(value=self._run(ep, command))
+
+    @staticmethod
+    def _run(ep: LocalEndpoint, command: object) -> Any:
+        """The commands whose answer is a plain value."""
+        if isinstance(command, wire.Write):
+            return ep.write(command.addr, command.data)
+        if isinstance(command, wire.Read):
+            return ep.read(command.addr, command.length)
+        if isinstance(command, wire.Checksum):
+            return ep.checksum(command.addr, command.length)
+        if isinstance(command, wire.Register):
+            return ep.register(command.regions)
+        if isinstance(command, wire.Metadata):
+            return ep.metadata()
+        if isinstance(command, wire.AddPeer):
+            return ep.add_peer(command.metadata)
+        if isinstance(command, wire.RemovePeer):
+            return ep.remove_peer(command.peer)
+        if isinstance(command, wire.PrepareLocal):
+            return ep.prepare_local(command.layout)
+        if isinstance(command, wire.PrepareRemote):
+            return ep.prepare_remote(command.peer, command.layout)
+        if isinstance(command, wire.Post):
+            return ep.post(
+                command.op,
+                command.local,
+                command.local_blocks,
+                command.remote,
+                command.remote_blocks,
+                regions=command.regions,
+                notification=command.notification,
+            )
+        if isinstance(command, wire.Release):
+            return ep.release(command.xfer)
+        if isinstance(command, wire.Notify):
+            return ep.notify(command.peer, command.payload)
+        if isinstance(command, wire.Close):
             return ep.close()
-        raise ValueError(f"unknown endpoint command {cmd!r}")
+        raise ValueError(f"unknown endpoint command {type(command).__name__}")
 
     def serve(self) -> None:
         while self.running:
             readable, _, _ = select.select([self.sock], [], [], 0.001)
             if readable:
+                reply: object
                 try:
-                    request = _recv_frame(self.sock)
+                    reply = self.handle(wire.recv(self.sock))
                 except (EOFError, OSError):
-                    break  # the parent is gone
+                    break  # the parent is gone (or sent a frame the stream cannot survive)
+                except Exception as exc:  # a malformed command included: answer, keep serving
+                    reply = _error_to_wire(exc)
                 try:
-                    reply = {"ok": True, "result": self.handle(request["cmd"], request["args"])}
-                except Exception as exc:
-                    reply = {"ok": False, "error": _error_to_wire(exc)}
-                try:
-                    _send_frame(self.sock, reply)
+                    wire.send(self.sock, reply)
                 except OSError:
                     break
+                except (TypeError, ValueError) as exc:  # a result the wire cannot carry
+                    wire.send(self.sock, _error_to_wire(exc))
             if self.endpoint is not None:
                 # a failing peer must not take the child down; the parent sees it in poll()
                 with contextlib.suppress(errors.TransportError):

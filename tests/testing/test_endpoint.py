@@ -1,4 +1,5 @@
-"""The child endpoint: msgpack RPC, error mapping, progress while idle, death."""
+"""The child endpoint: its wire (frozen messages in the one codec), error mapping, progress
+while idle, death."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
+import kvframe.testing._wire as wire
 from kvframe.errors import ConfigError, PeerUnreachableError
-from kvframe.spi.transport import Op, XferState
+from kvframe.spi.transport import (
+    MemoryKind,
+    MemoryRegion,
+    Notification,
+    Op,
+    TransportCapabilities,
+    XferState,
+)
 from kvframe.testing import ChildEndpoint, LocalEndpoint, RemoteError, TransportSpec
 from kvframe.testing.pair import BLOCK_LENS, NUM_BLOCKS, make_layout
 
@@ -44,8 +53,8 @@ def test_buffers_and_errors_cross_the_boundary(child: ChildEndpoint) -> None:
         child.add_peer(b"junk")
     with pytest.raises(KeyError):
         child.poll(12345)
-    with pytest.raises(ValueError, match="unknown endpoint command"):
-        child._call("no-such-command")
+    with pytest.raises(ValueError, match="unknown endpoint command Done"):
+        child._call(wire.Done(), wire.Done)  # an answer sent as a command
 
 
 def test_child_makes_progress_between_commands(
@@ -106,3 +115,37 @@ def test_callable_factories_cannot_cross_processes() -> None:
 def test_host_resolved_spec_names_the_factory_path() -> None:
     spec = TransportSpec(name="inprocess").for_child()
     assert spec.factory == "kvframe.transports.inprocess:_default_factory"
+
+
+def test_the_child_answers_a_malformed_frame_and_keeps_serving(child: ChildEndpoint) -> None:
+    body = b"KVFM" + bytes([0, 1, 5]) + b"nope." + b"\x80"  # a tag the wire does not know
+    child._sock.sendall(len(body).to_bytes(4, "big") + body)
+    failure = wire.recv(child._sock)
+    assert isinstance(failure, wire.Failure)
+    assert failure.type_name == "CodecError"
+    assert "unknown message type 'nope.'" in failure.message
+    assert child.read(child.alloc(8).addr, 8) == bytes(8)  # still serving
+
+
+def test_every_wire_message_round_trips_as_a_typed_value() -> None:
+    region = MemoryRegion(addr=4096, length=1 << 16)
+    layout = make_layout(region, BLOCK_LENS, NUM_BLOCKS)
+    caps = TransportCapabilities(
+        memory_kinds=frozenset({MemoryKind.HOST, MemoryKind.DEVICE}),
+        read=True,
+        write=False,
+        notifications=True,
+        max_notification_bytes=64,
+    )
+    messages = [
+        wire.Create(name="t", options={"a": [1, {"b": None}]}, factory="m:f", endpoint_name="e"),
+        wire.Register(regions=(region,)),
+        wire.PrepareRemote(peer="p", layout=layout),
+        wire.Post(op=Op.WRITE, local=1, local_blocks=(0, 2), remote=3, remote_blocks=(1, 3)),
+        wire.Created(name="e", capabilities=caps),
+        wire.Polled(state=XferState.FAILED, error=wire.Failure(type_name="X", message="m")),
+        wire.Drained(notifications=(Notification(sender="s", payload=b"p"),)),
+        wire.Done(value=b"bytes"),
+    ]
+    for message in messages:
+        assert wire.CODEC.decode(wire.CODEC.encode(message)) == message
