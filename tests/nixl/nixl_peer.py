@@ -152,11 +152,12 @@ def _main() -> None:
                         notification=cmd.get("notification"),
                     )
                     deadline = time.monotonic() + 10
-                    while t.poll(h) is XferState.PENDING and time.monotonic() < deadline:
+                    while t.poll(h).state is XferState.PENDING and time.monotonic() < deadline:
                         pump()
-                    state = t.poll(h)
+                    status = t.poll(h)
                     t.release(h)
-                    reply([state.value, type(h.error).__name__ if h.error else None])
+                    err = status.error
+                    reply([status.state.value, type(err).__name__ if err else None])
                 elif op == "stats":
                     reply(dict(t.stats()))
                 elif op == "exit":

@@ -70,6 +70,12 @@ private worker thread makes the NIXL calls of posting; the caller's `poll`, `pro
 `drain_notifications` never wait for it (they answer from what is known, and the worker
 collects notifications after each transfer), while `send_notification` (when nothing is
 queued), `release` of a running transfer and `close` do wait for the transfer in progress.
+The worker touches only a transfer's NIXL record (`_Xfer`), never the kit's `Transfer` state,
+the peer table or the statistics, which belong to the caller's thread.
+
+The contract code every transport shares (option parsing, the closed guard, payload and op
+checks, descriptor pairing, the peer table with its rebuild rule, transfer records) is
+`kvframe.spi.transport_kit`; this module is what is particular to NIXL.
 """
 
 from __future__ import annotations
@@ -77,7 +83,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import operator
 import os
 import queue
 import threading
@@ -95,9 +100,9 @@ from kvframe.errors import (
     ConfigError,
     PeerUnreachableError,
     TransferFailedError,
-    TransportClosedError,
     TransportError,
 )
+from kvframe.spi import transport_kit as kit
 from kvframe.spi.transport import (
     BlockLayout,
     LayoutHandle,
@@ -109,7 +114,7 @@ from kvframe.spi.transport import (
     TransportCapabilities,
     TransportParams,
     XferHandle,
-    XferState,
+    XferStatus,
 )
 
 __all__ = [
@@ -142,21 +147,19 @@ CAPABILITIES: Final = TransportCapabilities(
 
 _NIXL_MEM: Final = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
 _NIXL_OP: Final = {Op.READ: "READ", Op.WRITE: "WRITE"}
-_OPTION_KEYS: Final = (
-    "backends",
-    "progress_thread",
-    "num_threads",
-    "post_thread",
-    "inline_post_bytes",
-    "ucx_env",
-)
 
 
 # -- options ---------------------------------------------------------------------------------
 
-
-def _option_error(key: str, value: object, allowed: str) -> ConfigError:
-    return ConfigError(f"nixl transport option {key!r} = {value!r} is invalid: {allowed}")
+_OPTIONS: Final = kit.TransportOptions(
+    "nixl",
+    kit.names("backends", example='["UCX"]'),
+    kit.flag("progress_thread"),
+    kit.integer("num_threads", minimum=0, note="0: NIXL decides"),
+    kit.flag("post_thread"),
+    kit.integer("inline_post_bytes", minimum=0, note="0: always use the worker"),
+    kit.text_map("ucx_env", key_prefix="UCX_", example='{"UCX_TLS": "tcp"}'),
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -178,57 +181,10 @@ class NixlOptions:
         """Validate ``options`` and build the value.
 
         Raises :class:`~kvframe.errors.ConfigError` naming the key, the value and what is
-        allowed, for an unknown key or a value of the wrong type or range.
+        allowed (the closest known key for a typo), for an unknown key or a value of the
+        wrong type or range.
         """
-        if not isinstance(options, Mapping):
-            raise ConfigError(f"nixl transport options must be a mapping, got {options!r}")
-        unknown = sorted(str(k) for k in options if k not in _OPTION_KEYS)
-        if unknown:
-            raise ConfigError(
-                f"unknown nixl transport option(s) {unknown}; allowed: {list(_OPTION_KEYS)}"
-            )
-        kw: dict[str, Any] = {}
-        if "backends" in options:
-            v = options["backends"]
-            if (
-                isinstance(v, str | bytes)
-                or not isinstance(v, Sequence)
-                or not v
-                or not all(isinstance(b, str) and b for b in v)
-            ):
-                raise _option_error("backends", v, 'give a non-empty list of names, e.g. ["UCX"]')
-            kw["backends"] = tuple(v)
-        for key in ("progress_thread", "post_thread"):
-            if key in options:
-                v = options[key]
-                if not isinstance(v, bool):
-                    raise _option_error(key, v, "give true or false")
-                kw[key] = v
-        if "inline_post_bytes" in options:
-            v = options["inline_post_bytes"]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise _option_error(
-                    "inline_post_bytes", v, "give an integer >= 0 (0: always use the worker)"
-                )
-            kw["inline_post_bytes"] = v
-        if "num_threads" in options:
-            v = options["num_threads"]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise _option_error("num_threads", v, "give an integer >= 0 (0: NIXL decides)")
-            kw["num_threads"] = v
-        if "ucx_env" in options:
-            v = options["ucx_env"]
-            if not isinstance(v, Mapping) or not all(
-                isinstance(k, str) and k.startswith("UCX_") and isinstance(s, str)
-                for k, s in v.items()
-            ):
-                raise _option_error(
-                    "ucx_env",
-                    v,
-                    'give a mapping of UCX_* names to strings, e.g. {"UCX_TLS": "tcp"}',
-                )
-            kw["ucx_env"] = dict(v)
-        return cls(**kw)
+        return cls(**_OPTIONS.parse(options))
 
 
 # -- the one place where NIXL's exceptions become kvframe's --------------------------------
@@ -284,32 +240,30 @@ def _translate(
 
 
 @attrs.define(eq=False)
-class _Prepared:
-    """What ``LayoutHandle.native`` holds: the NIXL prepared list and who it belongs to."""
+class _List:
+    """The descriptor table of a prepared layout (``kit.Prepared.table``): NIXL's prepared
+    list. A rebuild with the same metadata gives a remote one a new list in place."""
 
-    owner: NixlTransport
     dlist: Any  # nixl_prepped_dlist_handle
     mem: str
-    peer: str | None
-    epoch: int
     released: bool = False
 
 
 @attrs.define(eq=False)
 class _Peer:
+    """A peer's connection (``kit.PeerEntry.conn``): its prepared layouts and transfers."""
+
     name: str
-    metadata: bytes
-    epoch: int
     prepared: dict[BlockLayout, LayoutHandle] = attrs.field(factory=dict)
-    inflight: set[XferHandle] = attrs.field(factory=set)
+    inflight: set[kit.Transfer[_Xfer]] = attrs.field(factory=set)
 
 
 @attrs.define(eq=False)
 class _Xfer:
-    """What ``XferHandle.native`` holds."""
+    """A transfer's NIXL side (the record of its ``kit.Transfer``); the post worker sets the
+    posting fields."""
 
-    owner: NixlTransport
-    epoch: int
+    peer: _Peer
     handle: Any = None  # nixl_xfer_handle once made
     # Set by whoever posted (the caller or the worker); read by poll.
     posted: bool = False
@@ -389,87 +343,6 @@ def _as_str(name: str | bytes) -> str:
     return name.decode() if isinstance(name, bytes) else name
 
 
-_SCALAR_MAX_DESCRIPTORS: Final = 64
-"""Up to this many descriptors, ids are computed with plain Python: each numpy call costs
-2-5 µs with cold CPU caches (as after an engine's forward pass), more than the work itself."""
-
-
-def _blocks_list(blocks: Sequence[int] | npt.NDArray[Any], side: str) -> list[int]:
-    if isinstance(blocks, np.ndarray):
-        if blocks.size and blocks.dtype.kind not in "iu":
-            raise ValueError(f"{side}_blocks must hold integers, got dtype {blocks.dtype}")
-        out: list[int] = blocks.reshape(-1).tolist()
-        return out
-    try:
-        return [operator.index(b) for b in blocks]
-    except TypeError as exc:
-        raise ValueError(f"{side}_blocks must be a sequence of integers: {exc}") from exc
-
-
-def _pair_ids(
-    local: BlockLayout,
-    remote: BlockLayout,
-    local_blocks: Sequence[int] | npt.NDArray[Any],
-    remote_blocks: Sequence[int] | npt.NDArray[Any],
-    regions: Sequence[int] | None,
-) -> tuple[list[int] | npt.NDArray[np.int32], list[int] | npt.NDArray[np.int32], int]:
-    """Descriptor ids of both sides (the same values as :func:`descriptor_ids`, region-major)
-    and the bytes moved, validated together.
-
-    Small requests get Python lists (see :data:`_SCALAR_MAX_DESCRIPTORS`), larger ones int32
-    numpy arrays computed vectorised. Raises ``ValueError`` for lists of different lengths,
-    out-of-range blocks or regions, layouts whose region counts differ (without ``regions``)
-    or block lengths that differ in a selected region.
-    """
-    lb = _blocks_list(local_blocks, "local")
-    rb = _blocks_list(remote_blocks, "remote")
-    if len(lb) != len(rb):
-        raise ValueError(
-            f"local_blocks has {len(lb)} entries but remote_blocks has {len(rb)}; "
-            "they pair up one to one"
-        )
-    if regions is None:
-        if local.num_regions != remote.num_regions:
-            raise ValueError(
-                f"local layout has {local.num_regions} regions, remote has "
-                f"{remote.num_regions}; pass regions= to select matching ones"
-            )
-        sel = list(range(local.num_regions))
-    else:
-        sel = _blocks_list(regions, "region")
-        limit = min(local.num_regions, remote.num_regions)
-        bad = [r for r in sel if not 0 <= r < limit]
-        if bad:
-            raise ValueError(
-                f"region index out of range: layouts have {local.num_regions} (local) and "
-                f"{remote.num_regions} (remote) regions, got {bad}"
-            )
-    for r in sel:
-        if local.block_lens[r] != remote.block_lens[r]:
-            raise ValueError(
-                f"region {r}: local blocks are {local.block_lens[r]} bytes, remote blocks "
-                f"{remote.block_lens[r]}; they must match"
-            )
-    nbytes = len(lb) * sum(local.block_lens[r] for r in sel)
-    for blocks, nb, side in ((lb, local.num_blocks, "local"), (rb, remote.num_blocks, "remote")):
-        if blocks and (min(blocks) < 0 or max(blocks) >= nb):
-            raise ValueError(
-                f"{side} block index out of range: layout has {nb} blocks, "
-                f"got min {min(blocks)}, max {max(blocks)}"
-            )
-    lnb, rnb = local.num_blocks, remote.num_blocks
-    if len(lb) * len(sel) <= _SCALAR_MAX_DESCRIPTORS:
-        return (
-            [r * lnb + b for r in sel for b in lb],
-            [r * rnb + b for r in sel for b in rb],
-            nbytes,
-        )
-    reg = np.asarray(sel, dtype=np.int64)[:, None]
-    lids = (reg * lnb + np.asarray(lb, dtype=np.int64)[None, :]).reshape(-1).astype(np.int32)
-    rids = (reg * rnb + np.asarray(rb, dtype=np.int64)[None, :]).reshape(-1).astype(np.int32)
-    return lids, rids, nbytes
-
-
 class NixlTransport(Transport):
     """A :class:`~kvframe.spi.transport.Transport` over one NIXL agent.
 
@@ -489,6 +362,7 @@ class NixlTransport(Transport):
         if not isinstance(name, str) or not name:
             raise ConfigError(f"transport name must be a non-empty string, got {name!r}")
         self._name = name
+        self._who = f"nixl transport {name!r}"
         self._opts = options if options is not None else NixlOptions()
         _quiet_nixl_logging()
         import nixl_cu12
@@ -509,9 +383,11 @@ class NixlTransport(Transport):
             available = list(agent.get_plugin_list())
             missing = [b for b in self._opts.backends if b not in available]
             if missing:
-                raise ConfigError(
-                    f"nixl transport option 'backends' names {missing}, which this NIXL "
-                    f"installation does not have; available: {available}"
+                raise _OPTIONS.error(
+                    "backends",
+                    list(self._opts.backends),
+                    f"backends this NIXL installation has ({missing} missing)",
+                    f"available: {available}",
                 )
             for backend in self._opts.backends:
                 init: dict[str, str] = {}
@@ -519,14 +395,13 @@ class NixlTransport(Transport):
                     init["num_threads"] = str(self._opts.num_threads)
                 agent.create_backend(backend, init)
         self._agent: Any = agent
-        self._closed = False
+        self._guard = kit.OpenGuard(self._who)
         self._lock = threading.Lock()  # serialises NIXL calls between caller and worker
         self._registered: list[tuple[MemoryRegion, Any]] = []
         self._local: dict[BlockLayout, LayoutHandle] = {}
-        self._peers: dict[str, _Peer] = {}
-        self._epoch = 0
+        # incarnation = the peer's metadata bytes: equal metadata, the same life of the peer
+        self._peers: kit.PeerTable[_Peer] = kit.PeerTable(self._who, self._teardown_peer)
         self._inbox: collections.deque[Notification] = collections.deque()
-        self._orphans: list[XferHandle] = []  # handles that failed with a removed peer
         self._stats: dict[str, float] = dict.fromkeys(
             (
                 "bytes",
@@ -564,10 +439,6 @@ class NixlTransport(Transport):
         """The validated options this transport was created with."""
         return self._opts
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosedError(f"nixl transport {self._name!r} is closed")
-
     # -- memory --------------------------------------------------------------------------
 
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
@@ -579,11 +450,8 @@ class NixlTransport(Transport):
         that is not a :class:`MemoryRegion`, and :class:`~kvframe.errors.TransportError` when
         NIXL refuses. On any error nothing was registered.
         """
-        self._check_open()
-        regions = list(regions)
-        for r in regions:
-            if not isinstance(r, MemoryRegion):
-                raise ValueError(f"register_memory takes MemoryRegion values, got {r!r}")
+        self._guard.check()
+        regions = kit.check_regions(regions, self.capabilities, self._who)
         by_kind: dict[MemoryKind, list[MemoryRegion]] = {}
         for r in regions:
             by_kind.setdefault(r.kind, []).append(r)
@@ -611,27 +479,11 @@ class NixlTransport(Transport):
             # One NIXL list per kind; deregistered once (on the first region of the group).
             self._registered.extend((r, reg if i == 0 else None) for i, r in enumerate(group))
 
-    def _check_registered(self, layout: BlockLayout) -> None:
-        for i, (region, blen) in enumerate(zip(layout.regions, layout.block_lens, strict=True)):
-            end = region.addr + blen * layout.num_blocks
-            if not any(
-                r.kind == region.kind
-                and r.device_id == region.device_id
-                and r.addr <= region.addr
-                and end <= r.addr + r.length
-                for r, _ in self._registered
-            ):
-                raise ValueError(
-                    f"layout region {i} ({region.kind.value} 0x{region.addr:x}, "
-                    f"{blen * layout.num_blocks} bytes) is not inside registered memory; "
-                    "call register_memory with it first"
-                )
-
     def local_metadata(self) -> bytes:
         """This endpoint's address for :meth:`add_peer`: NIXL agent metadata (it lists the
         registered memory, so export it after :meth:`register_memory`) in a small msgpack
         envelope with the transport kind, version and name."""
-        self._check_open()
+        self._guard.check()
         with self._lock, _translate("exporting agent metadata"):
             md = self._agent.get_agent_metadata()
         packed: bytes = msgpack.packb(
@@ -684,8 +536,9 @@ class NixlTransport(Transport):
         Raises :class:`~kvframe.errors.PeerUnreachableError` when the metadata is not usable
         (not from this transport, a wrong version, one's own metadata, NIXL refuses it); the
         transport stays usable, and no peer of that name is left (a known one was removed).
+        The rebuild rule itself is :class:`kvframe.spi.transport_kit.PeerTable`'s.
         """
-        self._check_open()
+        self._guard.check()
         if not isinstance(metadata, bytes | bytearray | memoryview):
             raise ValueError(f"add_peer takes the peer's metadata bytes, got {type(metadata)}")
         metadata = bytes(metadata)
@@ -695,97 +548,75 @@ class NixlTransport(Transport):
                 f"peer metadata names this endpoint itself ({name!r}); give every endpoint a "
                 "unique name"
             )
-        old = self._peers.get(name)
-        # Same metadata: the same incarnation, whose memory is unchanged, so its prepared
-        # layouts stay meaningful and are prepared again on the new connection below.
-        keep = list(old.prepared.values()) if old is not None and old.metadata == metadata else []
-        if old is not None:
-            # A rebuild, even with equal metadata: the old connection may be one that failed.
-            self.remove_peer(name)
-            self._stats["peers_rebuilt"] += 1
-        with self._lock, _translate("adding a peer", peer=name, default=PeerUnreachableError):
-            try:
-                loaded = _as_str(self._agent.add_remote_agent(agent_md))
-            except Exception as exc:
-                if _nixl_error_name(exc) != "nixlNotAllowedError":
-                    raise
-                # NIXL still holds an agent of this name that this transport does not know
-                # (an earlier removal failed): drop it and load the new metadata.
-                self._agent.remove_remote_agent(name)
-                loaded = _as_str(self._agent.add_remote_agent(agent_md))
-        if loaded != name:
-            with contextlib.suppress(Exception), self._lock:
-                self._agent.remove_remote_agent(loaded)
-            raise PeerUnreachableError(
-                f"peer metadata is inconsistent: envelope names {name!r}, agent blob {loaded!r}"
-            )
-        self._epoch += 1
-        entry = _Peer(name=name, metadata=metadata, epoch=self._epoch)
-        self._peers[name] = entry
-        for lh in keep:
-            self._reprepare(entry, lh)
+
+        def connect() -> _Peer:
+            with self._lock, _translate("adding a peer", peer=name, default=PeerUnreachableError):
+                try:
+                    loaded = _as_str(self._agent.add_remote_agent(agent_md))
+                except Exception as exc:
+                    if _nixl_error_name(exc) != "nixlNotAllowedError":
+                        raise
+                    # NIXL still holds an agent of this name that this transport does not
+                    # know (an earlier removal failed): drop it and load the new metadata.
+                    self._agent.remove_remote_agent(name)
+                    loaded = _as_str(self._agent.add_remote_agent(agent_md))
+            if loaded != name:
+                with contextlib.suppress(Exception), self._lock:
+                    self._agent.remove_remote_agent(loaded)
+                raise PeerUnreachableError(
+                    f"peer metadata is inconsistent: envelope names {name!r}, agent blob {loaded!r}"
+                )
+            return _Peer(name=name)
+
+        # A rebuild, even with equal metadata: the old connection may be one that failed.
+        added = self._peers.add(name, metadata, connect)
+        self._stats["peers_rebuilt"] = float(self._peers.rebuilds)
+        if added.layouts_kept and added.replaced is not None:
+            # The same incarnation, its memory unchanged: its prepared layouts stay
+            # meaningful and get new NIXL lists on the new connection.
+            for lh in added.replaced.conn.prepared.values():
+                self._reprepare(added.entry.conn, lh)
         return name
 
-    def _reprepare(self, entry: _Peer, lh: LayoutHandle) -> None:
-        """Give a released remote layout handle a new NIXL list on ``entry``'s connection, so
+    def _reprepare(self, peer: _Peer, lh: LayoutHandle) -> None:
+        """Give a released remote layout handle a new NIXL list on ``peer``'s connection, so
         a caller's handles survive a rebuild with the same metadata. A list NIXL refuses
         leaves the handle released (it raises ``PeerUnreachableError`` when used)."""
-        prep: _Prepared = lh.native
-        descs, mem = self._descs(lh.layout)
+        nl: _List = lh.native.table
+        descs, mem = _descs(lh.layout)
         try:
             with self._lock:
-                dlist = self._agent.prep_xfer_dlist(entry.name, descs, mem)
+                dlist = self._agent.prep_xfer_dlist(peer.name, descs, mem)
         except Exception:
             return
-        prep.dlist, prep.epoch, prep.released = dlist, entry.epoch, False
-        entry.prepared[lh.layout] = lh
+        nl.dlist, nl.released = dlist, False
+        peer.prepared[lh.layout] = lh
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer: its in-flight transfers stop and poll ``FAILED`` with
-        :class:`~kvframe.errors.PeerUnreachableError`, its prepared layouts are released and
-        NIXL disconnects. Unknown names are ignored. Never raises for NIXL teardown errors."""
-        self._check_open()
-        entry = self._peers.pop(peer, None)
-        if entry is None:
-            return
-        err = PeerUnreachableError(f"peer {peer!r} was removed")
-        for h in list(entry.inflight):
-            self._stop(h, err)
+        :class:`~kvframe.errors.PeerUnreachableError`, its prepared layouts are released (and
+        refused from now on, also after it is added again) and NIXL disconnects. Unknown
+        names are ignored. Never raises for NIXL teardown errors."""
+        self._guard.check()
+        self._peers.remove(peer)
+
+    def _teardown_peer(self, peer: _Peer, why: str) -> None:
+        """The peer table's teardown (a removal, or a rebuild before the new connection)."""
+        err = PeerUnreachableError(f"nixl: {why}")
+        for tr in list(peer.inflight):
+            self._stop(tr, err)
         with self._lock:
-            for lh in entry.prepared.values():
+            for lh in peer.prepared.values():
                 self._release_prepared(lh)
             with contextlib.suppress(Exception):
-                self._agent.remove_remote_agent(peer)
+                self._agent.remove_remote_agent(peer.name)
 
     def _release_prepared(self, lh: LayoutHandle) -> None:
-        prep: _Prepared = lh.native
-        if not prep.released:
-            prep.released = True
+        nl: _List = lh.native.table
+        if not nl.released:
+            nl.released = True
             with contextlib.suppress(Exception):
-                prep.dlist.release()
-
-    def _descs(self, layout: BlockLayout) -> tuple[npt.NDArray[np.uint64], str]:
-        kinds = {r.kind for r in layout.regions}
-        if len(kinds) != 1:
-            raise CapabilityError(
-                "a NIXL descriptor list holds one memory kind; this layout mixes "
-                f"{sorted(k.value for k in kinds)}: split it into one layout per kind"
-            )
-        nb = layout.num_blocks
-        blocks = np.arange(nb, dtype=np.uint64)
-        # Region-major, matching descriptor_ids: row r * num_blocks + b is block b of region r.
-        parts = [
-            np.stack(
-                [
-                    np.uint64(r.addr) + blocks * np.uint64(blen),
-                    np.full(nb, blen, dtype=np.uint64),
-                    np.full(nb, r.device_id, dtype=np.uint64),
-                ],
-                axis=1,
-            )
-            for r, blen in zip(layout.regions, layout.block_lens, strict=True)
-        ]
-        return np.concatenate(parts), _NIXL_MEM[kinds.pop()]
+                nl.dlist.release()
 
     def prepare_local(self, layout: BlockLayout) -> LayoutHandle:
         """Prepare (once) NIXL's descriptor list for a layout of this side's registered memory.
@@ -795,18 +626,18 @@ class NixlTransport(Transport):
         a layout mixing memory kinds, :class:`~kvframe.errors.TransportError` when NIXL
         refuses. On error nothing was prepared.
         """
-        self._check_open()
+        self._guard.check()
         if not isinstance(layout, BlockLayout):
             raise ValueError(f"prepare_local takes a BlockLayout, got {layout!r}")
         cached = self._local.get(layout)
         if cached is not None:
             return cached
-        descs, mem = self._descs(layout)
-        self._check_registered(layout)
+        descs, mem = _descs(layout)
+        kit.check_inside(layout, [r for r, _ in self._registered], "this endpoint")
         with self._lock, _translate("preparing a local descriptor list"):
             dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem)
         lh = LayoutHandle(
-            layout=layout, peer=None, native=_Prepared(self, dlist, mem, None, epoch=0)
+            layout=layout, peer=None, native=kit.Prepared.local(self, _List(dlist, mem))
         )
         self._local[layout] = lh
         return lh
@@ -820,18 +651,14 @@ class NixlTransport(Transport):
         peer's metadata does not cover (its memory is not registered there),
         :class:`~kvframe.errors.CapabilityError` for a layout mixing memory kinds.
         """
-        self._check_open()
+        self._guard.check()
         if not isinstance(layout, BlockLayout):
             raise ValueError(f"prepare_remote takes a BlockLayout, got {layout!r}")
-        entry = self._peers.get(peer)
-        if entry is None:
-            raise PeerUnreachableError(
-                f"unknown peer {peer!r}; add it with add_peer(metadata) first"
-            )
-        cached = entry.prepared.get(layout)
+        conn = self._peers.get(peer).conn
+        cached = conn.prepared.get(layout)
         if cached is not None:
             return cached
-        descs, mem = self._descs(layout)
+        descs, mem = _descs(layout)
         with (
             self._lock,
             _translate(
@@ -842,19 +669,12 @@ class NixlTransport(Transport):
             ),
         ):
             dlist = self._agent.prep_xfer_dlist(peer, descs, mem)
-        lh = LayoutHandle(
-            layout=layout, peer=peer, native=_Prepared(self, dlist, mem, peer, entry.epoch)
-        )
-        entry.prepared[layout] = lh
+        native = self._peers.prepared(self, peer, _List(dlist, mem))
+        lh = LayoutHandle(layout=layout, peer=peer, native=native)
+        conn.prepared[layout] = lh
         return lh
 
     # -- transfers -----------------------------------------------------------------------
-
-    def _own_layout(self, lh: LayoutHandle, side: str) -> _Prepared:
-        prep = lh.native if isinstance(lh, LayoutHandle) else None
-        if not isinstance(prep, _Prepared) or prep.owner is not self:
-            raise ValueError(f"unknown {side} layout handle: it was not prepared by this transport")
-        return prep
 
     def post(
         self,
@@ -869,44 +689,31 @@ class NixlTransport(Transport):
     ) -> XferHandle:
         """Start one prepared NIXL transfer (``make_prepped_xfer`` + ``transfer``).
 
-        Descriptor ids are computed vectorised (region-major, :func:`descriptor_ids`), so the
-        cost per request does not grow with the layout. An empty block list moves nothing
+        Descriptor ids come from :func:`kvframe.spi.transport_kit.check_post` (region-major,
+        vectorised for large requests), so the cost per request does not grow with the
+        layout. An empty block list moves nothing
         and still sends the notification. See :meth:`Transport.post` for the contract; with
         ``post_thread`` on, errors NIXL reports while posting arrive through :meth:`poll`.
         """
         t0 = time.perf_counter()
-        self._check_open()
-        if not isinstance(op, Op):
-            raise ValueError(f"op must be Op.READ or Op.WRITE, got {op!r}")
-        lp = self._own_layout(local, "local")
-        rp = self._own_layout(remote, "remote")
-        if lp.peer is not None:
-            raise ValueError("the local handle was prepared for a peer; use prepare_local")
-        if rp.peer is None or remote.peer is None:
-            raise ValueError("the remote handle is local; use prepare_remote(peer, layout)")
-        peer = rp.peer
-        entry = self._peers.get(peer)
-        if entry is None or entry.epoch != rp.epoch or rp.released:
+        self._guard.check()
+        req = kit.check_post(
+            self, self._peers, op, local, local_blocks, remote, remote_blocks,
+            regions=regions, notification=notification, dtype=np.int32,
+        )  # fmt: skip
+        lp: _List = req.local
+        rp: _List = req.remote
+        peer, conn = req.peer.name, req.peer.conn
+        if rp.released:
             raise PeerUnreachableError(
-                f"peer {peer!r} was removed or replaced since this remote layout was "
-                "prepared; add it and prepare its layout again"
+                f"nixl: peer {peer!r} was rebuilt but NIXL refused to prepare this remote "
+                "layout again; call prepare_remote again"
             )
-        lids, rids, nbytes = _pair_ids(
-            local.layout, remote.layout, local_blocks, remote_blocks, regions
-        )
-        notif = self._check_payload(notification)
-        handle = XferHandle(op=op, peer=peer, nbytes=nbytes, num_descriptors=len(lids), native=None)
-        rec = _Xfer(owner=self, epoch=entry.epoch, empty_notification=notification == b"")
-        handle.native = rec
-        job = (
-            handle,
-            _NIXL_OP[op],
-            lp.dlist,
-            lids,
-            rp.dlist,
-            rids,
-            notif,
-        )
+        lids, rids, nbytes = req.pairs.local, req.pairs.remote, req.pairs.nbytes
+        notif = req.notification if req.notification is not None else b""
+        rec = _Xfer(peer=conn, empty_notification=req.notification == b"")
+        handle, tr = kit.Transfer.post(self, rec, op=req.op, peer=peer, pairs=req.pairs)
+        job = (rec, _NIXL_OP[req.op], lp.dlist, lids, rp.dlist, rids, notif)
         if len(lids) == 0:
             # NIXL refuses an empty request; there is nothing to move, only to notify.
             if notification is not None:
@@ -932,7 +739,7 @@ class NixlTransport(Transport):
                     peer=peer,
                     default=TransferFailedError,
                 ) from rec.native_error
-        entry.inflight.add(handle)
+        conn.inflight.add(tr)
         self._stats["transfers_posted"] += 1
         self._stats["descriptors"] += len(lids)
         self._stats["post_time_us"] += (time.perf_counter() - t0) * 1e6
@@ -973,8 +780,7 @@ class NixlTransport(Transport):
         with self._lock:
             try:
                 if kind == "xfer":
-                    handle: XferHandle = body[0]
-                    rec: _Xfer = handle.native
+                    rec: _Xfer = body[0]
                     if not rec.cancelled:
                         self._post_native(rec, body)
                 elif kind == "notif":
@@ -987,41 +793,28 @@ class NixlTransport(Transport):
                 if self._worker is not None:
                     self._worker.job_done()
 
-    def _check_payload(self, payload: bytes | None) -> bytes:
-        if payload is None:
-            return b""
-        if not isinstance(payload, bytes | bytearray | memoryview):
-            raise ValueError(f"a notification payload must be bytes, got {type(payload)}")
-        payload = bytes(payload)
-        if len(payload) > MAX_NOTIFICATION_BYTES:
-            raise CapabilityError(
-                f"notification of {len(payload)} bytes exceeds the NIXL transport's limit of "
-                f"{MAX_NOTIFICATION_BYTES}; send a key and fetch large data through a transfer"
-            )
-        return payload
-
-    def poll(self, handle: XferHandle) -> XferState:
-        """Check a transfer. Answers ``FAILED`` (with ``handle.error``) instead of raising for
-        a failed transfer; raises :class:`~kvframe.errors.TransportClosedError` for a
-        released handle or a closed transport, ``ValueError`` for a foreign handle."""
-        self._check_open()
-        rec = self._own_xfer(handle)
-        if handle.released:
-            raise TransportClosedError("the transfer handle was released")
-        if handle.state is not XferState.PENDING:
-            return handle.state
+    def poll(self, handle: XferHandle) -> XferStatus:
+        """Check a transfer. Answers a ``FAILED`` status (with its ``error``) instead of
+        raising for a failed transfer; raises :class:`~kvframe.errors.TransportClosedError`
+        for a released handle or a closed transport, ``ValueError`` for a foreign handle. A
+        ``DONE`` status carries NIXL's own transfer time (``transfer_seconds``)."""
+        self._guard.check()
+        tr = kit.Transfer.polling(handle, self, _Xfer)  # TransportClosedError once released
+        if not tr.pending:
+            return tr.status
+        rec = tr.record
         if not rec.posted:
             # The worker needs the GIL to finish posting; a caller spinning on poll would hold
             # it for a whole switch interval (5 ms). Releasing it once lets the worker run now.
             time.sleep(0)
-            return XferState.PENDING
+            return tr.status
         if rec.native_error is not None:
-            self._fail(handle, rec.native_error, "posting a transfer")
-            return handle.state
+            self._fail(tr, rec.native_error, "posting a transfer")
+            return tr.status
         if rec.status == "PROC":
             if not self._lock.acquire(blocking=self._worker is None):
                 time.sleep(0)  # the worker is inside NIXL: answer from what we know, yield
-                return XferState.PENDING
+                return tr.status
             try:
                 rec.status = self._agent.check_xfer_state(rec.handle)
                 if rec.status == "DONE":
@@ -1031,13 +824,13 @@ class NixlTransport(Transport):
             finally:
                 self._lock.release()
             if rec.native_error is not None:
-                self._fail(handle, rec.native_error, "checking a transfer")
-                return handle.state
+                self._fail(tr, rec.native_error, "checking a transfer")
+                return tr.status
         if rec.status == "DONE":
-            self._finish(handle)
+            self._finish(tr)
         elif rec.status != "PROC":
-            self._fail(handle, None, "checking a transfer")
-        return handle.state
+            self._fail(tr, None, "checking a transfer")
+        return tr.status
 
     def _read_telemetry(self, rec: _Xfer) -> None:
         """Keep NIXL's timing of a completed transfer; the caller holds ``self._lock``."""
@@ -1045,71 +838,57 @@ class NixlTransport(Transport):
             tel = self._agent.get_xfer_telemetry(rec.handle)
             rec.telemetry = (float(tel.postDuration), float(tel.xferDuration))
 
-    def _own_xfer(self, handle: XferHandle) -> _Xfer:
-        rec = handle.native if isinstance(handle, XferHandle) else None
-        if not isinstance(rec, _Xfer) or rec.owner is not self:
-            raise ValueError("unknown transfer handle: it was not posted by this transport")
-        return rec
-
-    def _finish(self, handle: XferHandle) -> None:
-        rec: _Xfer = handle.native
+    def _finish(self, tr: kit.Transfer[_Xfer]) -> None:
+        rec = tr.record
+        seconds = None
         if rec.telemetry is not None:
             self._stats["nixl_post_us"] += rec.telemetry[0]
             self._stats["nixl_xfer_us"] += rec.telemetry[1]
-            handle.transfer_seconds = rec.telemetry[1] / 1e6
-        if rec.empty_notification and handle.peer in self._peers:
+            seconds = rec.telemetry[1] / 1e6
+        if rec.empty_notification and rec.peer.name in self._peers:
             with contextlib.suppress(TransportError):
-                self.send_notification(handle.peer, b"")
-        handle.state = XferState.DONE
+                self.send_notification(rec.peer.name, b"")
+        tr.done(seconds)
         self._stats["transfers_done"] += 1
-        self._stats["bytes"] += handle.nbytes
-        self._forget(handle)
+        self._stats["bytes"] += tr.nbytes
+        rec.peer.inflight.discard(tr)
 
-    def _fail(self, handle: XferHandle, exc: Exception | None, doing: str) -> None:
+    def _fail(self, tr: kit.Transfer[_Xfer], exc: Exception | None, doing: str) -> None:
+        peer = tr.record.peer.name
         if exc is None:
             err: TransportError = TransferFailedError(
-                f"{doing} with peer {handle.peer!r}: NIXL reported an error state"
+                f"{doing} with peer {peer!r}: NIXL reported an error state"
             )
         else:
-            err = _translate_exc(exc, doing=doing, peer=handle.peer, default=TransferFailedError)
+            err = _translate_exc(exc, doing=doing, peer=peer, default=TransferFailedError)
             err.__cause__ = exc
-        handle.state = XferState.FAILED
-        handle.error = err
+        tr.fail(err)
         self._stats["transfers_failed"] += 1
-        self._forget(handle)
+        tr.record.peer.inflight.discard(tr)
 
-    def _forget(self, handle: XferHandle) -> None:
-        entry = self._peers.get(handle.peer)
-        if entry is not None:
-            entry.inflight.discard(handle)
-
-    def _stop(self, handle: XferHandle, err: TransportError) -> None:
+    def _stop(self, tr: kit.Transfer[_Xfer], err: TransportError) -> None:
         """Stop a pending transfer (peer removed, transport closing) and free its handle."""
-        rec: _Xfer = handle.native
+        rec = tr.record
         rec.cancelled = True
         with self._lock:  # waits for the worker if it is posting this very transfer
             if rec.handle is not None:
                 with contextlib.suppress(Exception):
                     rec.handle.release()
                 rec.handle = None
-        if handle.state is XferState.PENDING:
-            handle.state = XferState.FAILED
-            handle.error = err
+        if tr.fail(err):
             self._stats["transfers_failed"] += 1
-        self._forget(handle)
+        rec.peer.inflight.discard(tr)
 
     def release(self, handle: XferHandle) -> None:
         """Free the transfer's NIXL handle; a pending transfer is stopped first (NIXL aborts
         it; its destination bytes are undefined). Releasing twice is a no-op; releasing after
         :meth:`close` is a no-op too (close released everything)."""
-        rec = self._own_xfer(handle)
-        if handle.released:
+        tr = kit.Transfer.of(handle, self, _Xfer)
+        rec = tr.record
+        if not tr.release() or self._guard.closed:
             return
-        handle.released = True
-        if self._closed:
-            return
-        if handle.state is XferState.PENDING:
-            self._stop(handle, TransferFailedError("the transfer was released while pending"))
+        if tr.pending:
+            self._stop(tr, TransferFailedError("the transfer was released while pending"))
         elif rec.handle is not None:
             with self._lock, contextlib.suppress(Exception):
                 rec.handle.release()
@@ -1120,17 +899,15 @@ class NixlTransport(Transport):
     def send_notification(self, peer: str, payload: bytes) -> None:
         """Send a standalone notification (best effort, see the capability card).
 
-        Raises :class:`~kvframe.errors.CapabilityError` over :data:`MAX_NOTIFICATION_BYTES`,
+        Raises ``ValueError`` for a payload that is not bytes,
+        :class:`~kvframe.errors.CapabilityError` over :data:`MAX_NOTIFICATION_BYTES`,
         :class:`~kvframe.errors.PeerUnreachableError` for an unknown peer or one NIXL knows
         to be disconnected. With ``post_thread`` on and transfers queued, the notification is
         queued behind them so it cannot overtake them.
         """
-        self._check_open()
-        data = self._check_payload(payload)
-        if peer not in self._peers:
-            raise PeerUnreachableError(
-                f"unknown peer {peer!r}; add it with add_peer(metadata) first"
-            )
+        self._guard.check()
+        data = kit.check_notification(payload, self.capabilities, self._who)
+        self._peers.get(peer)  # PeerUnreachableError for an unknown peer
         if self._worker is not None and self._worker.busy:
             self._worker.submit(("notif", (peer, data)))
         else:
@@ -1152,7 +929,7 @@ class NixlTransport(Transport):
     def progress(self) -> None:
         """Drive NIXL (``get_new_notifs``), keeping received notifications for
         :meth:`drain_notifications`. Never waits for the post worker."""
-        self._check_open()
+        self._guard.check()
         if self._lock.acquire(blocking=self._worker is None):
             try:
                 self._collect_notifications()
@@ -1181,26 +958,19 @@ class NixlTransport(Transport):
         """Stop every pending transfer, release every handle and prepared list, forget every
         peer, deregister memory, stop the post worker and drop the NIXL agent. Always
         completes; a second call is a no-op."""
-        if self._closed:
+        if not self._guard.close():
             return
-        self._closed = True
-        for entry in self._peers.values():
-            for h in entry.inflight:
-                h.native.cancelled = True  # the worker skips what it has not started
+        for entry in self._peers:
+            for tr in entry.conn.inflight:
+                tr.record.cancelled = True  # the worker skips what it has not started
         if self._worker is not None:
             with contextlib.suppress(Exception):
                 self._worker.stop()
             self._worker = None
-        closed = TransportClosedError(f"nixl transport {self._name!r} was closed")
         with contextlib.suppress(Exception):
-            for entry in list(self._peers.values()):
-                for h in list(entry.inflight):
-                    self._stop(h, closed)
-                for lh in entry.prepared.values():
-                    self._release_prepared(lh)
-                with contextlib.suppress(Exception):
-                    self._agent.remove_remote_agent(entry.name)
-            self._peers.clear()
+            # every peer's teardown: transfers stopped (their status can no longer be polled),
+            # prepared lists released, NIXL's remote agents removed
+            self._peers.clear("the transport was closed")
             for lh in self._local.values():
                 self._release_prepared(lh)
             self._local.clear()
@@ -1212,8 +982,24 @@ class NixlTransport(Transport):
         self._agent = None
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._peers)} peers"
+        state = "closed" if self._guard.closed else f"{len(self._peers)} peers"
         return f"<NixlTransport {self._name!r} {state}>"
+
+
+def _descs(layout: BlockLayout) -> tuple[npt.NDArray[np.uint64], str]:
+    """NIXL's (address, length, device) rows of a layout, region-major (row ``r * num_blocks
+    + b`` is block ``b`` of region ``r``, as ``kit.block_table``), and its memory type.
+    Raises :class:`~kvframe.errors.CapabilityError` for a layout mixing memory kinds."""
+    kinds = {r.kind for r in layout.regions}
+    if len(kinds) != 1:
+        raise CapabilityError(
+            "a NIXL descriptor list holds one memory kind; this layout mixes "
+            f"{sorted(k.value for k in kinds)}: split it into one layout per kind"
+        )
+    addrs, lens = kit.block_table(layout)
+    devs = np.repeat([r.device_id for r in layout.regions], layout.num_blocks)
+    table = np.stack([addrs, lens, devs], axis=1).astype(np.uint64)
+    return table, _NIXL_MEM[kinds.pop()]
 
 
 def create(params: TransportParams) -> NixlTransport:
