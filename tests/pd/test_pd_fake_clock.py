@@ -5,6 +5,7 @@ no fake time.)"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -172,3 +173,38 @@ def test_no_connection_fails_the_load_after_peer_timeout(
         assert "no connection" in _failure(d, "q") or "handshake" in _failure(d, "q")
     finally:
         silent.close(linger=0)
+
+
+def test_each_worker_reads_the_clock_once_per_step() -> None:
+    """The worker takes one clock reading per step (in get_finished), whatever it does in it:
+    granting, heartbeating, confirming, posting, completing."""
+    fake = FakeClock(50.0)
+    calls = {"n": 0}
+
+    def counting() -> float:
+        if threading.current_thread() is threading.main_thread():  # not the handshake thread
+            calls["n"] += 1
+        return fake()
+
+    p = Driver("Pcnt", "kv_producer", lease=LEASE, clock=fake)
+    d = Driver("Dcnt", "kv_consumer", lease=LEASE, clock=counting)
+    try:
+        params = _prefill(p, "r", [1, 2])
+        _arrive(d, "q", params, fake)
+        _schedule(d, "q", params, [5, 6])
+        seen = set()
+        for _ in range(2000):
+            before = calls["n"]
+            d.step()  # the driver reads the clock once itself, for SchedulerStep.now
+            assert calls["n"] - before == 2, "the worker read the clock more than once"
+            p.step()
+            state = d.worker.reader.state("q")
+            seen.add(state)
+            if _ended(d, "q", "finished_recving"):
+                break
+        assert ReadState.CONFIRMING in seen or ReadState.POSTED in seen
+        assert _ended(d, "q", "finished_recving")
+        assert not any(o.failures for o in d.outputs)
+    finally:
+        d.shutdown()
+        p.shutdown()

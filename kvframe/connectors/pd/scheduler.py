@@ -372,7 +372,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             tp_size=self._engine.world_size,
             transport=self._options.transport,
             lease_duration=self._policy.duration,
-            # The worker grants later than now, so its expiry is never earlier than this.
+            # An estimate (the worker grants as of its own clock reading); D never reads on it.
             lease_expires_at=self._now + self._policy.duration,
         )
         return params.to_dict()

@@ -5,11 +5,12 @@ Every decision lives in :mod:`kvframe.core`: P's in :class:`~kvframe.core.holder
 :class:`~kvframe.core.reader.LeaseReader` (when a lease is confirmed, when to post, whether a
 finished read may be kept, what a loss notice or a broken peer means, when a load times out).
 This module only gathers what happened — the step's metadata, the transport's notifications,
-the transfers' states, the handshakes' results — reads the clock **once per progress point**
-(after it observed everything it reports, so a completion is never stamped earlier than it
-happened), feeds it to the machines, and carries out the actions they return, in order.
-
-Progress points are ``start_load_kv`` and ``get_finished`` (each step), and :meth:`progress`.
+the transfers' states, the handshakes' results — reads the clock **once per step** (in
+``get_finished``, after it observed everything it reports, so a completion is never stamped
+earlier than it happened), feeds it to the machines, and carries out the actions they return,
+in order. ``start_load_kv`` carries out the step's metadata as of that reading (see its
+docstring); :meth:`progress` is a step of its own for engines that drive the worker between
+steps.
 
 **Producer (P) rank.** Serves handshakes on the side channel, holds a lease per finished
 request, answers heartbeats and lease-done notices, reclaims expired leases, and reports each
@@ -28,7 +29,7 @@ Two background threads exist, and each shares only queues with the engine thread
   engine thread prepared before the server started (the transport metadata, the layout, the
   incarnation token: immutable after ``register_kv_caches``) and puts each requester's
   ``(engine id, rank, transport metadata)`` on ``_pending_peers`` (a :class:`queue.Queue`). It
-  never calls the transport; the engine thread adds the peers in its next progress point.
+  never calls the transport; the engine thread adds the peers in its next ``get_finished``.
 - D's handshake client thread (:class:`~.peers.RemoteEngines`) takes jobs from one queue and
   puts results on another; results are applied to the transport on the engine thread.
 
@@ -168,6 +169,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         )
         self._reads: dict[str, _Read] = {}
         self._pending_meta: collections.deque[PDMetadata] = collections.deque()
+        self._now = clock()
+        """The step's clock reading (taken once per step, in ``get_finished``)."""
         # reporting
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -288,7 +291,13 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._pending_meta.append(meta)
 
     def start_load_kv(self, forward_context: Any) -> None:
-        self._progress()
+        """Carry out the step's instructions now (a READ posted here overlaps the forward
+        pass), as of the step's clock reading so far: the last one, taken in the previous
+        ``get_finished``. Every decision taken on an earlier ``now`` is conservative
+        (deadlines and heartbeat send times come out earlier); nothing observed is stamped
+        with it, since transfers and notifications are only looked at in ``get_finished``."""
+        if not self._closed:
+            self._apply_pending(self._now)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """P/D loads are asynchronous (whole request, before it is scheduled): nothing to wait
@@ -350,10 +359,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             for rid, rd in self._reads.items()
             if rd.handle is not None
         ]
-        # The one clock reading of this progress point: after every observation above.
-        now = self._clock()
-        while self._pending_meta:
-            self._apply(self._pending_meta.popleft(), now)
+        # The one clock reading of this step: after every observation above, so that no
+        # completion or receipt is stamped earlier than it happened.
+        now = self._now = self._clock()
+        self._apply_pending(now)
         for note in notes:
             self._on_notification(note.sender, note.payload, now)
         if self._engines is not None:
@@ -362,6 +371,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._transfer_state(rid, state, handle, now)
             self._run(self._reader.tick(now), now)
         self._lease_output(self._holder.expire(now))
+
+    def _apply_pending(self, now: float) -> None:
+        while self._pending_meta:
+            self._apply(self._pending_meta.popleft(), now)
 
     def _apply(self, meta: PDMetadata, now: float) -> None:
         for grant in meta.grants:
@@ -565,7 +578,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         remote = [b for g in spec.remote_block_ids for b in g]
         if not local:
             return self._reader.transfer_done(action.request_id, now)
-        t0 = self._clock()
+        t0 = time.perf_counter()  # a statistic, not a decision: not the step's clock
         try:
             rd.handle = self._transport.post(
                 Op.READ,
@@ -585,7 +598,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._engines.mark_failed(entry, now, str(exc))
             return out
         rd.posted_at = now
-        self._count("post_seconds", self._clock() - t0)
+        self._count("post_seconds", time.perf_counter() - t0)
         self._count("descriptors", rd.handle.num_descriptors)
         assert self._engines is not None
         self._engines.touch(entry, now)
