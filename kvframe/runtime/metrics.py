@@ -17,9 +17,18 @@ __all__ = ["StatsAccumulator", "to_prometheus"]
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def _split(name: str) -> tuple[str, str | None]:
+#: A MultiConnector child's prefix: ``<index>.<connector name>.`` (nested children repeat it).
+_CHILD = re.compile(r"^(\d+\.[A-Za-z_][\w-]*)\.(.+)$")
+
+
+def _split(name: str) -> tuple[str, str | None, str | None]:
+    """``[child prefix.]counter[.remote engine]`` → (metric base, child, remote engine)."""
+    child: str | None = None
+    while (m := _CHILD.match(name)) is not None:
+        child = m.group(1) if child is None else f"{child}/{m.group(1)}"
+        name = m.group(2)
     base, dot, engine = name.partition(".")
-    return _BAD.sub("_", base), (engine if dot else None)
+    return _BAD.sub("_", base), child, (engine if dot else None)
 
 
 def _escape(value: str) -> str:
@@ -49,20 +58,24 @@ def to_prometheus(
 ) -> str:
     """Render ``stats`` (usually a :meth:`StatsAccumulator.snapshot`) as Prometheus text.
 
-    ``labels`` are added to every sample (for example ``{"engine_id": "P0"}``).
+    ``labels`` are added to every sample (for example ``{"engine_id": "P0"}``). A name
+    ``counter.<engine>`` becomes ``counter{remote_engine="<engine>"}``; a MultiConnector
+    child's ``<index>.<connector>.counter`` becomes ``counter{child="<index>.<connector>"}``.
     """
     base_labels = dict(labels or {})
     lines: list[str] = []
     for kind, values in (("counter", stats.counters), ("gauge", stats.gauges)):
-        families: dict[str, list[tuple[str | None, float]]] = {}
+        families: dict[str, list[tuple[str | None, str | None, float]]] = {}
         for name, value in values.items():
-            base, engine = _split(name)
-            families.setdefault(base, []).append((engine, value))
+            base, child, engine = _split(name)
+            families.setdefault(base, []).append((child, engine, value))
         for base in sorted(families):
             metric = f"{prefix}{base}" + ("_total" if kind == "counter" else "")
             lines.append(f"# TYPE {metric} {kind}")
-            for engine, value in families[base]:
+            for child, engine, value in families[base]:
                 lab = dict(base_labels)
+                if child is not None:
+                    lab["child"] = child
                 if engine is not None:
                     lab["remote_engine"] = engine
                 text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(lab.items()))

@@ -19,3 +19,20 @@ def test_prometheus_text_with_engine_labels() -> None:
 
 def test_empty_stats_render_nothing() -> None:
     assert to_prometheus(Stats()) == ""
+
+
+def test_multiconnector_child_prefixes_become_a_child_label() -> None:
+    stats = Stats(
+        counters={
+            "0.PDConnector.loads_done": 2,
+            "0.PDConnector.loads_done.P1": 2,
+            "1.OffloadingConnector.stores": 3,
+        },
+        gauges={"holding": 1},
+    )
+    text = to_prometheus(stats)
+    assert 'kvframe_loads_done_total{child="0.PDConnector"} 2' in text
+    assert 'kvframe_loads_done_total{child="0.PDConnector",remote_engine="P1"} 2' in text
+    assert 'kvframe_stores_total{child="1.OffloadingConnector"} 3' in text
+    assert "kvframe_holding 1" in text
+    assert 'remote_engine="PDConnector' not in text
