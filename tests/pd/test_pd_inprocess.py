@@ -278,3 +278,31 @@ def test_p_without_its_workers_ports_frees_at_once_and_gives_no_ticket() -> None
     assert event.kind == "pd.not_kept"
     assert "side_channel_port" in event.data["error"]
     assert not sched.has_pending_work()
+
+
+def test_worker_handshake_metadata_is_a_codec_message_and_garbage_is_refused() -> None:
+    from kvframe.config import KVTransferConfig
+    from kvframe.connectors.pd import PDConnector
+    from kvframe.connectors.pd.metadata import PDWorkerAddress
+    from kvframe.errors import ConfigError
+    from kvframe.runtime.plugins import PluginHost
+    from kvframe.spi.connector import BuildContext, EngineInfo, codec_for
+
+    p = Driver("Phsmeta", "kv_producer")
+    try:
+        blob = p.worker.get_handshake_metadata()
+        assert blob is not None
+        address = codec_for(PDConnector, p.config).decode_as(blob, PDWorkerAddress)
+        assert address.incarnation == p.worker.incarnation
+        host = PluginHost()
+        host.load()
+        config = KVTransferConfig.from_dict(
+            {"kv_connector": "PDConnector", "kv_role": "kv_producer", "engine_id": "Pgarbage"}
+        )
+        sched = PDConnector.build_scheduler(
+            config, EngineInfo(block_size=16), BuildContext(host=host)
+        )
+        with pytest.raises(ConfigError, match="worker 1 sent malformed handshake metadata"):
+            sched.set_xfer_handshake_metadata({1: b"\x81\xa4port\x01"})  # a bare msgpack map
+    finally:
+        p.shutdown()

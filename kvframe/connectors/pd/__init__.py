@@ -15,7 +15,7 @@ from kvframe.connectors.pd.params import RemotePrefillParams
 from kvframe.connectors.pd.scheduler import PDConnectorScheduler
 from kvframe.connectors.pd.worker import PDConnectorWorker
 from kvframe.errors import ConfigError
-from kvframe.spi.connector import BuildContext, EngineInfo, KVConnector
+from kvframe.spi.connector import BuildContext, EngineInfo, KVConnector, codec_for
 from kvframe.spi.hookspecs import hookimpl
 
 __all__ = [
@@ -40,12 +40,13 @@ class PDConnector(KVConnector):
 
     @classmethod
     def metadata_types(cls, config: KVTransferConfig) -> Mapping[str, type[Any]]:
-        """The P/D step metadata (tag ``pd.metadata``); the workers report the generic
+        """The P/D step metadata (tag ``pd.metadata``) and each P worker's side-channel address
+        (``pd.worker_address``, its handshake metadata); the workers report the generic
         ``ConnectorOutput``. (The side-channel handshake between engines has its own messages,
         in :mod:`kvframe.connectors.pd.handshake`: they never travel between the halves.)"""
-        from kvframe.connectors.pd.metadata import PDMetadata
+        from kvframe.connectors.pd.metadata import PDMetadata, PDWorkerAddress
 
-        return {"pd.metadata": PDMetadata}
+        return {"pd.metadata": PDMetadata, "pd.worker_address": PDWorkerAddress}
 
     @classmethod
     def build_scheduler(
@@ -53,7 +54,10 @@ class PDConnector(KVConnector):
     ) -> PDConnectorScheduler:
         """Build the scheduler half (it needs no plugin: time comes from each step)."""
         return PDConnectorScheduler(
-            config, engine, PDOptions.from_extra(config.kv_connector_extra_config)
+            config,
+            engine,
+            PDOptions.from_extra(config.kv_connector_extra_config),
+            codec=codec_for(cls, config),
         )
 
     @classmethod
@@ -65,7 +69,15 @@ class PDConnector(KVConnector):
         options = PDOptions.from_extra(config.kv_connector_extra_config)
         if config.engine_id is None:
             raise ConfigError("engine_id is required by PDConnector")
-        return PDConnectorWorker(config, engine, rank, options, host=ctx.host, clock=ctx.clock)
+        return PDConnectorWorker(
+            config,
+            engine,
+            rank,
+            options,
+            host=ctx.host,
+            clock=ctx.clock,
+            codec=codec_for(cls, config),
+        )
 
 
 @hookimpl

@@ -16,7 +16,14 @@ import attrs
 from kvframe.protocol.messages import ConnectorMetadata
 from kvframe.spi.request import BlockIds, _block_ids
 
-__all__ = ["PDGrant", "PDLoad", "PDMetadata", "RemoteEngineAddr", "RemoteRelease"]
+__all__ = [
+    "PDGrant",
+    "PDLoad",
+    "PDMetadata",
+    "PDWorkerAddress",
+    "RemoteEngineAddr",
+    "RemoteRelease",
+]
 
 
 def _checked(value: Any, cls: type) -> tuple[Any, ...]:
@@ -154,3 +161,27 @@ class PDMetadata(ConnectorMetadata):
         return super().is_empty and not (
             self.grants or self.pd_heartbeats or self.pd_loads or self.releases or self.engines
         )
+
+
+def _port(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ValueError(f"{attribute.name} = {value!r}; expected a port 1..65535")
+
+
+def _text(limit: int) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+        if not isinstance(value, str) or not 0 < len(value) <= limit:
+            raise ValueError(f"{attribute.name} = {value!r}; expected 1..{limit} characters")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class PDWorkerAddress:
+    """What a P worker tells its scheduler half through the engine
+    (``get_handshake_metadata`` → ``set_xfer_handshake_metadata``): where its side channel
+    listens and which instance it is. The scheduler puts both into every ticket."""
+
+    host: str = attrs.field(validator=_text(255))
+    port: int = attrs.field(validator=_port)
+    incarnation: str = attrs.field(validator=_text(64))

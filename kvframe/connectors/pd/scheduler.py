@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-import msgpack
 
 from kvframe.config import KVTransferConfig
 from kvframe.connectors.pd.metadata import (
     PDGrant,
     PDLoad,
     PDMetadata,
+    PDWorkerAddress,
     RemoteEngineAddr,
     RemoteRelease,
 )
@@ -40,7 +40,8 @@ from kvframe.core.requests import (
     DecodeRequestEvent,
     DecodeRequestState,
 )
-from kvframe.errors import ConfigError
+from kvframe.errors import CodecError, ConfigError
+from kvframe.protocol.codec import Codec
 from kvframe.protocol.messages import ConnectorOutput, KVEvent, Stats
 from kvframe.spi.connector import EngineInfo, KVConnectorScheduler, SchedulerStep
 from kvframe.spi.request import BlockIds, RequestView
@@ -67,13 +68,16 @@ class _Incoming:
 class PDConnectorScheduler(KVConnectorScheduler):
     """Scheduler half of :class:`~kvframe.connectors.pd.PDConnector`."""
 
-    def __init__(self, config: KVTransferConfig, engine: EngineInfo, options: PDOptions) -> None:
+    def __init__(
+        self, config: KVTransferConfig, engine: EngineInfo, options: PDOptions, *, codec: Codec
+    ) -> None:
         if config.engine_id is None:
             raise ConfigError(
                 "engine_id is required by PDConnector: P names itself to D with it, and D "
                 "tells prefill engines apart by it"
             )
         self._config = config
+        self._codec = codec
         self._engine = engine
         self._options = options
         self._engine_id: str = config.engine_id
@@ -380,15 +384,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, bytes]) -> None:
         for rank, blob in metadata.items():
             try:
-                obj = msgpack.unpackb(blob, raw=False)
-                self._ports[int(rank)] = int(obj["port"])
-                incarnation = obj.get("incarnation")
-                if isinstance(incarnation, str) and incarnation:
-                    self._incarnations[int(rank)] = incarnation
-            except Exception as exc:
+                address = self._codec.decode_as(bytes(blob), PDWorkerAddress)
+            except (CodecError, TypeError) as exc:
                 raise ConfigError(
-                    f"worker {rank} sent malformed handshake metadata: {exc}"
+                    f"worker {rank} sent malformed handshake metadata ({exc}); pass each "
+                    "worker's get_handshake_metadata() bytes through unchanged"
                 ) from exc
+            self._ports[int(rank)] = address.port
+            self._incarnations[int(rank)] = address.incarnation
 
     def has_pending_work(self) -> bool:
         return bool(

@@ -47,7 +47,6 @@ from collections.abc import Callable, Iterable, Mapping, Set
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import msgpack
 
 from kvframe.config import KVTransferConfig
 from kvframe.connectors._reports import WorkerReports
@@ -57,7 +56,7 @@ from kvframe.connectors.pd.handshake import (
     HandshakeServer,
     compat_hash,
 )
-from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, RemoteEngineAddr
+from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, PDWorkerAddress, RemoteEngineAddr
 from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.peers import PeerState, RemoteEngine, RemoteEngines
 from kvframe.core import wire
@@ -75,6 +74,7 @@ from kvframe.core.reader import (
     StopRead,
 )
 from kvframe.errors import CodecError, KVFrameError, PeerUnreachableError, TransportError
+from kvframe.protocol.codec import Codec
 from kvframe.protocol.messages import ConnectorMetadata, KVEvent, Stats
 from kvframe.spi.connector import EngineInfo, KVConnectorWorker, PluginLookup
 from kvframe.spi.transport import (
@@ -122,6 +122,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         *,
         host: PluginLookup,
         clock: Callable[[], float] = time.monotonic,
+        codec: Codec,
     ) -> None:
         assert config.engine_id is not None
         self._config = config
@@ -129,6 +130,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._rank = rank
         self._options = options
         self._clock = clock
+        self._codec = codec
         self._engine_id = config.engine_id
         self._policy = LeasePolicy.from_duration(config.kv_lease_duration)
         self._name = f"{config.engine_id}.{rank}"
@@ -260,10 +262,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def get_handshake_metadata(self) -> bytes | None:
         if self._server is None:
             return None
-        out: bytes = msgpack.packb(
-            {"host": self._server.host, "port": self._server.port, "incarnation": self._incarnation}
+        return self._codec.encode(
+            PDWorkerAddress(
+                host=self._server.host, port=self._server.port, incarnation=self._incarnation
+            )
         )
-        return out
 
     def _respond(self, request: HandshakeRequest) -> HandshakeResponse:
         # Runs on the handshake server thread: immutable values and one queue put only.
