@@ -175,9 +175,9 @@ def test_no_connection_fails_the_load_after_peer_timeout(
         silent.close(linger=0)
 
 
-def test_each_worker_reads_the_clock_once_per_step() -> None:
-    """The worker takes one clock reading per step (in get_finished), whatever it does in it:
-    granting, heartbeating, confirming, posting, completing."""
+def test_each_worker_reads_the_clock_once_per_progress_point() -> None:
+    """The worker takes one clock reading per progress point (start_load_kv, get_finished),
+    whatever it does in it: granting, heartbeating, confirming, posting, completing."""
     fake = FakeClock(50.0)
     calls = {"n": 0}
 
@@ -196,7 +196,7 @@ def test_each_worker_reads_the_clock_once_per_step() -> None:
         for _ in range(2000):
             before = calls["n"]
             d.step()  # the driver reads the clock once itself, for SchedulerStep.now
-            assert calls["n"] - before == 2, "the worker read the clock more than once"
+            assert calls["n"] - before == 3, "the worker read the clock more than twice"
             p.step()
             state = d.worker.reader.state("q")
             seen.add(state)

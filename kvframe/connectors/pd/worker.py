@@ -5,12 +5,18 @@ Every decision lives in :mod:`kvframe.core`: P's in :class:`~kvframe.core.holder
 :class:`~kvframe.core.reader.LeaseReader` (when a lease is confirmed, when to post, whether a
 finished read may be kept, what a loss notice or a broken peer means, when a load times out).
 This module only gathers what happened — the step's metadata, the transport's notifications,
-the transfers' states, the handshakes' results — reads the clock **once per step** (in
-``get_finished``, after it observed everything it reports, so a completion is never stamped
-earlier than it happened), feeds it to the machines, and carries out the actions they return,
-in order. ``start_load_kv`` carries out the step's metadata as of that reading (see its
-docstring); :meth:`progress` is a step of its own for engines that drive the worker between
-steps.
+the transfers' states, the handshakes' results — reads the clock **once per progress
+point**, after it observed everything it will stamp with that reading (so a completion or a
+receipt is never stamped earlier than it happened), feeds it to the machines, and carries out
+the actions they return, in order.
+
+Progress points are ``start_load_kv`` (before the forward pass: a READ posted there overlaps
+it) and ``get_finished`` (after it), so two readings per engine step, and :meth:`progress` for
+engines that drive the worker between steps. One reading per step was measured: a READ posted
+in ``get_finished`` (after an acknowledgement arrived there) would then be seen complete only a
+whole step later, 1–2.5 ms more per request in ``kvframe bench transfer``. A reading cannot be
+reused across progress points: a notification drained after it might have been sent after it,
+and the holder's acknowledgement would then overstate the lease's remaining time.
 
 **Producer (P) rank.** Serves handshakes on the side channel, holds a lease per finished
 request, answers heartbeats and lease-done notices, reclaims expired leases, and reports each
@@ -29,7 +35,7 @@ Two background threads exist, and each shares only queues with the engine thread
   engine thread prepared before the server started (the transport metadata, the layout, the
   incarnation token: immutable after ``register_kv_caches``) and puts each requester's
   ``(engine id, rank, transport metadata)`` on ``_pending_peers`` (a :class:`queue.Queue`). It
-  never calls the transport; the engine thread adds the peers in its next ``get_finished``.
+  never calls the transport; the engine thread adds the peers in its next progress point.
 - D's handshake client thread (:class:`~.peers.RemoteEngines`) takes jobs from one queue and
   puts results on another; results are applied to the transport on the engine thread.
 
@@ -171,8 +177,6 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         )
         self._reads: dict[str, _Read] = {}
         self._pending_meta: collections.deque[PDMetadata] = collections.deque()
-        self._now = clock()
-        """The step's clock reading (taken once per step, in ``get_finished``)."""
         # reporting
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -294,13 +298,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._pending_meta.append(meta)
 
     def start_load_kv(self, forward_context: Any) -> None:
-        """Carry out the step's instructions now (a READ posted here overlaps the forward
-        pass), as of the step's clock reading so far: the last one, taken in the previous
-        ``get_finished``. Every decision taken on an earlier ``now`` is conservative
-        (deadlines and heartbeat send times come out earlier); nothing observed is stamped
-        with it, since transfers and notifications are only looked at in ``get_finished``."""
-        if not self._closed:
-            self._apply_pending(self._now)
+        """A progress point before the forward pass: the step's instructions are carried out
+        (a READ posted here overlaps the forward pass)."""
+        self._progress()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """P/D loads are asynchronous (whole request, before it is scheduled): nothing to wait
@@ -362,9 +362,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             for rid, rd in self._reads.items()
             if rd.handle is not None
         ]
-        # The one clock reading of this step: after every observation above, so that no
-        # completion or receipt is stamped earlier than it happened.
-        now = self._now = self._clock()
+        # The one clock reading of this progress point: after every observation above, so
+        # that no completion or receipt is stamped earlier than it happened.
+        now = self._clock()
         self._apply_pending(now)
         for note in notes:
             self._on_notification(note.sender, note.payload, now)
