@@ -177,7 +177,8 @@ def test_no_connection_fails_the_load_after_peer_timeout(
 
 def test_each_worker_reads_the_clock_once_per_progress_point() -> None:
     """The worker takes one clock reading per progress point (start_load_kv, get_finished),
-    whatever it does in it: granting, heartbeating, confirming, posting, completing."""
+    whatever it does in it: granting, heartbeating, confirming, posting; and a second one
+    only to stamp a READ that completed within the point that posted it."""
     fake = FakeClock(50.0)
     calls = {"n": 0}
 
@@ -195,8 +196,14 @@ def test_each_worker_reads_the_clock_once_per_progress_point() -> None:
         seen = set()
         for _ in range(2000):
             before = calls["n"]
+            ended_before = _ended(d, "q", "finished_recving")
             d.step()  # the driver reads the clock once itself, for SchedulerStep.now
-            assert calls["n"] - before == 3, "the worker read the clock more than twice"
+            readings = calls["n"] - before
+            # One per progress point, and one more only where a READ posted in that point had
+            # already completed by its end (stamped then, so the load ends at once).
+            assert readings == 3 or (
+                readings == 4 and not ended_before and _ended(d, "q", "finished_recving")
+            ), readings
             p.step()
             state = d.worker.reader.state("q")
             seen.add(state)

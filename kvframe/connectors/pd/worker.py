@@ -8,7 +8,9 @@ This module only gathers what happened — the step's metadata, the transport's 
 the transfers' states, the handshakes' results — reads the clock **once per progress
 point**, after it observed everything it will stamp with that reading (so a completion or a
 receipt is never stamped earlier than it happened), feeds it to the machines, and carries out
-the actions they return, in order.
+the actions they return, in order. (One exception, taken with the same rule: when a READ
+posted in this progress point has already completed by the end of it, a second reading stamps
+that completion, so the load ends at once rather than a progress point later.)
 
 Progress points are ``start_load_kv`` (before the forward pass: a READ posted there overlaps
 it) and ``get_finished`` (after it), so two readings per engine step, and :meth:`progress` for
@@ -176,6 +178,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             ),
         )
         self._reads: dict[str, _Read] = {}
+        self._posted_now: list[str] = []  # READs posted in the current progress point
         self._pending_meta: collections.deque[PDMetadata] = collections.deque()
         # reporting
         self._finished_sending: set[str] = set()
@@ -362,9 +365,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             for rid, rd in self._reads.items()
             if rd.handle is not None
         ]
-        # The one clock reading of this progress point: after every observation above, so
-        # that no completion or receipt is stamped earlier than it happened.
+        # The clock reading of this progress point: after every observation above, so that
+        # no completion or receipt is stamped earlier than it happened.
         now = self._clock()
+        self._posted_now = []
         self._apply_pending(now)
         for note in notes:
             self._on_notification(note.sender, note.payload, now)
@@ -373,7 +377,25 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             for rid, state, handle in states:
                 self._transfer_state(rid, state, handle, now)
             self._run(self._reader.tick(now), now)
+            self._settle_posted()
         self._lease_output(self._holder.expire(now))
+
+    def _settle_posted(self) -> None:
+        # READs posted in this progress point often complete inside the post (NIXL under
+        # cma, the in-process fabric): look once more, and if any did, take a second reading
+        # for them (after that observation), so the load ends now instead of a progress
+        # point later.
+        posted, self._posted_now = self._posted_now, []
+        states = [
+            (rid, self._transport.poll(rd.handle), rd.handle)
+            for rid in posted
+            if (rd := self._reads.get(rid)) is not None and rd.handle is not None
+        ]
+        if not any(st.state is not XferState.PENDING for _, st, _ in states):
+            return
+        later = self._clock()
+        for rid, st, handle in states:
+            self._transfer_state(rid, st, handle, later)
 
     def _apply_pending(self, now: float) -> None:
         while self._pending_meta:
@@ -601,6 +623,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._engines.mark_failed(entry, now, str(exc))
             return out
         rd.posted_at = now
+        self._posted_now.append(action.request_id)
         self._count("post_seconds", time.perf_counter() - t0)
         self._count("descriptors", rd.handle.num_descriptors)
         assert self._engines is not None
