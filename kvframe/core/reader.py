@@ -40,7 +40,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TypeAlias
 
 import attrs
@@ -389,6 +389,7 @@ class LeaseReader:
         self._seq = 0
         self._sent: OrderedDict[int, tuple[str, float]] = OrderedDict()  # seq -> (engine, at)
         self._urgent: dict[str, dict[str, None]] = {}
+        self._next_sweep = -math.inf
         self._counts: dict[str, int] = {}
 
     # -- inspection ----------------------------------------------------------------------
@@ -719,6 +720,11 @@ class LeaseReader:
         return ticket
 
     def _forget(self, t: float) -> None:
+        # Up to ``remember`` tickets stay (spent ones for good): sweep them by time at most
+        # once per ``resend_after``, not on every tick (a tick runs in every progress point).
+        if t < self._next_sweep:
+            return
+        self._next_sweep = t + self._t.resend_after
         # A ticket matters while a load uses it, while an answer to its last heartbeat may
         # still come, while its bound lies ahead, once spent, and for one extension after a
         # loss notice. Beyond that, a load naming it again asks the holder, which answers with
@@ -800,8 +806,7 @@ class LeaseReader:
 
     def _emit_heartbeat(self, engine: str, ids: list[str], t: float, out: list[Action]) -> None:
         seq = self._next_seq(engine, t)
-        for start in range(0, len(ids), wire.MAX_IDS_PER_MESSAGE):
-            chunk = tuple(ids[start : start + wire.MAX_IDS_PER_MESSAGE])
+        for chunk in _chunks(ids):
             out.append(
                 SendMessage(
                     engine=engine, message=wire.Heartbeat(seq=seq, sent_at=t, request_ids=chunk)
@@ -829,15 +834,10 @@ class LeaseReader:
                     del peer.pending_release[next(iter(peer.pending_release))]
             return
         seq = self._next_seq(engine, t)
-        done = [(lid, wire.DoneReason.RELEASED) for lid in ids]
-        for start in range(0, len(done), wire.MAX_IDS_PER_MESSAGE):
+        for chunk in _chunks(ids):
+            done = [(lid, wire.DoneReason.RELEASED) for lid in chunk]
             out.append(
-                SendMessage(
-                    engine=engine,
-                    message=wire.LeaseDone(
-                        seq=seq, sent_at=t, done=done[start : start + wire.MAX_IDS_PER_MESSAGE]
-                    ),
-                )
+                SendMessage(engine=engine, message=wire.LeaseDone(seq=seq, sent_at=t, done=done))
             )
         self._count("releases_sent", len(ids))
 
@@ -948,6 +948,12 @@ class LeaseReader:
         completed = event in (ReadEvent.TRANSFER_DONE, ReadEvent.TRANSFER_LATE)
         if ticket.lost is None and not completed and event is not ReadEvent.PEER_FAILED:
             self._send_release(load.engine, [load.lease_id], t, out)
+
+
+def _chunks(ids: list[str]) -> Iterator[tuple[str, ...]]:
+    # One message holds at most MAX_IDS_PER_MESSAGE entries; a batch's parts share its seq.
+    for start in range(0, len(ids), wire.MAX_IDS_PER_MESSAGE):
+        yield tuple(ids[start : start + wire.MAX_IDS_PER_MESSAGE])
 
 
 def _lost_text(why: wire.LostReason) -> str:

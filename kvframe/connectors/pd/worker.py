@@ -328,10 +328,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count(name, n)
         counters = {k: v for k, v in self._counters.items() if v}
         self._counters.clear()
+        in_flight = len(self._reader.loads(ReadState.POSTED))
         gauges: dict[str, float] = {
             "leases_held": self._holder.live_count,
-            "loads_in_flight": len(self._reader.loads(ReadState.POSTED)),
-            "loads_waiting": len(self._reader) - len(self._reader.loads(ReadState.POSTED)),
+            "loads_in_flight": in_flight,
+            "loads_waiting": len(self._reader) - in_flight,
             "remote_engines": len(self._engines) if self._engines is not None else 0,
         }
         return Stats(counters=counters, gauges=gauges)
@@ -360,11 +361,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count("drain_errors")
             self._event("pd.drain_error", error=str(exc))
             notes = []
-        states = [
-            (rid, self._transport.poll(rd.handle), rd.handle)
-            for rid, rd in self._reads.items()
-            if rd.handle is not None
-        ]
+        states = self._poll(list(self._reads))
         # The clock reading of this progress point: after every observation above, so that
         # no completion or receipt is stamped earlier than it happened.
         now = self._clock()
@@ -380,17 +377,20 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._settle_posted()
         self._lease_output(self._holder.expire(now))
 
+    def _poll(self, rids: Iterable[str]) -> list[tuple[str, XferStatus, XferHandle]]:
+        return [
+            (rid, self._transport.poll(rd.handle), rd.handle)
+            for rid in rids
+            if (rd := self._reads.get(rid)) is not None and rd.handle is not None
+        ]
+
     def _settle_posted(self) -> None:
         # READs posted in this progress point often complete inside the post (NIXL under
         # cma, the in-process fabric): look once more, and if any did, take a second reading
         # for them (after that observation), so the load ends now instead of a progress
         # point later.
         posted, self._posted_now = self._posted_now, []
-        states = [
-            (rid, self._transport.poll(rd.handle), rd.handle)
-            for rid in posted
-            if (rd := self._reads.get(rid)) is not None and rd.handle is not None
-        ]
+        states = self._poll(posted)
         if not any(st.state is not XferState.PENDING for _, st, _ in states):
             return
         later = self._clock()
