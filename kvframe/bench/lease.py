@@ -2,15 +2,23 @@
 
 With ``--leases`` live leases (default 100,000) it measures, in one run and side by side:
 
-- **renew**: renewing ``--renew`` ids (default 10,000) picked at random among the live ones;
+- **renew**: renewing ``--renew`` leases (default 10,000) picked at random among the live
+  ones, as one heartbeat batch: kvframe by handle, in bulk
+  (:meth:`~kvframe.core.lease.LeaseTable.renew_handles` on the batch's ``uint64`` array);
+- **renew_by_id**: the same batch through the id API (:meth:`~kvframe.core.lease.LeaseTable.renew`);
 - **expire_none_due**: one ``expire(now)`` call when no lease is due;
 - **expire_due**: one ``expire(now)`` call that reclaims ``--expire`` leases (default 1,000);
 
 each for :class:`kvframe.core.lease.LeaseTable` and for a naive implementation (a dict of
-expiries; renew updates it; expire scans every entry), which is what a reaper without an index
-costs. It also encodes one heartbeat of ``--heartbeat-ids`` request ids of ``--id-length``
-bytes (vLLM's ids, ``cmpl-`` + 32 hex digits + ``-0``, are 39) and reports the bytes per id,
-beside msgpack's encoding of the same id list.
+expiries keyed by request id; renew updates it; expire scans every entry), which is what a
+reaper without an index costs. ``renew`` also runs the naive dict keyed by the 64-bit handles
+(``naive_handle_s``: the same plain dict with int keys), so that the handle's own gain is
+visible apart from the bulk path's. Tables are built and the garbage collector run before
+each timed call (setup, not timed). Every renewal batch is fresh (new objects, as decoded
+from a message), so no side profits from cached hashes. It also encodes one heartbeat of
+``--heartbeat-ids`` leases (handles on the wire, 8 bytes each) and reports the bytes per
+lease, beside msgpack's encoding of the ids themselves (``--id-length`` bytes; vLLM's ids,
+``cmpl-`` + 32 hex digits + ``-0``, are 39).
 
 Human-readable table by default; ``--json`` prints one JSON object::
 
@@ -19,24 +27,32 @@ Human-readable table by default; ``--json`` prints one JSON object::
       "params": {"leases": int, "renew": int, "expire": int, "repeat": int,
                  "heartbeat_ids": int, "id_length": int},
       "results": {
-        "renew":           {"kvframe_s": float, "naive_s": float, "ratio": float},
-        "expire_none_due": {"kvframe_s": float, "naive_s": float, "ratio": float},
-        "expire_due":      {"kvframe_s": float, "naive_s": float, "ratio": float}
+        "renew":           {"kvframe_s": float, "kvframe_p90_s": float, "naive_s": float,
+                            "naive_p90_s": float, "ratio": float, "naive_handle_s": float,
+                            "ratio_handle": float},
+        "renew_by_id":     {...same keys as expire_due...},
+        "expire_none_due": {...},
+        "expire_due":      {"kvframe_s": float, "kvframe_p90_s": float, "naive_s": float,
+                            "naive_p90_s": float, "ratio": float}
       },
       "heartbeat": {"ids": int, "id_length": int, "message_bytes": int, "header_bytes": int,
                     "bytes_per_id": float, "msgpack_bytes_per_id": float}
     }
 
-``*_s`` are the median seconds of one operation over ``--repeat`` runs (``expire_none_due``:
-the median of many calls); ``ratio`` is ``naive_s / kvframe_s`` (above 1: kvframe is
-faster). ``bytes_per_id`` is ``(message_bytes - header_bytes) / ids``. ``--scale`` multiplies
+``*_s`` are the median seconds of one operation over ``--repeat`` runs (``*_p90_s`` the 90th
+percentile; ``expire_none_due``: per call, of runs of many calls); ``ratio`` is
+``naive_s / kvframe_s`` (above 1: kvframe is faster; ``ratio_handle`` against
+``naive_handle_s``). The two sides' runs alternate, so drift on a shared machine hits both.
+``bytes_per_id`` is ``(message_bytes - header_bytes) / ids``. ``--scale`` multiplies
 the three table sizes (``--scale 0.01`` for a quick run).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import random
 import statistics
 import sys
@@ -44,9 +60,10 @@ import time
 from collections.abc import Callable
 
 import msgpack
+import numpy as np
 
 from kvframe.core import wire
-from kvframe.core.lease import LeasePolicy, LeaseTable
+from kvframe.core.lease import LeasePolicy, LeaseTable, lease_handle
 
 __all__ = ["NaiveLeases", "add_arguments", "measure", "run"]
 
@@ -104,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--renew", type=int, default=10_000, help="ids per renewal (10000)")
     parser.add_argument("--expire", type=int, default=1_000, help="leases to reclaim (1000)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the three sizes")
-    parser.add_argument("--repeat", type=int, default=5, help="runs per measurement (5)")
+    parser.add_argument("--repeat", type=int, default=11, help="runs per measurement (11)")
     parser.add_argument("--heartbeat-ids", type=int, default=100, help="ids in one heartbeat")
     parser.add_argument("--id-length", type=int, default=39, help="request id length in bytes")
     parser.add_argument("--seed", type=int, default=0, help="random seed for picking ids")
@@ -129,24 +146,40 @@ def _build(leases: int, expire: int, length: int) -> tuple[LeaseTable[None], Nai
         t = _T_DUE if i < expire else _T_REST
         table.grant(rid, t, None)
         naive.grant(rid, t)
+    # Both start from the same collector state: a table just built sits in the youngest
+    # generation, and the first collection would traverse it inside the timed call.
+    gc.collect()
     return table, naive
 
 
-def _median_time(fn: Callable[[], object], repeat: int) -> float:
+def _times(fn: Callable[[], object], repeat: int) -> list[float]:
     samples = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return samples
 
 
-def _pair(kvframe_s: float, naive_s: float) -> dict[str, float]:
+def _p90(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+def _pair(kvframe: list[float], naive: list[float]) -> dict[str, float]:
+    k, n = statistics.median(kvframe), statistics.median(naive)
     return {
-        "kvframe_s": kvframe_s,
-        "naive_s": naive_s,
-        "ratio": naive_s / kvframe_s if kvframe_s > 0 else float("inf"),
+        "kvframe_s": k,
+        "kvframe_p90_s": _p90(kvframe),
+        "naive_s": n,
+        "naive_p90_s": _p90(naive),
+        "ratio": n / k if k > 0 else float("inf"),
     }
+
+
+def _fresh(ids: list[str]) -> list[str]:
+    # New str objects (no cached hash), as a decoded message would hold.
+    return [x.encode().decode() for x in ids]
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -155,8 +188,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if not args.scale > 0:
         return f"--scale must be > 0, got {args.scale}"
-    if args.id_length > wire.MAX_ID_BYTES:
-        return f"--id-length must be <= {wire.MAX_ID_BYTES} (the wire limit), got {args.id_length}"
+    if args.id_length > 255:
+        return f"--id-length must be <= 255 (the lease id limit), got {args.id_length}"
     return None
 
 
@@ -168,23 +201,48 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     length = args.id_length
     results: dict[str, dict[str, float]] = {}
 
-    # Renew: one table, renewed `repeat` times at slightly later times (each call extends).
+    # Renew: one table, renewed `repeat` times at slightly later times (each call extends);
+    # the sides alternate run by run. Each run gets a fresh batch of the same size.
     table, naive = _build(leases, expire, length)
+    by_handle = NaiveLeases(_POLICY.extension, _POLICY.duration)
     live_ids = _ids(leases, length, "r")[expire:]
-    picks = [rng.sample(live_ids, renew) for _ in range(repeat)]
-    clock = iter([_T_RENEW + i * 1e-3 for i in range(repeat)])
-    k_renew = _median_time(lambda: table.renew(picks.pop(), next(clock)), repeat)
-    picks = [rng.sample(live_ids, renew) for _ in range(repeat)]
-    clock = iter([_T_RENEW + i * 1e-3 for i in range(repeat)])
-    n_renew = _median_time(lambda: naive.renew(picks.pop(), next(clock)), repeat)
+    for rid in _ids(leases, length, "r"):
+        by_handle.grant(lease_handle(rid), _T_REST)  # type: ignore[arg-type]
+    gc.collect()
+    handle_of = {rid: lease_handle(rid) for rid in live_ids}
+    k_renew: list[float] = []
+    k_by_id: list[float] = []
+    n_renew: list[float] = []
+    n_handle: list[float] = []
+    for i in range(repeat):
+        now = _T_RENEW + i * 1e-3
+        pick = rng.sample(live_ids, renew)
+        handles = np.array([handle_of[r] for r in pick], dtype=np.uint64)
+        k_renew += _times(lambda: table.renew_handles(handles, now), 1)  # noqa: B023
+        batch = _fresh(pick)
+        n_renew += _times(lambda: naive.renew(batch, now), 1)  # noqa: B023
+        ints = [int(h) for h in handles.tolist()]
+        n_handle += _times(lambda: by_handle.renew(ints, now), 1)  # type: ignore[arg-type]  # noqa: B023
+        batch = _fresh(pick)
+        k_by_id += _times(lambda: table.renew(batch, now + 5e-4), 1)  # noqa: B023
     results["renew"] = _pair(k_renew, n_renew)
+    results["renew"]["naive_handle_s"] = statistics.median(n_handle)
+    results["renew"]["ratio_handle"] = statistics.median(n_handle) / results["renew"]["kvframe_s"]
+    results["renew_by_id"] = _pair(k_by_id, n_renew)
 
     # Expire with nothing due: cheap for the table, so time many calls and divide.
     calls = 1000
-    k_quiet = _median_time(lambda: [table.expire(_T_QUIET) for _ in range(calls)], repeat) / calls
     n_calls = max(1, min(calls, 2_000_000 // leases))
-    n_quiet = _median_time(lambda: [naive.expire(_T_QUIET) for _ in range(n_calls)], repeat)
-    results["expire_none_due"] = _pair(k_quiet, n_quiet / n_calls)
+    k_quiet: list[float] = []
+    n_quiet: list[float] = []
+    for _ in range(repeat):
+        k_quiet += [
+            x / calls for x in _times(lambda: [table.expire(_T_QUIET) for _ in range(calls)], 1)
+        ]
+        n_quiet += [
+            x / n_calls for x in _times(lambda: [naive.expire(_T_QUIET) for _ in range(n_calls)], 1)
+        ]
+    results["expire_none_due"] = _pair(k_quiet, n_quiet)
 
     # Expire `expire` due leases: each run needs a fresh table (setup not timed).
     k_due: list[float] = []
@@ -199,23 +257,24 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         n_due.append(time.perf_counter() - t0)
         if len(got) != expire or len(got_naive) != expire:
             raise AssertionError(f"expected {expire} due, got {len(got)} and {len(got_naive)}")
-    results["expire_due"] = _pair(statistics.median(k_due), statistics.median(n_due))
+    results["expire_due"] = _pair(k_due, n_due)
 
-    # One message's worth: more ids than fit are cut off by split() (the first part is kept).
-    first = wire.split(
-        wire.Heartbeat(seq=0, sent_at=0.0, request_ids=_ids(args.heartbeat_ids, length, "cmpl-"))
-    )[0]
+    # One message's worth: more leases than fit are cut off by split() (the first part kept).
+    ids = _ids(args.heartbeat_ids, length, "cmpl-")
+    first = wire.split(wire.Heartbeat(seq=0, sent_at=0.0, handles=[lease_handle(r) for r in ids]))[
+        0
+    ]
     assert isinstance(first, wire.Heartbeat)
-    hb_ids = first.request_ids
+    n = len(first.handles)
     message = wire.encode(first)
-    packed = msgpack.packb(list(hb_ids))
+    packed = msgpack.packb(ids[:n])
     heartbeat = {
-        "ids": len(hb_ids),
+        "ids": n,
         "id_length": length,
         "message_bytes": len(message),
         "header_bytes": wire.HEADER_BYTES,
-        "bytes_per_id": (len(message) - wire.HEADER_BYTES) / len(hb_ids),
-        "msgpack_bytes_per_id": len(packed) / len(hb_ids),
+        "bytes_per_id": (len(message) - wire.HEADER_BYTES) / n,
+        "msgpack_bytes_per_id": len(packed) / n,
     }
     return {
         "benchmark": "lease",
@@ -224,7 +283,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             "renew": renew,
             "expire": expire,
             "repeat": repeat,
-            "heartbeat_ids": len(hb_ids),
+            "heartbeat_ids": n,
             "id_length": length,
         },
         "results": results,
@@ -239,22 +298,29 @@ def _human(report: dict[str, object]) -> str:
     lines = [
         f"lease table vs naive dict scan, {params['leases']:,} live leases "
         f"(median of {params['repeat']})",
-        f"{'operation':<34}{'kvframe':>12}{'naive':>12}{'naive/kvframe':>15}",
+        f"{'operation':<30}{'kvframe':>11}{'p90':>11}{'naive':>11}{'p90':>11}{'naive/kvframe':>15}",
     ]
     labels = {
-        "renew": f"renew {params['renew']:,} ids",
+        "renew": f"renew {params['renew']:,} (by handle)",
+        "renew_by_id": f"renew {params['renew']:,} (by id)",
         "expire_none_due": "expire, nothing due",
         "expire_due": f"expire {params['expire']:,} due",
     }
     for key, label in labels.items():
         r = results[key]
         lines.append(
-            f"{label:<34}{_fmt(r['kvframe_s']):>12}{_fmt(r['naive_s']):>12}{r['ratio']:>14.1f}x"
+            f"{label:<30}{_fmt(r['kvframe_s']):>11}{_fmt(r['kvframe_p90_s']):>11}"
+            f"{_fmt(r['naive_s']):>11}{_fmt(r['naive_p90_s']):>11}{r['ratio']:>14.1f}x"
         )
+    r = results["renew"]
     lines.append(
-        f"heartbeat: {hb['ids']} ids of {hb['id_length']} bytes = {hb['message_bytes']} bytes "
-        f"({hb['bytes_per_id']:.2f} bytes/id + {hb['header_bytes']} header; "
-        f"msgpack list {hb['msgpack_bytes_per_id']:.2f} bytes/id)"
+        f"{'  naive dict keyed by handle':<30}{'':>11}{'':>11}{_fmt(r['naive_handle_s']):>11}"
+        f"{'':>11}{r['ratio_handle']:>14.1f}x"
+    )
+    lines.append(
+        f"heartbeat: {hb['ids']} leases = {hb['message_bytes']} bytes "
+        f"({hb['bytes_per_id']:.2f} bytes/lease + {hb['header_bytes']} header; the ids of "
+        f"{hb['id_length']} bytes as a msgpack list: {hb['msgpack_bytes_per_id']:.2f} bytes/id)"
     )
     return "\n".join(lines)
 

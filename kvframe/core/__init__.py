@@ -26,6 +26,7 @@ from kvframe.core.heartbeat import HeartbeatBatch, HeartbeatGuard, HeartbeatTrac
 from kvframe.core.holder import HolderOutput, LeaseHolder
 from kvframe.core.lease import (
     TRANSITIONS,
+    HandleRenewResult,
     Lease,
     LeaseCounters,
     LeaseEvent,
@@ -35,6 +36,7 @@ from kvframe.core.lease import (
     RenewIgnored,
     RenewResult,
     Transition,
+    lease_handle,
     next_state,
     state_diagram,
     transition_table,
@@ -57,6 +59,7 @@ __all__ = [
     "ClockSample",
     "DecodeRequestState",
     "DecoderBlocksTTL",
+    "HandleRenewResult",
     "HeartbeatBatch",
     "HeartbeatGuard",
     "HeartbeatTracker",
@@ -80,6 +83,7 @@ __all__ = [
     "StopReason",
     "Transition",
     "TransitionTable",
+    "lease_handle",
     "next_state",
     "rebase_deadline",
     "state_diagram",

@@ -4,10 +4,12 @@ The holder (a prefill worker) keeps finished KV blocks under leases (:class:`Lea
 answers the readers (decode workers) that talk to it through the transport's notifications.
 :class:`LeaseHolder` makes every decision the worker used to make inline:
 
-- a **heartbeat** renews the leases it names as of its send time mapped onto the holder's clock
+- a **heartbeat** renews the leases it names (by handle, in bulk:
+  :meth:`LeaseTable.renew_handles`) as of its send time mapped onto the holder's clock
   (:class:`~kvframe.core.heartbeat.HeartbeatGuard`: a stale burst extends nothing, a reordered
   one renews only as far as it would have on time) and is answered with an acknowledgement
-  (new expiries) and, for ids with no live lease, a loss notice;
+  (the earliest new expiry, a lower bound for every lease renewed) and, for handles with no
+  live lease, a loss notice per reason;
 - a **lease done** notice consumes (after a read) or aborts (after a release) each lease;
 - **one reader per lease**: the first reader that names a lease *claims* it; any other reader
   naming it is told it is lost (``CLAIMED``) and can neither renew nor end it. A ticket that a
@@ -40,6 +42,7 @@ from kvframe.core.lease import (
     LeaseState,
     LeaseTable,
     RenewIgnored,
+    lease_handle,
 )
 
 __all__ = ["HolderCounters", "HolderOutput", "LeaseHolder"]
@@ -106,7 +109,7 @@ class LeaseHolder(Generic[_PayloadT]):
     ) -> None:
         self._table: LeaseTable[_PayloadT] = LeaseTable(policy, remember_ended=remember_ended)
         self._guard = HeartbeatGuard(max_drift)
-        self._claims: dict[str, str] = {}  # live lease id -> the reader that claimed it
+        self._claims: dict[int, str] = {}  # live lease handle -> the reader that claimed it
         self._heartbeats = 0
         self._stale = 0
         self._ignored = 0
@@ -129,7 +132,7 @@ class LeaseHolder(Generic[_PayloadT]):
 
     def claimant(self, lease_id: str) -> str | None:
         """The reader that claimed the live lease ``lease_id``, or ``None``."""
-        return self._claims.get(lease_id)
+        return self._claims.get(lease_handle(lease_id))
 
     @property
     def counters(self) -> HolderCounters:
@@ -184,8 +187,10 @@ class LeaseHolder(Generic[_PayloadT]):
     def expire(self, now: float) -> HolderOutput[_PayloadT]:
         """Reclaim every lease whose expiry is ``<= now``."""
         ended = self._table.expire(now)
-        for lease in ended:
-            self._claims.pop(lease.request_id, None)
+        claims = self._claims
+        if claims:
+            for lease in ended:
+                claims.pop(lease.handle, None)
         return HolderOutput(ended=tuple(ended))
 
     def abort(self, lease_id: str, now: float) -> HolderOutput[_PayloadT]:
@@ -193,19 +198,22 @@ class LeaseHolder(Generic[_PayloadT]):
         ended ids are a no-op."""
         if self._table.state(lease_id) is not LeaseState.LIVE:
             return HolderOutput()
-        self._claims.pop(lease_id, None)
+        self._claims.pop(lease_handle(lease_id), None)
         return HolderOutput(ended=(self._table.abort(lease_id, now),))
 
     # -- internals -----------------------------------------------------------------------
-    def _split_claims(self, reader: str, ids: Iterable[str]) -> tuple[list[str], list[str]]:
-        mine: list[str] = []
-        theirs: list[str] = []
-        for rid in ids:
-            owner = self._claims.get(rid)
+    def _split_claims(self, reader: str, handles: Iterable[int]) -> tuple[list[int], list[int]]:
+        claims = self._claims
+        if not claims:
+            return list(handles), []
+        mine: list[int] = []
+        theirs: list[int] = []
+        for h in handles:
+            owner = claims.get(h)
             if owner is None or owner == reader:
-                mine.append(rid)
+                mine.append(h)
             else:
-                theirs.append(rid)
+                theirs.append(h)
         return mine, theirs
 
     def _heartbeat(self, reader: str, msg: wire.Heartbeat, now: float) -> HolderOutput[_PayloadT]:
@@ -217,48 +225,61 @@ class LeaseHolder(Generic[_PayloadT]):
             # nothing, and dropping it would starve leases that only it names.
             self._stale += 1
             sent_at = self._guard.map_send_time(reader, msg.sent_at, now)
-        mine, theirs = self._split_claims(reader, msg.request_ids)
-        result = self._table.renew(mine, now, sent_at=sent_at)
-        lost: list[tuple[str, wire.LostReason]] = [(r, wire.LostReason.CLAIMED) for r in theirs]
+        mine, theirs = self._split_claims(reader, msg.handles)
+        result = self._table.renew_handles(mine, now, sent_at=sent_at)
+        lost: dict[wire.LostReason, list[int]] = {}
+        if theirs:
+            lost[wire.LostReason.CLAIMED] = theirs
         self._claimed_elsewhere += len(theirs)
-        for rid in result.renewed:
-            self._claims.setdefault(rid, reader)
-        for rid, why in result.ignored.items():
+        renewed = result.renewed.tolist()
+        claim = self._claims.setdefault
+        for h in renewed:
+            claim(h, reader)
+        for h, why in result.ignored.items():
             if why is RenewIgnored.STALE:
                 continue  # live: a fresher heartbeat will renew it
-            lost.append((rid, _LOST_FOR_IGNORED[why]))
+            lost.setdefault(_LOST_FOR_IGNORED[why], []).append(h)
         self._ignored += len(result.ignored) + len(theirs)
         replies: list[wire.Message] = []
-        if result.renewed:
+        expiry = result.min_expiry
+        if expiry is not None:
             replies.append(
                 wire.LeaseAck(
-                    echo_seq=msg.seq, holder_now=float(now), expiries=result.renewed.items()
+                    echo_seq=msg.seq, holder_now=float(now), expiry=expiry, handles=renewed
                 )
             )
-        if lost:
-            replies.append(wire.LeaseLost(echo_seq=msg.seq, holder_now=float(now), lost=lost))
+        replies += _lost_notices(msg.seq, now, lost)
         return HolderOutput(replies=tuple(replies))
 
     def _done(self, reader: str, msg: wire.LeaseDone, now: float) -> HolderOutput[_PayloadT]:
-        lost: list[tuple[str, wire.LostReason]] = []
+        lost: dict[wire.LostReason, list[int]] = {}
         ended: list[Lease[_PayloadT]] = []
-        for rid, reason in msg.done:
-            state = self._table.state(rid)
-            if state is not LeaseState.LIVE:
+        table = self._table
+        for h in msg.handles:
+            rid = table.request_id_for(h)
+            state = LeaseState.ABSENT if rid is None else table.state(rid)
+            if rid is None or state is not LeaseState.LIVE:
                 self._done_unknown += 1
-                lost.append((rid, _LOST_FOR_STATE[state]))
+                lost.setdefault(_LOST_FOR_STATE[state], []).append(h)
                 continue
-            owner = self._claims.get(rid)
+            owner = self._claims.get(h)
             if owner is not None and owner != reader:
                 self._claimed_elsewhere += 1
-                lost.append((rid, wire.LostReason.CLAIMED))
+                lost.setdefault(wire.LostReason.CLAIMED, []).append(h)
                 continue
-            self._claims.pop(rid, None)
-            if reason is wire.DoneReason.READ:
-                ended.append(self._table.consume(rid, now))
+            self._claims.pop(h, None)
+            if msg.reason is wire.DoneReason.READ:
+                ended.append(table.consume(rid, now))
             else:
-                ended.append(self._table.abort(rid, now))
-        replies: tuple[wire.Message, ...] = ()
-        if lost:
-            replies = (wire.LeaseLost(echo_seq=msg.seq, holder_now=float(now), lost=lost),)
-        return HolderOutput(replies=replies, ended=tuple(ended))
+                ended.append(table.abort(rid, now))
+        return HolderOutput(replies=tuple(_lost_notices(msg.seq, now, lost)), ended=tuple(ended))
+
+
+def _lost_notices(
+    seq: int, now: float, lost: dict[wire.LostReason, list[int]]
+) -> list[wire.Message]:
+    # One notice per reason (the wire carries one reason per message), in reason order.
+    return [
+        wire.LeaseLost(echo_seq=seq, holder_now=float(now), reason=why, handles=lost[why])
+        for why in sorted(lost)
+    ]

@@ -24,12 +24,16 @@ the expiry to ``max(old, t + extension)``.
 from __future__ import annotations
 
 import enum
-import heapq
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Generic, TypeVar
+import hashlib
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import repeat
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from kvframe.core._checks import check_config_seconds, check_now, is_real
 from kvframe.core.clock import MonotonicClamp
@@ -38,6 +42,7 @@ from kvframe.errors import ConfigError, InvalidTransitionError, LeaseError
 __all__ = [
     "DEFAULT_REMEMBER_ENDED",
     "TRANSITIONS",
+    "HandleRenewResult",
     "Lease",
     "LeaseCounters",
     "LeaseEvent",
@@ -47,6 +52,7 @@ __all__ = [
     "RenewIgnored",
     "RenewResult",
     "Transition",
+    "lease_handle",
     "next_state",
     "state_diagram",
     "transition_table",
@@ -235,9 +241,12 @@ class LeasePolicy:
         return cls(duration=d, heartbeat_interval=interval, extension=extension)
 
 
-@attrs.frozen(kw_only=True)
-class Lease(Generic[_PayloadT]):
-    """A snapshot of one request's lease (a value: it does not change when the table does)."""
+class Lease(NamedTuple, Generic[_PayloadT]):
+    """A snapshot of one request's lease (a value: it does not change when the table does).
+
+    A named tuple (cheap to make: :meth:`LeaseTable.expire` returns thousands at once); read
+    it by field name.
+    """
 
     request_id: str
     state: LeaseState
@@ -251,6 +260,9 @@ class Lease(Generic[_PayloadT]):
     """What the holder attached at grant (block ids, a handle, ...); opaque to the core."""
     ended_at: float | None = None
     """When it ended (the ``now`` of the ending call), ``None`` while live."""
+    handle: int = 0
+    """The lease's 64-bit handle (:func:`lease_handle` of the request id): what heartbeats
+    and notices carry on the wire instead of the id."""
 
 
 class RenewIgnored(enum.Enum):
@@ -296,86 +308,199 @@ class LeaseCounters:
     """Calls whose ``now`` was smaller than an earlier one (clamped)."""
 
 
-class _Record:
-    __slots__ = ("expiry", "granted_at", "payload", "renewals", "token")
-
-    def __init__(self, granted_at: float, expiry: float, payload: object, token: int) -> None:
-        self.granted_at = granted_at
-        self.expiry = expiry
-        self.payload = payload
-        self.renewals = 0
-        self.token = token
-
-
 _REASON_FOR = {
     LeaseState.CONSUMED: RenewIgnored.CONSUMED,
     LeaseState.ABORTED: RenewIgnored.ABORTED,
     LeaseState.EXPIRED: RenewIgnored.EXPIRED,
 }
 
-_Entry = tuple[float, int, str]  # (expiry, token, request id); (token, id) is unique
+# Runs an iterator to its end, keeping nothing (a C-level loop).
+_drain: Callable[[Iterable[Any]], None] = deque[Any](maxlen=0).extend
+
+_EMPTY = 0  # handle-index key of a never-used position
+_TOMB = 1  # handle-index key of a position whose handle was removed
+_INF = math.inf
 
 
-class _ExpiryIndex:
-    """A priority queue of ``(expiry, token, id)`` entries, with lazy deletion by the caller.
+def lease_handle(request_id: str) -> int:
+    """The 64-bit handle of a lease id: the first 8 bytes of BLAKE2b-64 of its UTF-8 bytes, as
+    a big-endian unsigned integer (0 and 1, reserved, are moved to 2 and 3).
 
-    Grants and ``now``-based renewals produce expiries in non-decreasing order (``now`` is
-    clamped; duration and extension are constant), so most entries go to a FIFO whose head is
-    its minimum: O(1) to push and pop, no comparisons. Entries that would break the FIFO's
-    order (a renewal as of an earlier ``sent_at``) go to a heap. The minimum is the smaller of
-    the two heads, so every entry is found in expiry order whatever order it came in.
+    Reader and holder compute it from the id they both know, so nothing extra travels in
+    ``kv_transfer_params``, and the wire carries 8 bytes per lease instead of the id. A lease
+    id drawn at random (the P/D connector draws 128 bits) gives a handle with 64 random bits: a
+    forged or stale handle names nothing, except by a 2**-64 chance per guess and live lease.
+
+    :raises LeaseError: ``request_id`` is not a non-empty str.
     """
+    if not isinstance(request_id, str) or not request_id:
+        raise LeaseError(f"request_id must be a non-empty str, got {request_id!r}")
+    digest = hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    h = int.from_bytes(digest, "big")
+    return h + 2 if h < 2 else h
 
-    __slots__ = ("fifo", "heap")
 
-    def __init__(self) -> None:
-        self.fifo: deque[_Entry] = deque()
-        self.heap: list[_Entry] = []
+class _HandleIndex:
+    """Handle -> slot, as an open-addressing hash table in two numpy arrays (linear probing;
+    handles are uniformly random, so their low bits are the hash). Single lookups run in
+    Python; batches (:meth:`slots`) run as a few vector operations per probe round, which is
+    what lets a heartbeat of thousands of handles renew in one pass."""
 
-    def __len__(self) -> int:
-        return len(self.fifo) + len(self.heap)
+    __slots__ = ("keys", "mask", "tombs", "used", "vals")
 
-    def push(self, entry: _Entry) -> None:
-        fifo = self.fifo
-        if not fifo or entry[0] >= fifo[-1][0]:
-            fifo.append(entry)
-        else:
-            heapq.heappush(self.heap, entry)
+    def __init__(self, capacity: int = 1024) -> None:
+        self._alloc(capacity)
 
-    def peek(self) -> _Entry | None:
-        """The smallest entry (stale or not), or None."""
-        fifo, heap = self.fifo, self.heap
-        if fifo:
-            if heap and heap[0] < fifo[0]:
-                return heap[0]
-            return fifo[0]
-        return heap[0] if heap else None
+    def _alloc(self, capacity: int) -> None:
+        self.keys = np.zeros(capacity, dtype=np.uint64)
+        self.vals = np.full(capacity, -1, dtype=np.int64)
+        self.mask = capacity - 1
+        self.used = 0
+        self.tombs = 0
 
-    def pop(self) -> _Entry:
-        """Remove and return the smallest entry; the index must not be empty."""
-        fifo, heap = self.fifo, self.heap
-        if fifo and not (heap and heap[0] < fifo[0]):
-            return fifo.popleft()
-        return heapq.heappop(heap)
+    def _find(self, handle: int) -> int:
+        # The position holding ``handle``, or -1.
+        keys, mask = self.keys, self.mask
+        p = handle & mask
+        while True:
+            k = int(keys[p])
+            if k == handle:
+                return p
+            if k == _EMPTY:
+                return -1
+            p = (p + 1) & mask
 
-    def rebuild(self, entries: list[_Entry]) -> None:
-        entries.sort()
-        self.fifo = deque(entries)
-        self.heap = []
+    def get(self, handle: int) -> int:
+        p = self._find(handle)
+        return -1 if p < 0 else int(self.vals[p])
+
+    def insert(self, handle: int, slot: int) -> None:
+        """Add ``handle`` (the caller checked that it is absent)."""
+        if 2 * (self.used + self.tombs + 1) > len(self.keys):
+            self._rebuild()
+        keys, mask = self.keys, self.mask
+        p = handle & mask
+        while True:
+            k = int(keys[p])
+            if k in (_EMPTY, _TOMB):
+                break
+            p = (p + 1) & mask
+        if k == _TOMB:
+            self.tombs -= 1
+        keys[p] = handle
+        self.vals[p] = slot
+        self.used += 1
+
+    def remove(self, handle: int) -> None:
+        p = self._find(handle)
+        if p >= 0:
+            self.keys[p] = _TOMB
+            self.vals[p] = -1
+            self.used -= 1
+            self.tombs += 1
+
+    def positions(self, handles: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp]:
+        """Where each handle sits (-1 where absent), all at once."""
+        n = len(handles)
+        out = np.full(n, -1, dtype=np.intp)
+        if not n:
+            return out
+        keys = self.keys
+        mask = np.uint64(self.mask)
+        pos = (handles & mask).astype(np.intp)
+        pending = np.arange(n)
+        while pending.size:
+            p = pos[pending]
+            k = keys[p]
+            want = handles[pending]
+            hit = k == want
+            out[pending[hit]] = p[hit]
+            go_on = ~hit & (k != _EMPTY)
+            pending = pending[go_on]
+            pos[pending] = (p[go_on] + 1) & self.mask
+        return out
+
+    def slots(self, handles: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+        """The slot of each handle (-1 where absent), all at once: one vector round for
+        every handle, then rounds only for those that probe further."""
+        keys, vals, mask = self.keys, self.vals, self.mask
+        pos = (handles & np.uint64(mask)).astype(np.intp)
+        k = keys[pos]
+        hit = k == handles
+        out = np.where(hit, vals[pos], -1)
+        miss = np.flatnonzero(~hit & (k != _EMPTY))
+        while miss.size:
+            at = (pos[miss] + 1) & mask
+            pos[miss] = at
+            k = keys[at]
+            hit = k == handles[miss]
+            out[miss[hit]] = vals[at[hit]]
+            miss = miss[~hit & (k != _EMPTY)]
+        return out
+
+    def remove_many(self, handles: npt.NDArray[np.uint64]) -> None:
+        pos = self.positions(handles)
+        pos = pos[pos >= 0]
+        self.keys[pos] = _TOMB
+        self.vals[pos] = -1
+        self.used -= len(pos)
+        self.tombs += len(pos)
+
+    def _rebuild(self) -> None:
+        live = self.keys > _TOMB
+        handles, vals = self.keys[live], self.vals[live]
+        capacity = len(self.keys)
+        while 4 * (len(handles) + 1) > capacity:
+            capacity *= 2
+        self._alloc(capacity)
+        mask = np.uint64(self.mask)
+        pos = (handles & mask).astype(np.intp)
+        pending = np.arange(len(handles))
+        while pending.size:
+            p = pos[pending]
+            free = self.keys[p] == _EMPTY
+            cand, cand_pos = pending[free], p[free]
+            _, first = np.unique(cand_pos, return_index=True)
+            win = cand[first]
+            self.keys[pos[win]] = handles[win]
+            self.vals[pos[win]] = vals[win]
+            placed = np.zeros(len(handles), dtype=bool)
+            placed[win] = True
+            pending = pending[~placed[pending]]
+            pos[pending] = (pos[pending] + 1) & self.mask
+        self.used = len(handles)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class HandleRenewResult:
+    """What one :meth:`LeaseTable.renew_handles` call did (read-only numpy arrays)."""
+
+    renewed: npt.NDArray[np.uint64]
+    """The handles of the live leases the heartbeat renewed, in input order."""
+    expiries: npt.NDArray[np.float64]
+    """Each renewed lease's expiry after the call (aligned with :attr:`renewed`)."""
+    ignored: Mapping[int, RenewIgnored]
+    """Handle -> why it was not renewed (unknown, ended, due or stale)."""
+
+    @property
+    def min_expiry(self) -> float | None:
+        """The earliest expiry among the renewed leases (``None`` when none was renewed): a
+        lower bound for all of them, which is what an acknowledgement carries."""
+        return float(self.expiries.min()) if len(self.expiries) else None
 
 
 class LeaseTable(Generic[_PayloadT]):
     """Every lease one holder (a prefill instance) has granted.
 
-    Live leases sit in a dict and in a priority queue of ``(expiry, token, id)`` entries with
-    lazy deletion: a renewal pushes a new entry and makes the old one stale (its token no
-    longer matches), an ending leaves its entry behind. The queue is a FIFO for entries that
-    arrive in expiry order (grants and renewals as of ``now`` always do) plus a heap for the
-    rest. So :meth:`expire` with nothing due and :meth:`next_deadline` are O(1) amortised,
-    renewing ``k`` ids is O(k) (O(k log n) at worst), and every due lease is found however it
-    was granted or renewed (a scan from the head of a grant-ordered list would strand renewed
-    leases behind unrenewed ones, as vLLM's reaper did). The queue is rebuilt when stale
-    entries outnumber live ones.
+    Live leases sit in *slots*: parallel numpy arrays of expiry, handle and renewal count,
+    with the ids and payloads in lists, and an id -> slot dict. A handle index (an
+    open-addressing hash table in numpy) maps each lease's 64-bit :func:`lease_handle` to its
+    slot, so a heartbeat renews a batch of handles with a few vector operations
+    (:meth:`renew_handles`), not a Python step per id. The table keeps a lower bound of the
+    earliest live expiry (exact after :meth:`next_deadline` or :meth:`expire`): :meth:`expire`
+    with nothing due is O(1); with something due it finds every due lease in one vector scan,
+    however the leases were granted or renewed (a scan from the head of a grant-ordered list
+    would strand renewed leases behind unrenewed ones, as vLLM's reaper did).
 
     Ended leases are remembered (up to ``remember_ended``, oldest forgotten first) so that
     :meth:`lease` can still say how one ended, a late renewal can be told *why* it was
@@ -397,11 +522,23 @@ class LeaseTable(Generic[_PayloadT]):
             raise ConfigError(f"remember_ended must be an int >= 0, got {remember_ended!r}")
         self._policy = policy
         self._remember = remember_ended
-        self._live: dict[str, _Record] = {}
-        self._index = _ExpiryIndex()
-        self._ended: OrderedDict[str, Lease[_PayloadT]] = OrderedDict()
+        self._slot: dict[str, int] = {}  # live id -> slot
+        self._ids: list[str | None] = []  # slot -> id (None: free)
+        self._payloads: list[object] = []
+        self._granted_at: list[float] = []
+        # slot -> expiry (inf: free); one more element, -inf, is what slot -1 (absent) reads
+        self._exp = np.full(65, _INF)
+        self._exp[-1] = -_INF
+        self._hnd = np.zeros(65, dtype=np.uint64)  # slot -> handle (0: free)
+        self._ren = np.zeros(65, dtype=np.int64)  # slot -> renewals
+        self._free: list[int] = []
+        self._handles = _HandleIndex()
+        self._lb = _INF  # <= every live expiry; == the earliest when _lb_exact
+        self._lb_exact = True
+        # Ended leases by handle, and their handles oldest first (one ends at most once).
+        self._ended: dict[int, Lease[_PayloadT]] = {}
+        self._ended_order: deque[int] = deque()
         self._clock = MonotonicClamp()
-        self._token = 0
         self._granted = self._renewed = self._renew_ignored = 0
         self._consumed = self._aborted = self._expired = 0
 
@@ -418,37 +555,55 @@ class LeaseTable(Generic[_PayloadT]):
 
     def __len__(self) -> int:
         """The number of live leases."""
-        return len(self._live)
+        return len(self._slot)
 
     def __contains__(self, request_id: object) -> bool:
         """True when ``request_id`` holds a live lease."""
-        return request_id in self._live
+        return request_id in self._slot
 
     @property
     def live_count(self) -> int:
         """The number of live leases."""
-        return len(self._live)
+        return len(self._slot)
 
     def lease(self, request_id: str) -> Lease[_PayloadT] | None:
         """A snapshot of ``request_id``'s lease: live, or ended and still remembered; ``None``
         when absent."""
-        rec = self._live.get(request_id)
-        if rec is not None:
-            return self._snapshot(request_id, rec, LeaseState.LIVE, None)
-        return self._ended.get(request_id)
+        slot = self._slot.get(request_id)
+        if slot is not None:
+            return self._snapshot(slot, LeaseState.LIVE, None)
+        return self._gone(request_id)
 
     def state(self, request_id: str) -> LeaseState:
         """``request_id``'s state (``ABSENT`` when unknown or forgotten)."""
-        if request_id in self._live:
+        if request_id in self._slot:
             return LeaseState.LIVE
-        ended = self._ended.get(request_id)
+        ended = self._gone(request_id)
         return LeaseState.ABSENT if ended is None else ended.state
+
+    def _gone(self, request_id: str, handle: int | None = None) -> Lease[_PayloadT] | None:
+        # The remembered ended lease of this id (None for a non-str id).
+        if not self._ended or not isinstance(request_id, str) or not request_id:
+            return None
+        gone = self._ended.get(lease_handle(request_id) if handle is None else handle)
+        return gone if gone is not None and gone.request_id == request_id else None
+
+    def request_id_for(self, handle: int) -> str | None:
+        """The id of the lease with this handle: live, or ended and still remembered; ``None``
+        for a handle that names nothing (forged, stale or forgotten)."""
+        if isinstance(handle, bool) or not isinstance(handle, int) or not 1 < handle < 1 << 64:
+            return None
+        slot = self._handles.get(handle)
+        if slot >= 0:
+            return self._ids[slot]
+        gone = self._ended.get(handle)
+        return gone.request_id if gone is not None else None
 
     def leases(self) -> Iterator[Lease[_PayloadT]]:
         """Snapshots of every live lease, in grant order. Do not change the table while
         iterating."""
-        for rid, rec in self._live.items():
-            yield self._snapshot(rid, rec, LeaseState.LIVE, None)
+        for slot in self._slot.values():
+            yield self._snapshot(slot, LeaseState.LIVE, None)
 
     @property
     def counters(self) -> LeaseCounters:
@@ -465,16 +620,14 @@ class LeaseTable(Generic[_PayloadT]):
 
     def next_deadline(self) -> float | None:
         """The earliest expiry among live leases (call :meth:`expire` then), or ``None`` when
-        no lease is live. Never later than any live lease's expiry."""
-        index, live = self._index, self._live
-        while True:
-            entry = index.peek()
-            if entry is None:
-                return None
-            rec = live.get(entry[2])
-            if rec is not None and rec.token == entry[1]:
-                return entry[0]
-            index.pop()
+        no lease is live. Exact; O(1) unless a renewal or an ending since the last call may
+        have moved it (then one vector scan)."""
+        if not self._slot:
+            return None
+        if not self._lb_exact:
+            self._lb = float(self._exp[: len(self._ids)].min())
+            self._lb_exact = True
+        return self._lb
 
     # -- events ---------------------------------------------------------------------------
     def grant(self, request_id: str, now: float, payload: _PayloadT) -> Lease[_PayloadT]:
@@ -482,23 +635,36 @@ class LeaseTable(Generic[_PayloadT]):
         renewed.
 
         :param payload: kept with the lease and handed back when it ends (e.g. block ids).
-        :returns: the new live lease.
+        :returns: the new live lease (with its :attr:`~Lease.handle`).
         :raises InvalidTransitionError: the id holds a live lease, or one that ended and is
             still remembered (request ids are single-use). The table is unchanged.
-        :raises LeaseError: ``request_id`` is not a non-empty str, or ``now`` is not finite.
-            The table is unchanged.
+        :raises LeaseError: ``request_id`` is not a non-empty str, ``now`` is not finite, or
+            the id's handle equals a live lease's (two ids whose BLAKE2b-64 collide; with
+            random ids a 2**-64 chance per pair). The table is unchanged.
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise LeaseError(f"request_id must be a non-empty str, got {request_id!r}")
+        handle = lease_handle(request_id)
         check_now(now)
         self._transition(request_id, LeaseEvent.GRANT)
+        other = self._handles.get(handle)
+        if other >= 0:
+            raise LeaseError(
+                f"lease id {request_id!r} has the same 64-bit handle as live lease "
+                f"{self._ids[other]!r}; draw another id"
+            )
         t = self._clock.advance(now)
-        self._token += 1
-        rec = _Record(t, t + self._policy.duration, payload, self._token)
-        self._live[request_id] = rec
-        self._index.push((rec.expiry, rec.token, request_id))
+        expiry = t + self._policy.duration
+        slot = self._alloc_slot()
+        self._ids[slot] = request_id
+        self._payloads[slot] = payload
+        self._granted_at[slot] = t
+        self._exp[slot] = expiry
+        self._hnd[slot] = handle
+        self._ren[slot] = 0
+        self._handles.insert(handle, slot)
+        self._slot[request_id] = slot
+        self._lb = min(self._lb, expiry)
         self._granted += 1
-        return self._snapshot(request_id, rec, LeaseState.LIVE, None)
+        return Lease(request_id, LeaseState.LIVE, t, expiry, 0, payload, None, handle)
 
     def renew(
         self, request_ids: Iterable[str], now: float, *, sent_at: float | None = None
@@ -519,53 +685,82 @@ class LeaseTable(Generic[_PayloadT]):
 
         A lease whose expiry has passed is not renewed (``EXPIRED``) even if :meth:`expire`
         has not reclaimed it yet: the outcome must not depend on when the caller reaps.
+        :meth:`renew_handles` does the same for handles, in bulk.
         """
         if isinstance(request_ids, str | bytes):
             raise LeaseError(
                 f"request_ids must be an iterable of ids, not a single {type(request_ids).__name__}"
                 f" ({request_ids!r}); wrap it in a list"
             )
-        check_now(now)
-        if sent_at is not None:
-            check_now(sent_at, "sent_at")
-        t = self._clock.advance(now)
-        base = t if sent_at is None else min(float(sent_at), t)
-        candidate = base + self._policy.extension
-        live_get, ended, index = self._live.get, self._ended, self._index
-        # Every push in this call has the same expiry, so one check picks the FIFO or the heap.
-        push = index.fifo.append if not index.fifo or candidate >= index.fifo[-1][0] else index.push
-        renewed: dict[str, float] = {}
+        t, candidate = self._renew_times(now, sent_at)
+        ids = list(dict.fromkeys(request_ids))
+        get = self._slot.get
+        slots = np.fromiter((get(r, -1) for r in ids), dtype=np.int64, count=len(ids))
+        found, ok, _, expiries = self._renew_slots(slots, t, candidate)
+        renewed = dict(
+            zip(np.asarray(ids, dtype=object)[ok].tolist(), expiries.tolist(), strict=True)
+        )
         ignored: dict[str, RenewIgnored] = {}
-        fresh = candidate > t
-        # One token for every entry this call pushes: an entry is identified by (token, id),
-        # and a call pushes at most one entry per id.
-        self._token += 1
-        token = self._token
-        for rid in request_ids:
-            rec = live_get(rid)
-            if fresh and rec is not None and rec.expiry > t:
-                if rid in renewed:
-                    continue
-                if candidate > rec.expiry:
-                    rec.expiry = candidate
-                    rec.token = token
-                    push((candidate, token, rid))
-                rec.renewals += 1
-                renewed[rid] = rec.expiry
-            elif rid in ignored or rid in renewed:
-                continue
-            elif rec is None:
-                gone = ended.get(rid)
-                ignored[rid] = RenewIgnored.UNKNOWN if gone is None else _REASON_FOR[gone.state]
-            elif rec.expiry <= t:
-                ignored[rid] = RenewIgnored.EXPIRED
-            else:
-                ignored[rid] = RenewIgnored.STALE
-        self._renewed += len(renewed)
+        if len(renewed) != len(ids):
+            for i in np.flatnonzero(~ok).tolist():
+                rid = ids[i]
+                if found[i]:
+                    due = self._exp[slots[i]] <= t
+                    ignored[rid] = RenewIgnored.EXPIRED if due else RenewIgnored.STALE
+                else:
+                    gone = self._gone(rid)
+                    ignored[rid] = RenewIgnored.UNKNOWN if gone is None else _REASON_FOR[gone.state]
         self._renew_ignored += len(ignored)
-        if len(self._index) > 2 * len(self._live) + 64:
-            self._compact()
         return RenewResult(renewed=renewed, ignored=ignored)
+
+    def renew_handles(
+        self,
+        handles: Iterable[int] | npt.NDArray[np.uint64],
+        now: float,
+        *,
+        sent_at: float | None = None,
+    ) -> HandleRenewResult:
+        """:meth:`renew` for a batch of lease handles (:func:`lease_handle`), in bulk: the
+        batch is looked up, checked and renewed with a few vector operations, whatever its
+        size. Same rules, counters and errors as :meth:`renew`.
+
+        :param handles: the handles in the heartbeat (a numpy ``uint64`` array is taken as it
+            is). Handles must be distinct (the wire guarantees it); a repeated one is renewed
+            once but listed, and counted, each time. A handle that names no live lease
+            (forged, stale or ended) is ignored with its reason, never created.
+        :raises LeaseError: as :meth:`renew`, or a handle is not an integer in
+            ``[0, 2**64)``. Nothing was changed.
+        """
+        if isinstance(handles, np.ndarray) and handles.dtype == np.uint64:
+            h = handles.reshape(-1)
+        else:
+            try:
+                h = np.fromiter(handles, dtype=np.uint64)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise LeaseError(
+                    f"handles must be integers in [0, 2**64), got {handles!r}: {exc}"
+                ) from None
+        t, candidate = self._renew_times(now, sent_at)
+        slots = self._handles.slots(h)
+        found, ok, _, expiries = self._renew_slots(slots, t, candidate)
+        renewed = h[ok]
+        exp_arr = expiries
+        ignored: dict[int, RenewIgnored] = {}
+        if len(renewed) != len(h):
+            for i in np.flatnonzero(~ok).tolist():
+                handle = int(h[i])
+                if found[i]:
+                    due = self._exp[slots[i]] <= t
+                    ignored[handle] = RenewIgnored.EXPIRED if due else RenewIgnored.STALE
+                else:
+                    gone = self._ended.get(handle)
+                    ignored[handle] = (
+                        RenewIgnored.UNKNOWN if gone is None else _REASON_FOR[gone.state]
+                    )
+        self._renew_ignored += len(ignored)
+        renewed.flags.writeable = False
+        exp_arr.flags.writeable = False
+        return HandleRenewResult(renewed=renewed, expiries=exp_arr, ignored=ignored)
 
     def consume(self, request_id: str, now: float) -> Lease[_PayloadT]:
         """The reader reported completion: end the lease as ``CONSUMED``; release the blocks
@@ -589,35 +784,75 @@ class LeaseTable(Generic[_PayloadT]):
 
     def expire(self, now: float) -> list[Lease[_PayloadT]]:
         """End every live lease whose expiry is ``<= now`` as ``EXPIRED``; return them, earliest
-        expiry first. O(1) amortised when nothing is due.
+        expiry first (ties in slot order). O(1) when nothing is due; otherwise one vector scan
+        of the slots plus the work per lease ended.
 
         Raises :class:`~kvframe.errors.LeaseError` for a non-finite ``now`` (nothing ends).
         """
         t = self._clock.advance(now)
-        index, live = self._index, self._live
-        out: list[Lease[_PayloadT]] = []
-        entry = index.peek()
-        if entry is None or entry[0] > t:
-            return out
+        if t < self._lb or not self._slot:
+            return []
+        n = len(self._ids)
+        exp = self._exp[:n]
+        due = np.flatnonzero(exp <= t)
+        if len(due) > 1:
+            due = due[np.argsort(exp[due], kind="stable")]
         state = next_state(LeaseState.LIVE, LeaseEvent.EXPIRE)
-        retire = self._retire
-        while entry is not None and entry[0] <= t:
-            _, token, rid = index.pop()
-            rec = live.get(rid)
-            if rec is not None and rec.token == token:
-                del live[rid]
-                out.append(retire(rid, rec, state, t))
-            entry = index.peek()
+        out = self._retire_slots(due, state, t)
         self._expired += len(out)
+        self._lb = float(exp.min()) if self._slot else _INF
+        self._lb_exact = True
         return out
 
     # -- internals ------------------------------------------------------------------------
+    def _alloc_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        slot = len(self._ids)
+        if slot == len(self._exp) - 1:
+            grow = slot
+            exp = np.concatenate([self._exp[:-1], np.full(grow, _INF), self._exp[-1:]])
+            self._exp = exp
+            self._hnd = np.concatenate([self._hnd, np.zeros(grow, dtype=np.uint64)])
+            self._ren = np.concatenate([self._ren, np.zeros(grow, dtype=np.int64)])
+        self._ids.append(None)
+        self._payloads.append(None)
+        self._granted_at.append(0.0)
+        return slot
+
+    def _renew_times(self, now: float, sent_at: float | None) -> tuple[float, float]:
+        check_now(now)
+        if sent_at is not None:
+            check_now(sent_at, "sent_at")
+        t = self._clock.advance(now)
+        base = t if sent_at is None else min(float(sent_at), t)
+        return t, base + self._policy.extension
+
+    def _renew_slots(
+        self, slots: npt.NDArray[np.int64], t: float, candidate: float
+    ) -> tuple[
+        npt.NDArray[np.bool_], npt.NDArray[np.bool_], npt.NDArray[np.int64], npt.NDArray[np.float64]
+    ]:
+        # found: names a live lease; ok: renewed (live, not due, and the heartbeat is fresh).
+        found = slots >= 0
+        exp = self._exp
+        cur = exp[slots]  # -inf for -1 (the sentinel)
+        ok = cur > t if candidate > t else np.zeros(len(slots), dtype=bool)
+        rs = slots[ok]
+        new = np.maximum(cur[ok], candidate)
+        if len(rs):
+            exp[rs] = new
+            self._ren[rs] += 1
+            self._lb_exact = False
+        self._renewed += len(rs)
+        return found, ok, rs, new
+
     def _transition(self, request_id: str, event: LeaseEvent) -> LeaseState:
         source = self.state(request_id)
         try:
             return next_state(source, event, request_id)
         except InvalidTransitionError as exc:
-            gone = self._ended.get(request_id)
+            gone = self._gone(request_id)
             if gone is not None:
                 raise InvalidTransitionError(
                     f"{exc} (it ended at t={gone.ended_at!r}; request ids are single-use)"
@@ -628,39 +863,64 @@ class LeaseTable(Generic[_PayloadT]):
         check_now(now)
         target = self._transition(request_id, event)
         t = self._clock.advance(now)
-        rec = self._live.pop(request_id)
         if target is LeaseState.CONSUMED:
             self._consumed += 1
         else:
             self._aborted += 1
-        if len(self._index) > 2 * len(self._live) + 64:
-            self._compact()
-        return self._retire(request_id, rec, target, t)
+        slot = self._slot[request_id]
+        if self._exp[slot] <= self._lb:
+            self._lb_exact = False
+        (lease,) = self._retire_slots(np.array([slot], dtype=np.intp), target, t)
+        return lease
 
-    def _retire(
-        self, request_id: str, rec: _Record, state: LeaseState, now: float
-    ) -> Lease[_PayloadT]:
-        snap = self._snapshot(request_id, rec, state, now)
-        if self._remember:
-            ended = self._ended
-            ended[request_id] = snap
-            if len(ended) > self._remember:
-                ended.popitem(last=False)
-        return snap
-
-    def _snapshot(
-        self, request_id: str, rec: _Record, state: LeaseState, ended_at: float | None
-    ) -> Lease[_PayloadT]:
-        payload: _PayloadT = rec.payload  # type: ignore[assignment]
-        return Lease(
-            request_id=request_id,
-            state=state,
-            granted_at=rec.granted_at,
-            expiry=rec.expiry,
-            renewals=rec.renewals,
-            payload=payload,
-            ended_at=ended_at,
+    def _retire_slots(
+        self, slots: npt.NDArray[np.intp], state: LeaseState, now: float
+    ) -> list[Lease[_PayloadT]]:
+        if not len(slots):
+            return []
+        idx = slots.tolist()
+        handles = self._hnd[slots]
+        ids, payloads, granted = self._ids, self._payloads, self._granted_at
+        rids = list(map(ids.__getitem__, idx))
+        rows = zip(
+            rids,
+            repeat(state),
+            map(granted.__getitem__, idx),
+            self._exp[slots].tolist(),
+            self._ren[slots].tolist(),
+            map(payloads.__getitem__, idx),
+            repeat(now),
+            handles.tolist(),
         )
+        # Named tuples made by tuple.__new__ through map: no Python frame per lease.
+        out: list[Lease[_PayloadT]] = list(map(tuple.__new__, repeat(Lease), rows))
+        self._handles.remove_many(handles)
+        self._exp[slots] = _INF
+        self._hnd[slots] = 0
+        # C-level loops (map), not Python ones: expire may end thousands at once.
+        _drain(map(self._slot.__delitem__, rids))  # type: ignore[arg-type]
+        _drain(map(ids.__setitem__, idx, repeat(None)))
+        _drain(map(payloads.__setitem__, idx, repeat(None)))
+        self._free.extend(idx)
+        if self._remember:
+            ended, order = self._ended, self._ended_order
+            hlist = handles.tolist()
+            ended.update(zip(hlist, out, strict=True))
+            order.extend(hlist)
+            excess = len(order) - self._remember
+            if excess > 0:
+                _drain(map(ended.__delitem__, [order.popleft() for _ in range(excess)]))
+        return out
 
-    def _compact(self) -> None:
-        self._index.rebuild([(rec.expiry, rec.token, rid) for rid, rec in self._live.items()])
+    def _snapshot(self, slot: int, state: LeaseState, ended_at: float | None) -> Lease[_PayloadT]:
+        payload: _PayloadT = self._payloads[slot]  # type: ignore[assignment]
+        return Lease(
+            self._ids[slot],  # type: ignore[arg-type]
+            state,
+            self._granted_at[slot],
+            float(self._exp[slot]),
+            int(self._ren[slot]),
+            payload,
+            ended_at,
+            int(self._hnd[slot]),
+        )

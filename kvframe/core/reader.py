@@ -49,7 +49,7 @@ from kvframe.core import wire
 from kvframe.core._checks import check_config_seconds, check_now
 from kvframe.core.clock import DEFAULT_MAX_DRIFT, MonotonicClamp
 from kvframe.core.heartbeat import SEQ_MODULUS
-from kvframe.core.lease import LeasePolicy
+from kvframe.core.lease import LeasePolicy, lease_handle
 from kvframe.core.machine import Step, TransitionTable
 from kvframe.errors import InvalidTransitionError, LeaseError
 
@@ -323,9 +323,11 @@ class _Peer:
 class _Ticket:
     """What this reader knows of one remote lease."""
 
-    __slots__ = ("bound", "lost", "lost_at", "spent", "touched", "urgent_at", "user")
+    __slots__ = ("bound", "handle", "lost", "lost_at", "spent", "touched", "urgent_at", "user")
 
-    def __init__(self) -> None:
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+        """The lease's wire handle (:func:`~kvframe.core.lease.lease_handle` of its id)."""
         self.touched = -math.inf
         """When it was last named (heartbeat, load, release): an answer may still come."""
         self.bound = -math.inf
@@ -385,6 +387,7 @@ class LeaseReader:
         self._clock = MonotonicClamp()
         self._loads: dict[str, _Load] = {}
         self._tickets: OrderedDict[tuple[str, str], _Ticket] = OrderedDict()
+        self._by_handle: dict[tuple[str, int], str] = {}  # (engine, handle) -> lease id
         self._peers: dict[str, _Peer] = {}
         self._seq = 0
         self._sent: OrderedDict[int, tuple[str, float]] = OrderedDict()  # seq -> (engine, at)
@@ -712,7 +715,10 @@ class LeaseReader:
         key = (engine, lease_id)
         ticket = self._tickets.get(key)
         if ticket is None:
-            ticket = self._tickets[key] = _Ticket()
+            ticket = self._tickets[key] = _Ticket(lease_handle(lease_id))
+            # A second lease id with the same handle (a 2**-64 chance) takes the mapping: the
+            # first one's answers then go unmatched, and its load times out, never misreads.
+            self._by_handle[(engine, ticket.handle)] = lease_id
         else:
             self._tickets.move_to_end(key)
         latest = self._clock.latest
@@ -744,13 +750,27 @@ class LeaseReader:
             and (tk.lost is None or t - tk.lost_at > keep)
         ]
         for key in stale:
-            del self._tickets[key]
+            self._drop_ticket(key)
         while len(self._tickets) > self._remember:
             key, tk = next(iter(self._tickets.items()))
             if tk.user is not None:
                 self._tickets.move_to_end(key)
                 break
-            del self._tickets[key]
+            self._drop_ticket(key)
+
+    def _drop_ticket(self, key: tuple[str, str]) -> None:
+        ticket = self._tickets.pop(key)
+        hkey = (key[0], ticket.handle)
+        if self._by_handle.get(hkey) == key[1]:
+            del self._by_handle[hkey]
+
+    def _handles(self, engine: str, lease_ids: list[str]) -> list[int]:
+        tickets = self._tickets
+        out = []
+        for lid in lease_ids:
+            ticket = tickets.get((engine, lid))
+            out.append(ticket.handle if ticket is not None else lease_handle(lid))
+        return out
 
     def _fire(self, load: _Load, event: ReadEvent, t: float) -> None:
         load.state = READ_TRANSITIONS.next(load.state, event, load.request_id)
@@ -786,7 +806,7 @@ class LeaseReader:
                 request_id=load.request_id,
                 engine=load.engine,
                 notification=wire.LeaseDone(
-                    seq=seq, sent_at=t, done=[(load.lease_id, wire.DoneReason.READ)]
+                    seq=seq, sent_at=t, reason=wire.DoneReason.READ, handles=(ticket.handle,)
                 ),
             )
         )
@@ -806,10 +826,10 @@ class LeaseReader:
 
     def _emit_heartbeat(self, engine: str, ids: list[str], t: float, out: list[Action]) -> None:
         seq = self._next_seq(engine, t)
-        for chunk in _chunks(ids):
+        for chunk in _chunks(self._handles(engine, ids)):
             out.append(
                 SendMessage(
-                    engine=engine, message=wire.Heartbeat(seq=seq, sent_at=t, request_ids=chunk)
+                    engine=engine, message=wire.Heartbeat(seq=seq, sent_at=t, handles=chunk)
                 )
             )
 
@@ -834,11 +854,11 @@ class LeaseReader:
                     del peer.pending_release[next(iter(peer.pending_release))]
             return
         seq = self._next_seq(engine, t)
-        for chunk in _chunks(ids):
-            done = [(lid, wire.DoneReason.RELEASED) for lid in chunk]
-            out.append(
-                SendMessage(engine=engine, message=wire.LeaseDone(seq=seq, sent_at=t, done=done))
+        for chunk in _chunks(self._handles(engine, ids)):
+            done = wire.LeaseDone(
+                seq=seq, sent_at=t, reason=wire.DoneReason.RELEASED, handles=chunk
             )
+            out.append(SendMessage(engine=engine, message=done))
         self._count("releases_sent", len(ids))
 
     def _on_ack(self, engine: str, msg: wire.LeaseAck, t: float, out: list[Action]) -> None:
@@ -848,11 +868,13 @@ class LeaseReader:
             return
         sent = record[1]
         self._count("acks")
-        for lid, expiry in msg.expiries:
-            ticket = self._tickets.get((engine, lid))
+        remaining = (msg.expiry - msg.holder_now) * (1.0 - self._drift)
+        by_handle, tickets = self._by_handle, self._tickets
+        for h in msg.handles:
+            lid = by_handle.get((engine, h))
+            ticket = tickets.get((engine, lid)) if lid is not None else None
             if ticket is None or ticket.lost is not None:
                 continue
-            remaining = (expiry - msg.holder_now) * (1.0 - self._drift)
             ticket.bound = max(ticket.bound, sent + remaining)
             load = self._loads.get(ticket.user) if ticket.user is not None else None
             if load is None:
@@ -866,8 +888,10 @@ class LeaseReader:
                 )
 
     def _on_lost(self, engine: str, msg: wire.LeaseLost, t: float, out: list[Action]) -> None:
-        for lid, why in msg.lost:
-            ticket = self._tickets.get((engine, lid))
+        why = msg.reason
+        for h in msg.handles:
+            lid = self._by_handle.get((engine, h))
+            ticket = self._tickets.get((engine, lid)) if lid is not None else None
             if ticket is None:
                 continue
             load = self._loads.get(ticket.user) if ticket.user is not None else None
@@ -950,10 +974,11 @@ class LeaseReader:
             self._send_release(load.engine, [load.lease_id], t, out)
 
 
-def _chunks(ids: list[str]) -> Iterator[tuple[str, ...]]:
-    # One message holds at most MAX_IDS_PER_MESSAGE entries; a batch's parts share its seq.
-    for start in range(0, len(ids), wire.MAX_IDS_PER_MESSAGE):
-        yield tuple(ids[start : start + wire.MAX_IDS_PER_MESSAGE])
+def _chunks(handles: list[int]) -> Iterator[tuple[int, ...]]:
+    # One message holds at most MAX_HANDLES_PER_MESSAGE handles; a batch's parts share its seq.
+    per = wire.MAX_HANDLES_PER_MESSAGE
+    for start in range(0, len(handles), per):
+        yield tuple(handles[start : start + per])
 
 
 def _lost_text(why: wire.LostReason) -> str:

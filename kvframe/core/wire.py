@@ -1,62 +1,51 @@
 """The heartbeat wire format: D -> P heartbeats and completions, P -> D acks and loss notices.
 
-Small, versioned, bounded binary messages (big-endian ``struct`` layouts, never pickle). Every
-message starts with the same four bytes::
+Small, versioned, bounded binary messages (big-endian ``struct`` layouts, never pickle). They
+name leases by **handle**: the 64-bit :func:`~kvframe.core.lease.lease_handle` of the lease
+id, which reader and holder both compute from the id in the ticket. So a batch costs 8 bytes
+per lease, whatever the ids' length; the ids themselves stay in logs and statistics. Every
+message starts with the same eighteen bytes::
 
     offset size field
-    0      2    magic  b"KH"
-    2      1    version (1)
-    3      1    type: 1 heartbeat, 2 lease ack, 3 lease lost, 4 lease done
+    0      2    magic     b"KH"
+    2      1    version   (2)
+    3      1    type      1 heartbeat, 2 lease ack, 3 lease lost, 4 lease done
+    4      4    seq       u32  (heartbeat, done: the sender's sequence number, wrapping;
+                               ack, lost: the seq of the heartbeat answered)
+    8      8    time      f64  (heartbeat, done: the sender's clock when it sent the message;
+                               ack, lost: the holder's clock when it answered)
+    16     2    count     u16  1 .. MAX_HANDLES_PER_MESSAGE
 
-**Heartbeat** (D -> P, type 1): "keep these leases; I sent this at ``sent_at``"::
+then a type-specific field, then ``count`` handles (u64 each, distinct, never 0 or 1)::
 
-    4      4    seq       u32   the sender's sequence number (wraps; see heartbeat.py)
-    8      8    sent_at   f64   the sender's monotonic clock when it sent the message
-    16     2    count     u16   1 .. MAX_IDS_PER_MESSAGE
-    18     ...  count x (len u8 1..255, request id UTF-8)
+    heartbeat (D -> P, type 1)   nothing            "keep these leases"
+    lease ack (P -> D, type 2)   expiry  f64        "each lease runs at least until expiry
+                                                     (my clock, which read `time` then)"
+    lease lost (P -> D, type 3)  reason  u8         "no lease any more: 1 unknown,
+                                                     2 consumed, 3 aborted, 4 expired,
+                                                     5 claimed by another reader"
+    lease done (D -> P, type 4)  reason  u8         "end these leases: 1 read, 2 released"
 
-So each request id costs ``len(id) + 1`` bytes; a batch of ``n`` ids of ``L`` bytes is
-``18 + n * (L + 1)`` bytes.
+So a heartbeat of ``n`` leases is ``18 + 8 n`` bytes, an ack ``26 + 8 n``, a loss or done
+notice ``19 + 8 n``. An ack carries one expiry for all its handles: the earliest among them,
+a lower bound for each (a lease renewed by the heartbeat runs at least ``sent + extension``;
+a young one may run longer, which the reader need not know). D rebases it with the send time
+of the answered heartbeat (see :mod:`kvframe.core.reader`). A loss or done notice carries one
+reason; a holder with several reasons sends one notice per reason.
 
-**Lease ack** (P -> D, type 2): "your lease on X now runs until T (my clock; my clock read
-``holder_now`` when I computed T)"::
+The P/D connector sends a *done* notice as the notification of the READ itself (delivered
+after the data landed) and as a release when a request was aborted or its KV was found in the
+local cache.
 
-    4      4    echo_seq   u32  seq of the heartbeat answered
-    8      8    holder_now f64  P's clock when it renewed
-    16     2    count      u16
-    18     ...  count x (len u8, request id UTF-8, expiry f64)
-
-D rebases each expiry with ``rebase_deadline(expiry, holder_now, sent_at_of(echo_seq))``:
-the send time of the answered heartbeat is a local reading no later than P's ``holder_now``.
-
-**Lease lost** (P -> D, type 3): "there is no lease on X any more, and why"::
-
-    4      4    echo_seq   u32
-    8      8    holder_now f64
-    16     2    count      u16
-    18     ...  count x (len u8, request id UTF-8, reason u8: 1 unknown, 2 consumed,
-                3 aborted, 4 expired, 5 claimed by another reader)
-
-**Lease done** (D -> P, type 4): "I no longer need the lease on X, and why"; the holder
-ends it at once (consumed after a read, aborted after a release)::
-
-    4      4    seq        u32  the sender's sequence number (same space as heartbeats)
-    8      8    sent_at    f64  the sender's clock
-    16     2    count      u16
-    18     ...  count x (len u8, request id UTF-8, reason u8: 1 read, 2 released)
-
-The P/D connector sends it as the notification of the READ itself (delivered after the data
-landed) and as a release when a request was aborted or its KV was found in the local cache.
-
-**Limits.** A request id is 1 to :data:`MAX_ID_BYTES` (255) bytes of UTF-8; a message holds
-1 to :data:`MAX_IDS_PER_MESSAGE` (1024) entries and at most :data:`MAX_MESSAGE_BYTES` (16 KiB)
-in all. :func:`encode` refuses anything larger with :class:`~kvframe.errors.CodecError`;
-:func:`split` cuts a message into several that fit (and fit a transport's smaller
-``max_notification_bytes`` when given). Times are finite; ids in one message are distinct.
+**Limits.** A message holds 1 to :data:`MAX_HANDLES_PER_MESSAGE` (1024) handles and at most
+:data:`MAX_MESSAGE_BYTES` (16 KiB) in all. :func:`encode` refuses anything larger with
+:class:`~kvframe.errors.CodecError`; :func:`split` cuts a message into several that fit (and
+fit a transport's smaller ``max_notification_bytes`` when given). Times are finite.
 
 **Decoding** raises :class:`~kvframe.errors.CodecError` (or its subclasses
 :class:`~kvframe.errors.UnsupportedVersionError` and
 :class:`~kvframe.errors.UnknownMessageTypeError`) for any malformed input, and nothing else.
+Version 1 (ids instead of handles) is refused as unsupported.
 """
 
 from __future__ import annotations
@@ -64,7 +53,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TypeAlias
 
 import attrs
@@ -74,8 +63,8 @@ from kvframe.errors import CodecError, UnknownMessageTypeError, UnsupportedVersi
 __all__ = [
     "HEADER_BYTES",
     "MAGIC",
+    "MAX_HANDLES_PER_MESSAGE",
     "MAX_IDS_PER_MESSAGE",
-    "MAX_ID_BYTES",
     "MAX_MESSAGE_BYTES",
     "VERSION",
     "DoneReason",
@@ -94,18 +83,19 @@ __all__ = [
 
 MAGIC = b"KH"
 """The first two bytes of every message."""
-VERSION = 1
-"""The format version this module writes and reads."""
-MAX_ID_BYTES = 255
-"""Longest request id, in UTF-8 bytes (its length is one byte on the wire)."""
-MAX_IDS_PER_MESSAGE = 1024
-"""Most entries (request ids) in one message."""
+VERSION = 2
+"""The format version this module writes and reads (1 named leases by id)."""
+MAX_HANDLES_PER_MESSAGE = 1024
+"""Most handles in one message."""
+MAX_IDS_PER_MESSAGE = MAX_HANDLES_PER_MESSAGE
+"""The same limit under its version-1 name."""
 MAX_MESSAGE_BYTES = 16 * 1024
 """Largest encoded message. Also what :func:`decode` accepts at most."""
 HEADER_BYTES = 18
-"""Bytes before the first entry, in every message type."""
+"""Bytes before the type-specific field, in every message type."""
 
 _U32 = 1 << 32
+_U64 = 1 << 64
 _HEAD = struct.Struct(">2sBBIdH")
 _F64 = struct.Struct(">d")
 assert _HEAD.size == HEADER_BYTES
@@ -121,10 +111,10 @@ class MessageType(enum.IntEnum):
 
 
 class LostReason(enum.IntEnum):
-    """Why a holder has no lease for an id (the reason byte of a :class:`LeaseLost` entry)."""
+    """Why a holder has no lease for a handle (the reason byte of a :class:`LeaseLost`)."""
 
     UNKNOWN = 1
-    """The holder never granted it (or forgot it)."""
+    """The holder never granted it (or forgot it), or the handle names nothing."""
     CONSUMED = 2
     """It ended: the holder saw a completion."""
     ABORTED = 3
@@ -136,104 +126,8 @@ class LostReason(enum.IntEnum):
     is read once."""
 
 
-def _check_seq(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _U32:
-        raise ValueError(f"{attribute.name} must be an int in [0, 2**32), got {value!r}")
-
-
-def _check_time(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be a finite number of seconds, got {value!r}")
-
-
-def _check_ids(ids: Sequence[str], what: str) -> None:
-    if not ids:
-        raise ValueError(f"a {what} needs at least one request id")
-    for rid in ids:
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request ids must be non-empty str, got {rid!r}")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"request ids in one {what} must be distinct")
-
-
-def _id_tuple(value: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(value, str | bytes):
-        raise ValueError(f"request_ids must be a sequence of ids, not one {type(value).__name__}")
-    return tuple(value)
-
-
-def _ids_validator(instance: Heartbeat, attribute: attrs.Attribute[object], value: object) -> None:
-    _check_ids(value, "heartbeat")  # type: ignore[arg-type]
-
-
-@attrs.frozen(kw_only=True)
-class Heartbeat:
-    """D -> P: keep the leases on ``request_ids``. Raises ``ValueError`` for an out-of-range
-    ``seq``, a non-finite ``sent_at``, or empty/repeated/non-str ids."""
-
-    seq: int = attrs.field(validator=_check_seq)
-    sent_at: float = attrs.field(validator=_check_time)
-    """The sender's clock at sending (never converted: the receiver maps it)."""
-    request_ids: tuple[str, ...] = attrs.field(converter=_id_tuple, validator=_ids_validator)
-
-
-def _check_ack_entries(
-    instance: LeaseAck, attribute: attrs.Attribute[object], value: object
-) -> None:
-    entries: tuple[tuple[str, float], ...] = value  # type: ignore[assignment]
-    _check_ids([e[0] for e in entries], "lease ack")
-    for rid, expiry in entries:
-        if isinstance(expiry, bool) or not isinstance(expiry, int | float):
-            raise ValueError(f"expiry of {rid!r} must be a number, got {expiry!r}")
-        if not math.isfinite(expiry):
-            raise ValueError(f"expiry of {rid!r} must be finite, got {expiry!r}")
-
-
-def _ack_pairs(value: Iterable[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
-    return tuple((rid, x) for rid, x in value)
-
-
-def _lost_pairs(value: Iterable[tuple[str, LostReason]]) -> tuple[tuple[str, LostReason], ...]:
-    return tuple((rid, x) for rid, x in value)
-
-
-@attrs.frozen(kw_only=True)
-class LeaseAck:
-    """P -> D: the lease on each id runs until the paired expiry (P's clock, read as
-    ``holder_now``). Raises ``ValueError`` for bad fields (as :class:`Heartbeat`)."""
-
-    echo_seq: int = attrs.field(validator=_check_seq)
-    """The ``seq`` of the heartbeat this answers."""
-    holder_now: float = attrs.field(validator=_check_time)
-    expiries: tuple[tuple[str, float], ...] = attrs.field(
-        converter=_ack_pairs, validator=_check_ack_entries
-    )
-
-
-def _check_lost_entries(
-    instance: LeaseLost, attribute: attrs.Attribute[object], value: object
-) -> None:
-    entries: tuple[tuple[str, LostReason], ...] = value  # type: ignore[assignment]
-    _check_ids([e[0] for e in entries], "lease-lost notice")
-    for rid, reason in entries:
-        if not isinstance(reason, LostReason):
-            raise ValueError(f"reason for {rid!r} must be a LostReason, got {reason!r}")
-
-
-@attrs.frozen(kw_only=True)
-class LeaseLost:
-    """P -> D: there is no lease on each id any more, for the paired reason. Raises
-    ``ValueError`` for bad fields."""
-
-    echo_seq: int = attrs.field(validator=_check_seq)
-    holder_now: float = attrs.field(validator=_check_time)
-    lost: tuple[tuple[str, LostReason], ...] = attrs.field(
-        converter=_lost_pairs, validator=_check_lost_entries
-    )
-
-
 class DoneReason(enum.IntEnum):
-    """Why a reader ends a lease (the reason byte of a :class:`LeaseDone` entry)."""
+    """Why a reader ends leases (the reason byte of a :class:`LeaseDone`)."""
 
     READ = 1
     """The read completed: the holder consumes the lease."""
@@ -241,153 +135,177 @@ class DoneReason(enum.IntEnum):
     """No read will come (aborted, or found in the reader's own cache): the holder aborts it."""
 
 
-def _done_pairs(value: Iterable[tuple[str, DoneReason]]) -> tuple[tuple[str, DoneReason], ...]:
-    return tuple((rid, x) for rid, x in value)
+def _check_seq(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _U32:
+        raise ValueError(f"{attribute.name} must be an int in [0, 2**32), got {value!r}")
 
 
-def _check_done_entries(
-    instance: LeaseDone, attribute: attrs.Attribute[object], value: object
+def _check_time(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
+        raise ValueError(f"{attribute.name} must be a finite number, got {value!r}")
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any f64
+        return False
+
+
+def _handle_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(value, str | bytes):
+        raise ValueError(f"handles must be a sequence of ints, not one {type(value).__name__}")
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ValueError(f"handles must be a sequence of ints, got {value!r}") from None
+
+
+def _check_handles(instance: object, attribute: attrs.Attribute[object], value: object) -> None:
+    handles: tuple[int, ...] = value  # type: ignore[assignment]
+    if not handles:
+        raise ValueError(f"a {type(instance).__name__} needs at least one handle")
+    for h in handles:
+        if isinstance(h, bool) or not isinstance(h, int) or not 1 < h < _U64:
+            raise ValueError(f"handles must be ints in [2, 2**64), got {h!r}")
+    if len(set(handles)) != len(handles):
+        raise ValueError(f"handles in one {type(instance).__name__} must be distinct")
+
+
+def _check_lost_reason(
+    instance: object, attribute: attrs.Attribute[LostReason], value: LostReason
 ) -> None:
-    entries: tuple[tuple[str, DoneReason], ...] = value  # type: ignore[assignment]
-    _check_ids([e[0] for e in entries], "lease-done notice")
-    for rid, reason in entries:
-        if not isinstance(reason, DoneReason):
-            raise ValueError(f"reason for {rid!r} must be a DoneReason, got {reason!r}")
+    if not isinstance(value, LostReason):
+        raise ValueError(f"reason must be a LostReason, got {value!r}")
+
+
+def _check_done_reason(
+    instance: object, attribute: attrs.Attribute[DoneReason], value: DoneReason
+) -> None:
+    if not isinstance(value, DoneReason):
+        raise ValueError(f"reason must be a DoneReason, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Heartbeat:
+    """D -> P: keep the leases with these handles. Raises ``ValueError`` for an out-of-range
+    ``seq``, a non-finite ``sent_at``, or empty, repeated or out-of-range handles."""
+
+    seq: int = attrs.field(validator=_check_seq)
+    sent_at: float = attrs.field(validator=_check_time)
+    """The sender's clock at sending (never converted: the receiver maps it)."""
+    handles: tuple[int, ...] = attrs.field(converter=_handle_tuple, validator=_check_handles)
+
+
+@attrs.frozen(kw_only=True)
+class LeaseAck:
+    """P -> D: each lease named runs at least until ``expiry`` (P's clock, read as
+    ``holder_now``). Raises ``ValueError`` for bad fields (as :class:`Heartbeat`)."""
+
+    echo_seq: int = attrs.field(validator=_check_seq)
+    """The ``seq`` of the heartbeat this answers."""
+    holder_now: float = attrs.field(validator=_check_time)
+    expiry: float = attrs.field(validator=_check_time)
+    """The earliest expiry among the named leases: a lower bound for each."""
+    handles: tuple[int, ...] = attrs.field(converter=_handle_tuple, validator=_check_handles)
+
+
+@attrs.frozen(kw_only=True)
+class LeaseLost:
+    """P -> D: there is no lease with these handles any more, for ``reason``. Raises
+    ``ValueError`` for bad fields."""
+
+    echo_seq: int = attrs.field(validator=_check_seq)
+    holder_now: float = attrs.field(validator=_check_time)
+    reason: LostReason = attrs.field(validator=_check_lost_reason)
+    handles: tuple[int, ...] = attrs.field(converter=_handle_tuple, validator=_check_handles)
 
 
 @attrs.frozen(kw_only=True)
 class LeaseDone:
-    """D -> P: end the leases on each id, for the paired reason. Raises ``ValueError`` for bad
-    fields."""
+    """D -> P: end the leases with these handles, for ``reason``. Raises ``ValueError`` for
+    bad fields."""
 
     seq: int = attrs.field(validator=_check_seq)
     sent_at: float = attrs.field(validator=_check_time)
-    done: tuple[tuple[str, DoneReason], ...] = attrs.field(
-        converter=_done_pairs, validator=_check_done_entries
-    )
+    reason: DoneReason = attrs.field(validator=_check_done_reason)
+    handles: tuple[int, ...] = attrs.field(converter=_handle_tuple, validator=_check_handles)
 
 
 Message: TypeAlias = Heartbeat | LeaseAck | LeaseLost | LeaseDone
 """Any message of this format."""
 
-_TRAILER = {Heartbeat: 0, LeaseAck: 8, LeaseLost: 1, LeaseDone: 1}
+_EXTRA = {
+    MessageType.HEARTBEAT: 0,
+    MessageType.LEASE_ACK: 8,
+    MessageType.LEASE_LOST: 1,
+    MessageType.LEASE_DONE: 1,
+}
+_TYPE = {Heartbeat: MessageType.HEARTBEAT, LeaseAck: MessageType.LEASE_ACK}
+_TYPE.update({LeaseLost: MessageType.LEASE_LOST, LeaseDone: MessageType.LEASE_DONE})
 
 
-def _entries(msg: Message) -> Sequence[tuple[str, object]]:
-    if isinstance(msg, Heartbeat):
-        return [(rid, None) for rid in msg.request_ids]
-    if isinstance(msg, LeaseAck):
-        return msg.expiries
-    if isinstance(msg, LeaseDone):
-        return msg.done
-    return msg.lost
-
-
-def _entry_size(rid: str, trailer: int) -> int:
-    n = len(rid.encode("utf-8"))
-    if n > MAX_ID_BYTES:
-        raise CodecError(
-            f"request id {rid[:40]!r}... is {n} UTF-8 bytes; the wire format allows at most "
-            f"{MAX_ID_BYTES}"
-        )
-    return 1 + n + trailer
+def _mtype(msg: Message) -> MessageType:
+    mtype = _TYPE.get(type(msg))
+    if mtype is None:
+        raise TypeError(f"not a wire message: {type(msg).__name__}")
+    return mtype
 
 
 def encoded_size(msg: Message) -> int:
-    """The number of bytes :func:`encode` would produce for ``msg`` (limits not checked,
-    except the id length: raises :class:`~kvframe.errors.CodecError` for an id over
-    :data:`MAX_ID_BYTES`)."""
-    trailer = _TRAILER[type(msg)]
-    return HEADER_BYTES + sum(_entry_size(rid, trailer) for rid, _ in _entries(msg))
+    """The number of bytes :func:`encode` would produce for ``msg`` (limits not checked)."""
+    return HEADER_BYTES + _EXTRA[_mtype(msg)] + 8 * len(msg.handles)
 
 
 def encode(msg: Message) -> bytes:
     """The wire bytes of ``msg``.
 
-    :raises CodecError: an id is longer than :data:`MAX_ID_BYTES`, or the message has more
-        than :data:`MAX_IDS_PER_MESSAGE` entries or would exceed :data:`MAX_MESSAGE_BYTES`
-        (use :func:`split`). Nothing is produced.
+    :raises CodecError: the message has more than :data:`MAX_HANDLES_PER_MESSAGE` handles or
+        would exceed :data:`MAX_MESSAGE_BYTES` (use :func:`split`). Nothing is produced.
     :raises TypeError: ``msg`` is not a message of this module.
     """
+    mtype = _mtype(msg)
+    n = len(msg.handles)
+    if n > MAX_HANDLES_PER_MESSAGE:
+        raise CodecError(
+            f"{n} handles in one message; the limit is {MAX_HANDLES_PER_MESSAGE}: "
+            "cut it with kvframe.core.wire.split()"
+        )
     if isinstance(msg, Heartbeat):
-        mtype, seq, t = MessageType.HEARTBEAT, msg.seq, msg.sent_at
+        head = _HEAD.pack(MAGIC, VERSION, mtype, msg.seq, msg.sent_at, n)
     elif isinstance(msg, LeaseAck):
-        mtype, seq, t = MessageType.LEASE_ACK, msg.echo_seq, msg.holder_now
+        head = _HEAD.pack(MAGIC, VERSION, mtype, msg.echo_seq, msg.holder_now, n)
+        head += _F64.pack(msg.expiry)
     elif isinstance(msg, LeaseLost):
-        mtype, seq, t = MessageType.LEASE_LOST, msg.echo_seq, msg.holder_now
-    elif isinstance(msg, LeaseDone):
-        mtype, seq, t = MessageType.LEASE_DONE, msg.seq, msg.sent_at
+        head = _HEAD.pack(MAGIC, VERSION, mtype, msg.echo_seq, msg.holder_now, n)
+        head += bytes((int(msg.reason),))
     else:
-        raise TypeError(f"not a wire message: {type(msg).__name__}")
-    entries = _entries(msg)
-    if len(entries) > MAX_IDS_PER_MESSAGE:
-        raise CodecError(
-            f"{len(entries)} entries in one message; the limit is {MAX_IDS_PER_MESSAGE}: "
-            "cut it with kvframe.core.wire.split()"
-        )
-    parts = [_HEAD.pack(MAGIC, VERSION, mtype, seq, t, len(entries))]
-    for rid, extra in entries:
-        raw = rid.encode("utf-8")
-        if len(raw) > MAX_ID_BYTES:
-            raise CodecError(
-                f"request id {rid[:40]!r}... is {len(raw)} UTF-8 bytes; the wire format allows "
-                f"at most {MAX_ID_BYTES}"
-            )
-        parts.append(bytes((len(raw),)))
-        parts.append(raw)
-        if mtype is MessageType.LEASE_ACK:
-            parts.append(_F64.pack(extra))
-        elif mtype in (MessageType.LEASE_LOST, MessageType.LEASE_DONE):
-            parts.append(bytes((int(extra),)))  # type: ignore[call-overload]
-    out = b"".join(parts)
-    if len(out) > MAX_MESSAGE_BYTES:
-        raise CodecError(
-            f"message would be {len(out)} bytes; the limit is {MAX_MESSAGE_BYTES}: "
-            "cut it with kvframe.core.wire.split()"
-        )
-    return out
+        head = _HEAD.pack(MAGIC, VERSION, mtype, msg.seq, msg.sent_at, n)
+        head += bytes((int(msg.reason),))
+    return head + struct.pack(f">{n}Q", *msg.handles)
 
 
 def split(msg: Message, max_bytes: int = MAX_MESSAGE_BYTES) -> list[Message]:
-    """Cut ``msg`` into messages of the same type and header (same ``seq``/time) that each
-    encode within ``min(max_bytes, MAX_MESSAGE_BYTES)`` bytes and
-    :data:`MAX_IDS_PER_MESSAGE` entries, keeping the entries' order. A message that already
-    fits comes back alone.
+    """Cut ``msg`` into messages of the same type and header (same ``seq``, time, expiry or
+    reason) that each encode within ``min(max_bytes, MAX_MESSAGE_BYTES)`` bytes and
+    :data:`MAX_HANDLES_PER_MESSAGE` handles, keeping the handles' order. A message that
+    already fits comes back alone.
 
     :param max_bytes: e.g. the transport's ``max_notification_bytes``.
-    :raises CodecError: an id is over :data:`MAX_ID_BYTES`, or one entry alone would not fit
-        ``max_bytes``.
+    :raises CodecError: one handle alone would not fit ``max_bytes``.
     :raises ValueError: ``max_bytes`` is not a positive int.
     """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
     limit = min(max_bytes, MAX_MESSAGE_BYTES)
-    trailer = _TRAILER[type(msg)]
-    bounds: list[int] = []  # index where each chunk after the first starts
-    size = HEADER_BYTES
-    count = 0
-    for i, (rid, _) in enumerate(_entries(msg)):
-        esize = _entry_size(rid, trailer)
-        if HEADER_BYTES + esize > limit:
-            raise CodecError(
-                f"request id {rid[:40]!r} needs {HEADER_BYTES + esize} bytes alone; "
-                f"max_bytes is {limit}"
-            )
-        if count and (size + esize > limit or count == MAX_IDS_PER_MESSAGE):
-            bounds.append(i)
-            size, count = HEADER_BYTES, 0
-        size += esize
-        count += 1
-    if not bounds:
+    head = HEADER_BYTES + _EXTRA[_mtype(msg)]
+    per = min((limit - head) // 8, MAX_HANDLES_PER_MESSAGE)
+    if per < 1:
+        raise CodecError(f"one handle needs {head + 8} bytes in this message; max_bytes is {limit}")
+    handles = msg.handles
+    if len(handles) <= per:
         return [msg]
-    cuts = list(zip([0, *bounds], [*bounds, None], strict=True))
-    if isinstance(msg, Heartbeat):
-        return [attrs.evolve(msg, request_ids=msg.request_ids[a:b]) for a, b in cuts]
-    if isinstance(msg, LeaseAck):
-        return [attrs.evolve(msg, expiries=msg.expiries[a:b]) for a, b in cuts]
-    if isinstance(msg, LeaseDone):
-        return [attrs.evolve(msg, done=msg.done[a:b]) for a, b in cuts]
-    return [attrs.evolve(msg, lost=msg.lost[a:b]) for a, b in cuts]
+    return [attrs.evolve(msg, handles=handles[a : a + per]) for a in range(0, len(handles), per)]
 
 
 def decode(data: bytes | bytearray | memoryview) -> Message:
@@ -396,13 +314,16 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     :raises UnsupportedVersionError: the version byte is not :data:`VERSION`.
     :raises UnknownMessageTypeError: the type byte is not a :class:`MessageType`.
     :raises CodecError: anything else malformed: wrong magic, over
-        :data:`MAX_MESSAGE_BYTES`, truncated, trailing bytes, zero or too many entries, an
-        empty or non-UTF-8 id, repeated ids, a non-finite time, an unknown reason byte, a
-        non-bytes argument. The decoder is stateless and stays usable.
+        :data:`MAX_MESSAGE_BYTES`, truncated, trailing bytes, zero or too many handles, a
+        handle 0 or 1, repeated handles, a non-finite time or expiry, an unknown reason byte,
+        a non-bytes argument. The decoder is stateless and stays usable.
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise CodecError(f"expected bytes, got {type(data).__name__}")
-    buf = bytes(data)
+    try:
+        buf = bytes(data)
+    except ValueError as exc:  # a released memoryview
+        raise CodecError(f"unreadable input: {exc}") from None
     if len(buf) > MAX_MESSAGE_BYTES:
         raise CodecError(f"message is {len(buf)} bytes; the limit is {MAX_MESSAGE_BYTES}")
     if len(buf) < 4:
@@ -417,60 +338,38 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         mtype = MessageType(buf[3])
     except ValueError:
         raise UnknownMessageTypeError(f"unknown heartbeat message type {buf[3]}") from None
-    if len(buf) < HEADER_BYTES:
-        raise CodecError(f"truncated: {len(buf)} bytes, a message header needs {HEADER_BYTES}")
+    head = HEADER_BYTES + _EXTRA[mtype]
+    if len(buf) < head:
+        raise CodecError(f"truncated: {len(buf)} bytes, this message's header needs {head}")
     _, _, _, seq, t, count = _HEAD.unpack_from(buf, 0)
     if not math.isfinite(t):
         raise CodecError(f"time field is not finite: {t!r}")
-    if not 1 <= count <= MAX_IDS_PER_MESSAGE:
-        raise CodecError(f"entry count {count} is outside 1..{MAX_IDS_PER_MESSAGE}")
-    trailer = 0 if mtype is MessageType.HEARTBEAT else 8 if mtype is MessageType.LEASE_ACK else 1
-    pos = HEADER_BYTES
-    ids: list[str] = []
-    expiries: list[tuple[str, float]] = []
-    lost: list[tuple[str, LostReason]] = []
-    done: list[tuple[str, DoneReason]] = []
-    for i in range(count):
-        if pos >= len(buf):
-            raise CodecError(f"truncated: entry {i} of {count} is missing")
-        n = buf[pos]
-        if n == 0:
-            raise CodecError(f"entry {i}: empty request id")
-        end = pos + 1 + n
-        if end + trailer > len(buf):
-            raise CodecError(f"truncated: entry {i} needs {end + trailer} bytes, have {len(buf)}")
-        try:
-            rid = buf[pos + 1 : end].decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise CodecError(f"entry {i}: request id is not valid UTF-8 ({exc.reason})") from None
-        ids.append(rid)
-        if mtype is MessageType.LEASE_ACK:
-            (expiry,) = _F64.unpack_from(buf, end)
-            if not math.isfinite(expiry):
-                raise CodecError(f"entry {i} ({rid!r}): expiry is not finite: {expiry!r}")
-            expiries.append((rid, expiry))
-        elif mtype is MessageType.LEASE_LOST:
-            try:
-                lost.append((rid, LostReason(buf[end])))
-            except ValueError:
-                raise CodecError(f"entry {i} ({rid!r}): unknown reason byte {buf[end]}") from None
-        elif mtype is MessageType.LEASE_DONE:
-            try:
-                done.append((rid, DoneReason(buf[end])))
-            except ValueError:
-                raise CodecError(f"entry {i} ({rid!r}): unknown reason byte {buf[end]}") from None
-        pos = end + trailer
-    if pos != len(buf):
-        raise CodecError(f"{len(buf) - pos} trailing bytes after {count} entries")
-    if len(set(ids)) != len(ids):
-        raise CodecError("repeated request id in one message")
+    if not 1 <= count <= MAX_HANDLES_PER_MESSAGE:
+        raise CodecError(f"handle count {count} is outside 1..{MAX_HANDLES_PER_MESSAGE}")
+    if len(buf) != head + 8 * count:
+        raise CodecError(
+            f"{count} handles need {head + 8 * count} bytes; the message has {len(buf)}"
+        )
+    handles = struct.unpack_from(f">{count}Q", buf, head)
+    if min(handles) < 2:
+        raise CodecError("handle 0 or 1 (reserved) in a message")
+    if len(set(handles)) != count:
+        raise CodecError("repeated handle in one message")
     try:
         if mtype is MessageType.HEARTBEAT:
-            return Heartbeat(seq=seq, sent_at=t, request_ids=tuple(ids))
+            return Heartbeat(seq=seq, sent_at=t, handles=handles)
         if mtype is MessageType.LEASE_ACK:
-            return LeaseAck(echo_seq=seq, holder_now=t, expiries=expiries)
-        if mtype is MessageType.LEASE_DONE:
-            return LeaseDone(seq=seq, sent_at=t, done=done)
-        return LeaseLost(echo_seq=seq, holder_now=t, lost=lost)
+            (expiry,) = _F64.unpack_from(buf, HEADER_BYTES)
+            if not math.isfinite(expiry):
+                raise CodecError(f"expiry is not finite: {expiry!r}")
+            return LeaseAck(echo_seq=seq, holder_now=t, expiry=expiry, handles=handles)
+        code = buf[HEADER_BYTES]
+        if mtype is MessageType.LEASE_LOST:
+            if code not in LostReason._value2member_map_:
+                raise CodecError(f"unknown loss reason byte {code}")
+            return LeaseLost(echo_seq=seq, holder_now=t, reason=LostReason(code), handles=handles)
+        if code not in DoneReason._value2member_map_:
+            raise CodecError(f"unknown done reason byte {code}")
+        return LeaseDone(seq=seq, sent_at=t, reason=DoneReason(code), handles=handles)
     except (ValueError, TypeError) as exc:  # defence in depth: the checks above should cover it
         raise CodecError(f"malformed message: {exc}") from None

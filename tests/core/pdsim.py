@@ -50,7 +50,7 @@ import attrs
 
 from kvframe.core import wire
 from kvframe.core.holder import LeaseHolder
-from kvframe.core.lease import Lease, LeasePolicy, LeaseState
+from kvframe.core.lease import Lease, LeasePolicy, LeaseState, lease_handle
 from kvframe.core.reader import (
     Action,
     LeaseReader,
@@ -259,6 +259,7 @@ class World:
             for name, clock in reader_clocks.items()
         }
         self.leases: dict[str, LeaseRec] = {}
+        self.by_handle: dict[int, str] = {}  # wire handle -> lease id
         self.loads: dict[str, LoadRec] = {}
         self.transfers: list[Transfer] = []
         self.handed: collections.Counter[str] = collections.Counter()
@@ -283,6 +284,7 @@ class World:
         lid = self._id("L")
         self.holder.grant(lid, self.now_h(), self._n)
         self.leases[lid] = LeaseRec(lid=lid, granted=self.t)
+        self.by_handle[lease_handle(lid)] = lid
         return lid
 
     def stale_ticket(self) -> str:
@@ -469,8 +471,8 @@ class World:
         assert action.engine == ENGINE
         msg = action.message
         if isinstance(msg, wire.LeaseDone):
-            for lid, why in msg.done:
-                assert why is wire.DoneReason.RELEASED, f"{side.name} sent a READ notice itself"
+            assert msg.reason is wire.DoneReason.RELEASED, f"{side.name} sent a READ notice itself"
+            for lid in self._lids(msg.handles):
                 flying = [
                     tr.rid for tr in self.flying() if tr.reader == side.name and tr.lid == lid
                 ]
@@ -489,7 +491,8 @@ class World:
         assert not load.ends, f"{load.rid} posted after it ended"
         assert side.ready, f"{load.rid} posted without a connection"
         assert load.transfer is None or load.transfer.state != "flight", "two reads of one load"
-        assert action.notification.done == ((load.lid, wire.DoneReason.READ),)
+        note = action.notification
+        assert (note.reason, note.handles) == (wire.DoneReason.READ, (lease_handle(load.lid),))
         now = self.now_r(side.name)
         bound = side.reader.confirmed_bound(ENGINE, load.lid)
         assert bound - now >= TIMEOUTS.margin - EPS, f"{load.rid} posted with {bound - now} s left"
@@ -547,11 +550,15 @@ class World:
             assert action.reason, f"{load.rid} {action.state.value} without a reason"
 
     # -- the holder -----------------------------------------------------------------------
+    def _lids(self, handles: tuple[int, ...]) -> list[str]:
+        # The lease ids of the handles a message names (leases granted here; others unnamed).
+        return [self.by_handle.get(h, f"<handle {h:#x}>") for h in handles]
+
     def _to_holder(self, reader: str, msg: wire.Message) -> None:
         out = self.holder.receive(reader, msg, self.now_h())
         for reply in out.replies:
             if isinstance(reply, wire.LeaseAck):
-                for lid, _ in reply.expiries:
+                for lid in self._lids(reply.handles):
                     rec = self.leases[lid]
                     if rec.claim is None:
                         rec.claim = reader

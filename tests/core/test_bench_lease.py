@@ -39,10 +39,13 @@ def test_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
         "heartbeat_ids": 100,
         "id_length": 39,
     }
-    assert set(report["results"]) == {"renew", "expire_none_due", "expire_due"}
-    for r in report["results"].values():
-        assert set(r) == {"kvframe_s", "naive_s", "ratio"}
+    assert set(report["results"]) == {"renew", "renew_by_id", "expire_none_due", "expire_due"}
+    pair = {"kvframe_s", "kvframe_p90_s", "naive_s", "naive_p90_s", "ratio"}
+    for name, r in report["results"].items():
+        extra = {"naive_handle_s", "ratio_handle"} if name == "renew" else set()
+        assert set(r) == pair | extra
         assert all(isinstance(v, float) and v >= 0 for v in r.values())
+        assert r["kvframe_p90_s"] >= r["kvframe_s"]
     hb = report["heartbeat"]
     assert set(hb) == {
         "ids",
@@ -52,17 +55,20 @@ def test_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
         "bytes_per_id",
         "msgpack_bytes_per_id",
     }
-    assert hb["bytes_per_id"] == 40.0  # len(id) + 1
-    assert hb["message_bytes"] == 18 + 100 * 40
+    assert hb["bytes_per_id"] == 8.0  # one 64-bit handle per lease, whatever the id
+    assert hb["message_bytes"] == 18 + 100 * 8
+    assert hb["msgpack_bytes_per_id"] == 41.03  # the 39-byte ids (+2, +3 bytes of list header)
 
 
 def test_scale_and_human_table(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run_bench(["--scale", "0.002", "--repeat", "1", "--id-length", "8"], capsys)
     assert status == 0
     assert "200 live leases" in out
-    assert "renew 20 ids" in out
+    assert "renew 20 (by handle)" in out
+    assert "renew 20 (by id)" in out
     assert "expire 2 due" in out
-    assert "9.00 bytes/id" in out
+    assert "8.00 bytes/lease" in out
+    assert "msgpack list: 9.03 bytes/id" in out
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from kvframe.core.heartbeat import (
     StopReason,
     seq_newer_or_equal,
 )
-from kvframe.core.lease import LeasePolicy, LeaseTable, RenewIgnored
+from kvframe.core.lease import LeasePolicy, LeaseTable, RenewIgnored, lease_handle
 from kvframe.errors import ConfigError, InvalidTransitionError, LeaseError
 
 INTERVAL = 5.0
@@ -248,7 +248,11 @@ def test_partition_burst_cannot_prolong_a_lease() -> None:
     t = 0.0
     while t <= 100.0:
         for batch in tracker.due(t + skew):
-            hb = wire.Heartbeat(seq=batch.seq, sent_at=batch.sent_at, request_ids=batch.request_ids)
+            hb = wire.Heartbeat(
+                seq=batch.seq,
+                sent_at=batch.sent_at,
+                handles=[lease_handle(r) for r in batch.request_ids],
+            )
             queued.append((t, wire.encode(hb)))
         partitioned = 30.0 <= t < 61.0
         if not partitioned:
@@ -257,20 +261,23 @@ def test_partition_burst_cannot_prolong_a_lease() -> None:
                 assert isinstance(msg, wire.Heartbeat)
                 mapped = guard.accept("D", msg.seq, msg.sent_at, t)
                 assert mapped is not None
-                res = table.renew(msg.request_ids, t, sent_at=mapped)
-                if res.renewed:
-                    acks.append(
-                        wire.encode(
-                            wire.LeaseAck(
-                                echo_seq=msg.seq, holder_now=t, expiries=res.renewed.items()
-                            )
-                        )
+                res = table.renew_handles(msg.handles, t, sent_at=mapped)
+                if res.min_expiry is not None:
+                    ack = wire.LeaseAck(
+                        echo_seq=msg.seq,
+                        holder_now=t,
+                        expiry=res.min_expiry,
+                        handles=res.renewed.tolist(),
                     )
+                    acks.append(wire.encode(ack))
                 if res.ignored:
-                    lost = [(rid, wire.LostReason.EXPIRED) for rid in res.ignored]
-                    acks.append(
-                        wire.encode(wire.LeaseLost(echo_seq=msg.seq, holder_now=t, lost=lost))
+                    lost = wire.LeaseLost(
+                        echo_seq=msg.seq,
+                        holder_now=t,
+                        reason=wire.LostReason.EXPIRED,
+                        handles=list(res.ignored),
                     )
+                    acks.append(wire.encode(lost))
             queued.clear()
         table.expire(t)
         t += 0.5
@@ -288,11 +295,12 @@ def test_partition_burst_cannot_prolong_a_lease() -> None:
     for a in acks:
         msg = wire.decode(a)
         if isinstance(msg, wire.LeaseAck):
-            local = tracker.rebase_ack("P", msg.echo_seq, msg.holder_now, msg.expiries)
+            assert msg.handles == (lease_handle("a"),)
+            pairs = [("a", msg.expiry)]
+            local = tracker.rebase_ack("P", msg.echo_seq, msg.holder_now, pairs)
             assert local is not None
-            for rid, expiry in msg.expiries:
-                assert local[rid] - skew <= expiry + 1e-6
-                confirmed += 1
+            assert local["a"] - skew <= msg.expiry + 1e-6
+            confirmed += 1
     assert confirmed >= 5
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvframe.core import wire
 from kvframe.core.holder import HolderCounters, HolderOutput, LeaseHolder
-from kvframe.core.lease import LeasePolicy, LeaseState
+from kvframe.core.lease import LeasePolicy, LeaseState, lease_handle
 from kvframe.errors import InvalidTransitionError, LeaseError
 
 POLICY = LeasePolicy.from_duration(6.0)  # duration 6, interval 1, extension 4
@@ -22,12 +22,29 @@ def make() -> LeaseHolder[str]:
     return LeaseHolder(POLICY, max_drift=0.0)
 
 
+NAME: dict[int, str] = {}  # handle -> the lease id a test named it by
+
+
+def H(lid: str) -> int:
+    """The wire handle of lease ``lid`` (remembered, to name the replies' handles)."""
+    NAME[lease_handle(lid)] = lid
+    return lease_handle(lid)
+
+
 def beat(seq: int, sent_at: float, *ids: str) -> wire.Heartbeat:
-    return wire.Heartbeat(seq=seq, sent_at=sent_at, request_ids=ids)
+    return wire.Heartbeat(seq=seq, sent_at=sent_at, handles=[H(i) for i in ids])
 
 
-def done(seq: int, *entries: tuple[str, wire.DoneReason]) -> wire.LeaseDone:
-    return wire.LeaseDone(seq=seq, sent_at=0.0, done=entries)
+def done(seq: int, reason: wire.DoneReason, *ids: str) -> wire.LeaseDone:
+    return wire.LeaseDone(seq=seq, sent_at=0.0, reason=reason, handles=[H(i) for i in ids])
+
+
+def merged(*outs: HolderOutput[str]) -> HolderOutput[str]:
+    """Several calls' outputs as one (one done notice per reason on the wire)."""
+    return HolderOutput(
+        replies=tuple(m for o in outs for m in o.replies),
+        ended=tuple(x for o in outs for x in o.ended),
+    )
 
 
 READ = wire.DoneReason.READ
@@ -35,11 +52,15 @@ RELEASED = wire.DoneReason.RELEASED
 
 
 def acked(out: HolderOutput[str]) -> dict[str, float]:
-    return {rid: x for m in out.replies if isinstance(m, wire.LeaseAck) for rid, x in m.expiries}
+    return {
+        NAME[h]: m.expiry for m in out.replies if isinstance(m, wire.LeaseAck) for h in m.handles
+    }
 
 
 def lost(out: HolderOutput[str]) -> dict[str, wire.LostReason]:
-    return {rid: x for m in out.replies if isinstance(m, wire.LeaseLost) for rid, x in m.lost}
+    return {
+        NAME[h]: m.reason for m in out.replies if isinstance(m, wire.LeaseLost) for h in m.handles
+    }
 
 
 def ended(out: HolderOutput[str]) -> dict[str, LeaseState]:
@@ -52,7 +73,9 @@ def test_a_heartbeat_renews_and_is_acknowledged_with_the_holders_clock() -> None
     h.grant("L", 100.0, "blocks")
     # The reader's clock is 10,000 s behind; the first message seeds the mapping.
     out = h.receive("D1", beat(7, -9_899.0, "L"), 101.0)
-    assert out.replies == (wire.LeaseAck(echo_seq=7, holder_now=101.0, expiries=[("L", 106.0)]),)
+    assert out.replies == (
+        wire.LeaseAck(echo_seq=7, holder_now=101.0, expiry=106.0, handles=[H("L")]),
+    )
     assert out.ended == ()
     # Sent 2 s later on the reader's clock, delayed 1.5 s more than the first: renewed as of
     # its send time (103), not its arrival (104.5).
@@ -66,10 +89,20 @@ def test_a_heartbeat_answers_acks_before_loss_notices() -> None:
     h = make()
     for lid in ("live", "used", "gone", "due"):
         h.grant(lid, 0.0, lid)
-    h.receive("D1", done(1, ("used", READ), ("gone", RELEASED)), 0.5)
+    h.receive("D1", done(1, READ, "used"), 0.5)
+    h.receive("D1", done(1, RELEASED, "gone"), 0.5)
     h.table.renew(["live"], 5.0)  # keep one lease past the others' expiry (6.0)
     out = h.receive("D1", beat(2, 6.0, "live", "used", "gone", "due", "never"), 6.0)
-    assert [type(m).__name__ for m in out.replies] == ["LeaseAck", "LeaseLost"]
+    # The ack first, then one loss notice per reason, in reason order.
+    assert [type(m).__name__ for m in out.replies] == ["LeaseAck", *["LeaseLost"] * 4]
+    assert [m.reason for m in out.replies[1:]] == sorted(  # type: ignore[union-attr]
+        [
+            wire.LostReason.UNKNOWN,
+            wire.LostReason.CONSUMED,
+            wire.LostReason.ABORTED,
+            wire.LostReason.EXPIRED,
+        ]
+    )
     assert acked(out) == {"live": 10.0}
     assert lost(out) == {
         "used": wire.LostReason.CONSUMED,
@@ -151,14 +184,18 @@ def test_lease_done_consumes_or_aborts_and_frees_once() -> None:
     h = make()
     h.grant("r", 0.0, "r-blocks")
     h.grant("x", 0.0, "x-blocks")
-    out = h.receive("D1", done(1, ("r", READ), ("x", RELEASED)), 1.0)
+    out = merged(
+        h.receive("D1", done(1, READ, "r"), 1.0), h.receive("D1", done(1, RELEASED, "x"), 1.0)
+    )
     assert ended(out) == {"r": LeaseState.CONSUMED, "x": LeaseState.ABORTED}
     assert [lease.payload for lease in out.ended] == ["r-blocks", "x-blocks"]
     assert out.replies == ()
     assert h.live_count == 0
     assert h.next_deadline() is None
     # Again (a duplicated notice): nothing ends twice; the reader is told why.
-    out = h.receive("D1", done(2, ("r", READ), ("x", RELEASED), ("n", READ)), 1.5)
+    out = merged(
+        h.receive("D1", done(2, READ, "r", "n"), 1.5), h.receive("D1", done(2, RELEASED, "x"), 1.5)
+    )
     assert out.ended == ()
     assert lost(out) == {
         "r": wire.LostReason.CONSUMED,
@@ -171,7 +208,7 @@ def test_lease_done_consumes_or_aborts_and_frees_once() -> None:
 def test_a_lease_past_its_expiry_but_not_reaped_is_still_consumed() -> None:
     h = make()
     h.grant("L", 0.0, "blocks")
-    out = h.receive("D1", done(1, ("L", READ)), 7.0)
+    out = h.receive("D1", done(1, READ, "L"), 7.0)
     assert ended(out) == {"L": LeaseState.CONSUMED}
     assert h.expire(7.0).ended == ()
 
@@ -184,10 +221,12 @@ def test_the_first_reader_claims_a_lease_and_no_other_can_renew_or_end_it() -> N
     assert h.claimant("L") == "D1"
     out = h.receive("D2", beat(1, 1.0, "L"), 1.0)
     assert out.replies == (
-        wire.LeaseLost(echo_seq=1, holder_now=1.0, lost=[("L", wire.LostReason.CLAIMED)]),
+        wire.LeaseLost(
+            echo_seq=1, holder_now=1.0, reason=wire.LostReason.CLAIMED, handles=[H("L")]
+        ),
     )
     for reason in (READ, RELEASED):
-        out = h.receive("D2", done(2, ("L", reason)), 2.0)
+        out = h.receive("D2", done(2, reason, "L"), 2.0)
         assert out.ended == ()
         assert lost(out) == {"L": wire.LostReason.CLAIMED}
     assert h.table.lease("L").expiry == 6.0  # type: ignore[union-attr]
@@ -196,7 +235,7 @@ def test_the_first_reader_claims_a_lease_and_no_other_can_renew_or_end_it() -> N
         heartbeats=2, heartbeats_stale=0, ids_ignored=1, claimed_elsewhere=3, done_unknown=0
     )
     assert h.take_counts() == {"claimed_elsewhere": 3}
-    out = h.receive("D1", done(3, ("L", READ)), 3.0)
+    out = h.receive("D1", done(3, READ, "L"), 3.0)
     assert ended(out) == {"L": LeaseState.CONSUMED}
     assert h.claimant("L") is None
     assert lost(h.receive("D2", beat(2, 3.5, "L"), 3.5)) == {"L": wire.LostReason.CONSUMED}
@@ -206,7 +245,7 @@ def test_an_unclaimed_lease_is_ended_by_any_reader() -> None:
     h = make()
     h.grant("L", 0.0, "blocks")
     assert h.claimant("L") is None
-    assert ended(h.receive("D2", done(1, ("L", RELEASED)), 0.5)) == {"L": LeaseState.ABORTED}
+    assert ended(h.receive("D2", done(1, RELEASED, "L"), 0.5)) == {"L": LeaseState.ABORTED}
 
 
 def test_a_heartbeat_that_renews_nothing_claims_nothing() -> None:
@@ -247,8 +286,10 @@ def test_the_holder_aborts_a_live_lease_once() -> None:
 def test_messages_sent_the_wrong_way_are_ignored() -> None:
     h = make()
     h.grant("L", 0.0, "blocks")
-    ack = wire.LeaseAck(echo_seq=1, holder_now=0.0, expiries=[("L", 100.0)])
-    notice = wire.LeaseLost(echo_seq=1, holder_now=0.0, lost=[("L", wire.LostReason.UNKNOWN)])
+    ack = wire.LeaseAck(echo_seq=1, holder_now=0.0, expiry=100.0, handles=[H("L")])
+    notice = wire.LeaseLost(
+        echo_seq=1, holder_now=0.0, reason=wire.LostReason.UNKNOWN, handles=[H("L")]
+    )
     assert h.receive("D1", ack, 1.0) == HolderOutput()
     assert h.receive("D1", notice, 1.0) == HolderOutput()
     assert h.table.lease("L").expiry == 6.0  # type: ignore[union-attr]
@@ -257,7 +298,7 @@ def test_messages_sent_the_wrong_way_are_ignored() -> None:
 def test_grant_refuses_a_used_lease_id() -> None:
     h = make()
     h.grant("L", 0.0, "blocks")
-    h.receive("D1", done(1, ("L", READ)), 0.5)
+    h.receive("D1", done(1, READ, "L"), 0.5)
     with pytest.raises(InvalidTransitionError):
         h.grant("L", 1.0, "again")
     assert h.live_count == 0
@@ -270,7 +311,7 @@ def test_a_time_that_is_not_finite_raises_and_changes_nothing(message: str) -> N
     h.grant("M", 0.0, "blocks")
     h.receive("D1", beat(1, 0.0, "L", "M"), 0.0)
     before = (h.claimant("L"), h.claimant("M"), h.table.lease("L"), h.table.lease("M"))
-    msg: wire.Message = beat(2, 0.5, "L", "M") if message == "heartbeat" else done(2, ("L", READ))
+    msg: wire.Message = beat(2, 0.5, "L", "M") if message == "heartbeat" else done(2, READ, "L")
     with pytest.raises(LeaseError):
         h.receive("D1", msg, math.nan)
     after = (h.claimant("L"), h.claimant("M"), h.table.lease("L"), h.table.lease("M"))

@@ -7,7 +7,14 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvframe.core.lease import LeasePolicy, LeaseState, LeaseTable, RenewIgnored
+from kvframe.core.lease import (
+    LeasePolicy,
+    LeaseState,
+    LeaseTable,
+    RenewIgnored,
+    RenewResult,
+    lease_handle,
+)
 from kvframe.errors import InvalidTransitionError
 
 POLICY = LeasePolicy.from_duration(30.0)  # interval 5, extension 20
@@ -72,11 +79,28 @@ class LeaseModel(RuleBasedStateMachine):
         rids=st.lists(st.sampled_from([*IDS, "stranger"]), max_size=6),
         back=st.sampled_from([0.0, 0.0, 2.0, 50.0]),
         delay=st.one_of(st.none(), st.floats(min_value=0.0, max_value=40.0)),
+        by_handle=st.booleans(),
     )
-    def renew(self, rids: list[str], back: float, delay: float | None) -> None:
+    def renew(self, rids: list[str], back: float, delay: float | None, by_handle: bool) -> None:
         now = self._t(self.now - back)
         sent = None if delay is None else self.now - back - delay
-        result = self.table.renew(rids, self.now - back, sent_at=sent)
+        if by_handle:
+            # The bulk path, by handle (distinct, as on the wire): same rules, same answers.
+            distinct = list(dict.fromkeys(rids))
+            named = {lease_handle(r): r for r in distinct}
+            got = self.table.renew_handles(list(named), self.now - back, sent_at=sent)
+            assert len(got.renewed) == len(got.expiries)
+            result = RenewResult(
+                renewed={
+                    named[h]: x
+                    for h, x in zip(got.renewed.tolist(), got.expiries.tolist(), strict=True)
+                },
+                ignored={named[h]: why for h, why in got.ignored.items()},
+            )
+            if got.min_expiry is not None:
+                assert got.min_expiry == min(result.renewed.values())
+        else:
+            result = self.table.renew(rids, self.now - back, sent_at=sent)
         base = now if sent is None else min(sent, now)
         for rid in dict.fromkeys(rids):
             m = self.model.get(rid)

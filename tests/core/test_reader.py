@@ -14,7 +14,7 @@ import attrs
 import pytest
 
 from kvframe.core import wire
-from kvframe.core.lease import LeasePolicy
+from kvframe.core.lease import LeasePolicy, lease_handle
 from kvframe.core.reader import (
     READ_TRANSITIONS,
     Action,
@@ -39,6 +39,23 @@ T = ReaderTimeouts(
 BOUND = 12.0  # peer + confirm + transfer
 DRIFT = 0.01
 HOLDER = 5000.0  # the holder's clock reads 5000 s more than the reader's
+
+
+# Lease ids the tests use, by handle: the wire names leases by handle, the tests by id.
+LEASE_IDS = ["L", "M", "N", "A", "B", "C", "Lw", "Lp", "Lc", "Lr", "Lq"]
+LEASE_IDS += [f"L{i}" for i in range(200)]
+NAME = {lease_handle(lid): lid for lid in LEASE_IDS}
+
+
+def H(lid: str) -> int:
+    """The wire handle of lease ``lid``."""
+    NAME.setdefault(lease_handle(lid), lid)
+    return lease_handle(lid)
+
+
+def names(handles: tuple[int, ...]) -> tuple[str, ...]:
+    """The lease ids of ``handles`` (as the tests name them)."""
+    return tuple(NAME[h] for h in handles)
 
 
 def make(drift: float = DRIFT, remember: int = 65_536) -> LeaseReader:
@@ -66,9 +83,8 @@ def releases(actions: list[Action]) -> list[str]:
     out = []
     for m in sent(actions):
         if isinstance(m, wire.LeaseDone):
-            for lid, why in m.done:
-                assert why is wire.DoneReason.RELEASED
-                out.append(lid)
+            assert m.reason is wire.DoneReason.RELEASED
+            out += names(m.handles)
     return out
 
 
@@ -81,19 +97,19 @@ def ended(actions: list[Action], rid: str = "q") -> LoadEnded:
 def ack(hb: wire.Heartbeat, lid: str, remaining: float, holder_now: float) -> wire.LeaseAck:
     """The holder's answer to ``hb``: ``lid`` lasts ``remaining`` more seconds of its clock."""
     return wire.LeaseAck(
-        echo_seq=hb.seq, holder_now=holder_now, expiries=[(lid, holder_now + remaining)]
+        echo_seq=hb.seq, holder_now=holder_now, expiry=holder_now + remaining, handles=[H(lid)]
     )
 
 
 def lost(lid: str, why: wire.LostReason = wire.LostReason.EXPIRED) -> wire.LeaseLost:
-    return wire.LeaseLost(echo_seq=0, holder_now=HOLDER, lost=[(lid, why)])
+    return wire.LeaseLost(echo_seq=0, holder_now=HOLDER, reason=why, handles=[H(lid)])
 
 
 def confirming(r: LeaseReader, t: float = 0.0, rid: str = "q", lid: str = "L") -> wire.Heartbeat:
     """Connect, add load ``rid`` at ``t``: it asks for a confirmation. Returns the heartbeat."""
     assert r.peer_ready(E, t, incarnation=INC) == []
     hb = heartbeat(r.add(rid, E, lid, t, incarnation=INC))
-    assert hb.request_ids == (lid,)
+    assert names(hb.handles) == (lid,)
     assert hb.sent_at == t
     assert r.state(rid) is ReadState.CONFIRMING
     return hb
@@ -144,7 +160,8 @@ def test_an_ack_confirms_from_the_send_time_shrunk_by_the_drift() -> None:
             notification=wire.LeaseDone(
                 seq=out[0].notification.seq,  # type: ignore[union-attr]
                 sent_at=12.0,
-                done=[("L", wire.DoneReason.READ)],
+                reason=wire.DoneReason.READ,
+                handles=(H("L"),),
             ),
         )
     ]
@@ -181,7 +198,7 @@ def test_a_scheduler_heartbeat_confirms_before_the_load_arrives() -> None:
     r = make()
     r.peer_ready(E, 0.0, incarnation=INC)
     hb = heartbeat(r.heartbeat(E, ["L", "L"], 0.0))
-    assert hb.request_ids == ("L",)
+    assert names(hb.handles) == ("L",)
     assert r.receive(E, ack(hb, "L", 4.0, HOLDER), 0.1) == []
     out = r.add("q", E, "L", 0.2, incarnation=INC)
     assert kinds(out) == ["PostRead"]  # no heartbeat needed
@@ -449,7 +466,7 @@ def test_confirmation_is_resent_then_times_out() -> None:
     for k in range(1, 4):
         assert r.next_deadline() == float(k)
         hb = heartbeat(r.tick(float(k)))
-        assert hb.request_ids == ("L",)
+        assert names(hb.handles) == ("L",)
         assert hb.sent_at == float(k)
         assert hb.seq not in seqs
         seqs.add(hb.seq)
@@ -580,7 +597,7 @@ def test_a_ticket_of_another_instance_reconnects_first() -> None:
     r.peer_lost(E, 0.1)
     hb = heartbeat(r.peer_ready(E, 0.2, incarnation="inc-B"))
     assert r.state("q") is ReadState.CONFIRMING
-    assert hb.request_ids == ("L",)
+    assert names(hb.handles) == ("L",)
 
 
 def test_a_load_whose_holder_restarted_fails_on_the_new_connection() -> None:

@@ -1,11 +1,15 @@
-"""The heartbeat wire format: round trips, limits, splitting, and fuzzing every decoder."""
+"""The heartbeat wire format (version 2, lease handles): round trips, the documented layout,
+limits, splitting, constructor validation, and fuzzing the decoder."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
 import struct
+from typing import Any
 
+import attrs
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -13,106 +17,337 @@ from hypothesis import strategies as st
 from kvframe.core import wire
 from kvframe.errors import CodecError, UnknownMessageTypeError, UnsupportedVersionError
 
-REQUEST_ID = st.text(
-    alphabet=st.characters(blacklist_categories=["Cs"]), min_size=1, max_size=80
-).filter(lambda s: len(s.encode("utf-8")) <= wire.MAX_ID_BYTES)
-IDS = st.lists(REQUEST_ID, min_size=1, max_size=60, unique=True)
-SEQ = st.integers(0, 2**32 - 1)
-TIME = st.floats(allow_nan=False, allow_infinity=False)
+# What the module docstring documents, written out here independently of wire.py's tables.
+KINDS: list[type[Any]] = [wire.Heartbeat, wire.LeaseAck, wire.LeaseLost, wire.LeaseDone]
+TYPE_BYTE = {wire.Heartbeat: 1, wire.LeaseAck: 2, wire.LeaseLost: 3, wire.LeaseDone: 4}
+EXTRA = {wire.Heartbeat: 0, wire.LeaseAck: 8, wire.LeaseLost: 1, wire.LeaseDone: 1}
+SEQ_FIELD = {
+    wire.Heartbeat: "seq",
+    wire.LeaseAck: "echo_seq",
+    wire.LeaseLost: "echo_seq",
+    wire.LeaseDone: "seq",
+}
+TIME_FIELD = {
+    wire.Heartbeat: "sent_at",
+    wire.LeaseAck: "holder_now",
+    wire.LeaseLost: "holder_now",
+    wire.LeaseDone: "sent_at",
+}
+LOST_CODES = {1, 2, 3, 4, 5}
+DONE_CODES = {1, 2}
+U64 = 2**64
 
-HEARTBEATS = st.builds(wire.Heartbeat, seq=SEQ, sent_at=TIME, request_ids=IDS)
-ACKS = st.builds(
-    wire.LeaseAck,
-    echo_seq=SEQ,
-    holder_now=TIME,
-    expiries=IDS.flatmap(lambda ids: st.tuples(*[st.tuples(st.just(i), TIME) for i in ids])),
+HANDLE = st.one_of(st.integers(2, U64 - 1), st.sampled_from([2, 3, U64 - 1, U64 - 2]))
+HANDLES = st.lists(HANDLE, min_size=1, max_size=60, unique=True)
+SEQ = st.integers(0, 2**32 - 1)
+TIME = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.integers(-(2**53), 2**53),  # ints are accepted and travel as f64 (exactly, here)
 )
+
+HEARTBEATS = st.builds(wire.Heartbeat, seq=SEQ, sent_at=TIME, handles=HANDLES)
+ACKS = st.builds(wire.LeaseAck, echo_seq=SEQ, holder_now=TIME, expiry=TIME, handles=HANDLES)
 LOSTS = st.builds(
     wire.LeaseLost,
     echo_seq=SEQ,
     holder_now=TIME,
-    lost=IDS.flatmap(
-        lambda ids: st.tuples(
-            *[st.tuples(st.just(i), st.sampled_from(wire.LostReason)) for i in ids]
-        )
-    ),
+    reason=st.sampled_from(wire.LostReason),
+    handles=HANDLES,
 )
 DONES = st.builds(
-    wire.LeaseDone,
-    seq=SEQ,
-    sent_at=TIME,
-    done=IDS.flatmap(
-        lambda ids: st.tuples(
-            *[st.tuples(st.just(i), st.sampled_from(wire.DoneReason)) for i in ids]
-        )
-    ),
+    wire.LeaseDone, seq=SEQ, sent_at=TIME, reason=st.sampled_from(wire.DoneReason), handles=HANDLES
 )
 MESSAGES = st.one_of(HEARTBEATS, ACKS, LOSTS, DONES)
 
 
-@given(MESSAGES)
-def test_round_trip(msg: wire.Message) -> None:
-    data = wire.encode(msg)
-    assert len(data) == wire.encoded_size(msg)
-    back = wire.decode(data)
-    assert back == msg
-    assert wire.encode(back) == data  # canonical
-    assert wire.decode(bytearray(data)) == msg
-    assert wire.decode(memoryview(data)) == msg
+def build(
+    cls: type[Any],
+    handles: Any,
+    *,
+    seq: Any = 7,
+    t: Any = 2.5,
+    expiry: Any = 30.0,
+    lost: Any = wire.LostReason.EXPIRED,
+    done: Any = wire.DoneReason.READ,
+) -> Any:
+    """A message of type ``cls`` with these handles and header fields."""
+    if cls is wire.Heartbeat:
+        return wire.Heartbeat(seq=seq, sent_at=t, handles=handles)
+    if cls is wire.LeaseAck:
+        return wire.LeaseAck(echo_seq=seq, holder_now=t, expiry=expiry, handles=handles)
+    if cls is wire.LeaseLost:
+        return wire.LeaseLost(echo_seq=seq, holder_now=t, reason=lost, handles=handles)
+    return wire.LeaseDone(seq=seq, sent_at=t, reason=done, handles=handles)
 
 
-@given(st.integers(1, 255), st.integers(1, 100))
-def test_heartbeat_costs_len_plus_one_byte_per_id(length: int, n: int) -> None:
-    n = min(n, (wire.MAX_MESSAGE_BYTES - wire.HEADER_BYTES) // (length + 1))
-    ids = list(dict.fromkeys(f"{i:x}".rjust(length, "-")[-length:] for i in range(n)))
-    msg = wire.Heartbeat(seq=1, sent_at=1.0, request_ids=ids)
-    assert len(wire.encode(msg)) == wire.HEADER_BYTES + len(ids) * (length + 1)
+def header_fields(msg: wire.Message) -> dict[str, Any]:
+    """Every field but the handles."""
+    d = attrs.asdict(msg, recurse=False)
+    del d["handles"]
+    return d
 
 
-def test_layout_is_as_documented() -> None:
-    data = wire.encode(wire.Heartbeat(seq=7, sent_at=2.5, request_ids=["ab", "c"]))
-    assert data == b"KH\x01\x01" + struct.pack(">IdH", 7, 2.5, 2) + b"\x02ab\x01c"
-    ack = wire.encode(wire.LeaseAck(echo_seq=7, holder_now=3.0, expiries=[("ab", 23.0)]))
-    assert ack == b"KH\x01\x02" + struct.pack(">IdH", 7, 3.0, 1) + b"\x02ab" + struct.pack(
-        ">d", 23.0
-    )
-    lost = wire.encode(
-        wire.LeaseLost(echo_seq=7, holder_now=3.0, lost=[("ab", wire.LostReason.EXPIRED)])
-    )
-    assert lost == b"KH\x01\x03" + struct.pack(">IdH", 7, 3.0, 1) + b"\x02ab\x04"
-    done = wire.encode(wire.LeaseDone(seq=8, sent_at=4.0, done=[("ab", wire.DoneReason.READ)]))
-    assert done == b"KH\x01\x04" + struct.pack(">IdH", 8, 4.0, 1) + b"\x02ab\x01"
+def documented_size(msg: wire.Message) -> int:
+    return {wire.Heartbeat: 18, wire.LeaseAck: 26, wire.LeaseLost: 19, wire.LeaseDone: 19}[
+        type(msg)
+    ] + 8 * len(msg.handles)
 
 
-# -- fuzzing: arbitrary bytes raise only CodecError ---------------------------------------------
+def random_handles(n: int, seed: int | str) -> list[int]:
+    """``n`` distinct handles in a random order, from ``seed``."""
+    rng = random.Random(seed)
+    handles: dict[int, None] = {}
+    while len(handles) < n:
+        handles[rng.randrange(2, U64)] = None
+    return list(handles)
 
 
 def decode_or_codec_error(data: bytes) -> wire.Message | None:
+    """The decoded message, or None for a CodecError (anything else propagates and fails)."""
     try:
-        return wire.decode(data)
+        msg = wire.decode(data)
     except CodecError:
         return None
+    # Anything accepted is canonical: it encodes back to exactly the bytes it came from.
+    assert wire.encode(msg) == bytes(data)
+    return msg
+
+
+# -- constants and round trips ------------------------------------------------------------------
+
+
+def test_documented_constants() -> None:
+    assert wire.MAGIC == b"KH"
+    assert wire.VERSION == 2
+    assert wire.HEADER_BYTES == 18
+    assert wire.MAX_HANDLES_PER_MESSAGE == 1024
+    assert wire.MAX_IDS_PER_MESSAGE == wire.MAX_HANDLES_PER_MESSAGE
+    assert wire.MAX_MESSAGE_BYTES == 16 * 1024
+    assert {t.name: t.value for t in wire.MessageType} == {
+        "HEARTBEAT": 1,
+        "LEASE_ACK": 2,
+        "LEASE_LOST": 3,
+        "LEASE_DONE": 4,
+    }
+    assert {r.name: r.value for r in wire.LostReason} == {
+        "UNKNOWN": 1,
+        "CONSUMED": 2,
+        "ABORTED": 3,
+        "EXPIRED": 4,
+        "CLAIMED": 5,
+    }
+    assert {r.name: r.value for r in wire.DoneReason} == {"READ": 1, "RELEASED": 2}
+    for name in wire.__all__:
+        assert hasattr(wire, name), name
+
+
+@given(MESSAGES)
+@example(wire.Heartbeat(seq=0, sent_at=-0.0, handles=[2]))
+@example(wire.LeaseAck(echo_seq=2**32 - 1, holder_now=5e-324, expiry=-1e308, handles=[U64 - 1]))
+@example(wire.LeaseLost(echo_seq=1, holder_now=1.0, reason=wire.LostReason.CLAIMED, handles=[3]))
+@example(wire.LeaseDone(seq=1, sent_at=1.0, reason=wire.DoneReason.RELEASED, handles=[2, 3]))
+def test_round_trip(msg: wire.Message) -> None:
+    data = wire.encode(msg)
+    assert isinstance(data, bytes)
+    assert len(data) == wire.encoded_size(msg) == documented_size(msg)
+    back = wire.decode(data)
+    assert type(back) is type(msg)
+    assert back == msg
+    assert back.handles == tuple(msg.handles)  # order kept
+    assert wire.encode(back) == data  # canonical (keeps -0.0 and every float bit)
+    assert wire.decode(bytearray(data)) == msg
+    assert wire.decode(memoryview(data)) == msg
+    assert wire.decode(memoryview(b"xx" + data + b"yy")[2:-2]) == msg
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_round_trip_at_the_handle_limit(cls: type[Any]) -> None:
+    handles = random_handles(wire.MAX_HANDLES_PER_MESSAGE, cls.__name__)
+    msg = build(cls, handles)
+    data = wire.encode(msg)
+    assert len(data) == 18 + EXTRA[cls] + 8 * 1024 <= wire.MAX_MESSAGE_BYTES
+    assert wire.decode(data) == msg
+
+
+# -- the documented byte layout -----------------------------------------------------------------
+
+
+def test_layout_literal_bytes() -> None:
+    """Fixed messages against hand-written bytes (big-endian, offsets as documented)."""
+    h1 = 0x0102030405060708
+    handles_bytes = bytes.fromhex("0102030405060708") + bytes.fromhex("0000000000000002")
+    seq_bytes = bytes.fromhex("0a0b0c0d")
+    t_bytes = bytes.fromhex("4004000000000000")  # 2.5 as a big-endian f64
+    count = b"\x00\x02"
+
+    hb = wire.encode(wire.Heartbeat(seq=0x0A0B0C0D, sent_at=2.5, handles=[h1, 2]))
+    assert hb == b"KH\x02\x01" + seq_bytes + t_bytes + count + handles_bytes
+    assert len(hb) == 18 + 16
+
+    ack = wire.encode(
+        wire.LeaseAck(echo_seq=0x0A0B0C0D, holder_now=2.5, expiry=-2.0, handles=[h1, 2])
+    )
+    expiry_bytes = bytes.fromhex("c000000000000000")  # -2.0
+    assert ack == b"KH\x02\x02" + seq_bytes + t_bytes + count + expiry_bytes + handles_bytes
+    assert len(ack) == 26 + 16
+
+    for code, reason in [(1, wire.LostReason.UNKNOWN), (5, wire.LostReason.CLAIMED)]:
+        lost = wire.encode(
+            wire.LeaseLost(echo_seq=0x0A0B0C0D, holder_now=2.5, reason=reason, handles=[h1, 2])
+        )
+        assert lost == b"KH\x02\x03" + seq_bytes + t_bytes + count + bytes([code]) + handles_bytes
+        assert len(lost) == 19 + 16
+
+    for code, dreason in [(1, wire.DoneReason.READ), (2, wire.DoneReason.RELEASED)]:
+        done = wire.encode(
+            wire.LeaseDone(seq=0x0A0B0C0D, sent_at=2.5, reason=dreason, handles=[h1, 2])
+        )
+        assert done == b"KH\x02\x04" + seq_bytes + t_bytes + count + bytes([code]) + handles_bytes
+        assert len(done) == 19 + 16
+
+
+@given(MESSAGES)
+def test_layout_offsets_as_documented(msg: wire.Message) -> None:
+    """Every field read back with ``struct`` at the docstring's offsets."""
+    data = wire.encode(msg)
+    cls = type(msg)
+    n = len(msg.handles)
+    assert data[0:2] == b"KH"
+    assert data[2] == 2
+    assert data[3] == TYPE_BYTE[cls]
+    assert struct.unpack_from(">I", data, 4)[0] == getattr(msg, SEQ_FIELD[cls])
+    t = getattr(msg, TIME_FIELD[cls])
+    assert data[8:16] == struct.pack(">d", t)
+    assert struct.unpack_from(">H", data, 16)[0] == n
+    start = 18 + EXTRA[cls]
+    if isinstance(msg, wire.LeaseAck):
+        assert data[18:26] == struct.pack(">d", msg.expiry)
+    elif isinstance(msg, wire.LeaseLost | wire.LeaseDone):
+        assert data[18] == msg.reason.value
+    assert len(data) == start + 8 * n
+    for i, h in enumerate(msg.handles):
+        assert data[start + 8 * i : start + 8 * i + 8] == h.to_bytes(8, "big")
+
+
+@given(st.sampled_from(KINDS), st.integers(1, wire.MAX_HANDLES_PER_MESSAGE))
+@example(wire.Heartbeat, 1)
+@example(wire.LeaseAck, 1024)
+def test_size_formula(cls: type[Any], n: int) -> None:
+    msg = build(cls, range(2, 2 + n))
+    expected = {wire.Heartbeat: 18, wire.LeaseAck: 26, wire.LeaseLost: 19, wire.LeaseDone: 19}[
+        cls
+    ] + 8 * n
+    assert wire.encoded_size(msg) == expected
+    assert len(wire.encode(msg)) == expected
+
+
+def test_encoded_size_needs_no_limit() -> None:
+    """encoded_size does not check limits (encode would refuse this one)."""
+    msg = wire.Heartbeat(seq=0, sent_at=0.0, handles=range(2, 2 + 5000))
+    assert wire.encoded_size(msg) == 18 + 8 * 5000
+
+
+# -- fuzzing: any input raises only CodecError --------------------------------------------------
 
 
 @given(st.binary(max_size=400))
 @example(b"")
+@example(b"K")
 @example(b"KH")
-@example(b"KH\x01\x01")
+@example(b"KH\x02")
+@example(b"KH\x02\x01")
+@example(b"KH\x02\x01" + b"\x00" * 14)
+@example(b"KH\x02\x02" + b"\x00" * 22)
+@example(b"KH\x02\x03" + b"\x00" * 15)
 @example(b"KH\x01\x01" + b"\x00" * 14)
 def test_arbitrary_bytes(data: bytes) -> None:
     decode_or_codec_error(data)
 
 
 @given(st.sampled_from([t.value for t in wire.MessageType]), st.binary(max_size=300))
-def test_arbitrary_bodies_behind_a_valid_header(mtype: int, body: bytes) -> None:
-    msg = decode_or_codec_error(b"KH\x01" + bytes([mtype]) + body)
-    if msg is not None:
-        assert wire.encode(msg) == b"KH\x01" + bytes([mtype]) + body
+def test_arbitrary_bodies_behind_a_valid_prefix(mtype: int, body: bytes) -> None:
+    decode_or_codec_error(b"KH\x02" + bytes([mtype]) + body)
+
+
+F64_BITS = st.one_of(
+    st.floats().map(lambda f: struct.pack(">d", f)),  # includes nan and +-inf
+    st.integers(0, U64 - 1).map(lambda b: b.to_bytes(8, "big")),  # any bit pattern
+)
+RAW_HANDLES = st.lists(
+    st.one_of(st.sampled_from([0, 1, 2, 3, U64 - 1]), st.integers(0, U64 - 1)), max_size=20
+)
+
+
+@given(
+    mtype=st.sampled_from(KINDS),
+    seq=SEQ,
+    t_bits=F64_BITS,
+    expiry_bits=F64_BITS,
+    reason=st.one_of(st.integers(0, 255), st.sampled_from([1, 2, 5])),
+    handles=RAW_HANDLES,
+    count=st.one_of(st.none(), st.integers(0, 65535)),
+)
+def test_near_valid_messages_decode_exactly_when_valid(
+    mtype: type[Any],
+    seq: int,
+    t_bits: bytes,
+    expiry_bits: bytes,
+    reason: int,
+    handles: list[int],
+    count: int | None,
+) -> None:
+    """Well-framed bytes with random field values: decode accepts them exactly when every field
+    is valid, and then yields the message with those fields."""
+    n = len(handles) if count is None else count
+    extra = {
+        wire.Heartbeat: b"",
+        wire.LeaseAck: expiry_bits,
+        wire.LeaseLost: bytes([reason]),
+        wire.LeaseDone: bytes([reason]),
+    }[mtype]
+    raw = (
+        b"KH\x02"
+        + bytes([TYPE_BYTE[mtype]])
+        + struct.pack(">I", seq)
+        + t_bits
+        + struct.pack(">H", n)
+        + extra
+        + b"".join(h.to_bytes(8, "big") for h in handles)
+    )
+    (t,) = struct.unpack(">d", t_bits)
+    (expiry,) = struct.unpack(">d", expiry_bits)
+    valid = (
+        math.isfinite(t)
+        and 1 <= n <= 1024
+        and n == len(handles)
+        and min(handles) >= 2
+        and len(set(handles)) == len(handles)
+        and (mtype is not wire.LeaseAck or math.isfinite(expiry))
+        and (mtype is not wire.LeaseLost or reason in LOST_CODES)
+        and (mtype is not wire.LeaseDone or reason in DONE_CODES)
+    )
+    if not valid:
+        with pytest.raises(CodecError) as info:
+            wire.decode(raw)
+        assert not isinstance(info.value, UnsupportedVersionError | UnknownMessageTypeError)
+        return
+    msg = wire.decode(raw)
+    assert msg == build(
+        mtype,
+        handles,
+        seq=seq,
+        t=t,
+        expiry=expiry,
+        lost=wire.LostReason(reason) if reason in LOST_CODES else None,
+        done=wire.DoneReason(reason) if reason in DONE_CODES else None,
+    )
+    assert wire.encode(msg) == raw
 
 
 @given(MESSAGES, st.data())
 def test_mutated_messages(msg: wire.Message, data: st.DataObject) -> None:
-    raw = bytearray(wire.encode(msg))
+    good = wire.encode(msg)
+    raw = bytearray(good)
     how = data.draw(st.sampled_from(["flip", "truncate", "extend", "splice"]))
     if how == "flip":
         i = data.draw(st.integers(0, len(raw) - 1))
@@ -124,143 +359,362 @@ def test_mutated_messages(msg: wire.Message, data: st.DataObject) -> None:
     else:
         i = data.draw(st.integers(0, len(raw)))
         raw[i:i] = data.draw(st.binary(min_size=1, max_size=10))
-    decode_or_codec_error(bytes(raw))
+    back = decode_or_codec_error(bytes(raw))
+    if how in ("truncate", "extend"):
+        assert back is None  # the count no longer matches the length
+    assert wire.decode(good) == msg  # the decoder is stateless and stays usable
 
 
-def test_precise_decode_errors() -> None:
-    good = wire.encode(wire.Heartbeat(seq=1, sent_at=1.0, request_ids=["a"]))
-    with pytest.raises(UnsupportedVersionError, match="version 2"):
-        wire.decode(good[:2] + b"\x02" + good[3:])
-    with pytest.raises(UnknownMessageTypeError, match="type 9"):
-        wire.decode(good[:3] + b"\x09" + good[4:])
-    cases = {
-        "bad magic": b"XX" + good[2:],
-        "truncated": good[:-1],
-        "trailing": good + b"\x00",
-        "entry count 0": good[:16] + b"\x00\x00",
-        "empty request id": good[:18] + b"\x00",
-        "not valid UTF-8": good[:18] + b"\x01\xff",
-        "not finite": good[:8] + struct.pack(">d", math.nan) + good[16:],
-        "repeated": good[:16] + b"\x00\x02\x01a\x01a",
-        "limit is": good + b"\x00" * wire.MAX_MESSAGE_BYTES,
-        "expected bytes": "KH",
-    }
-    for what, data in cases.items():
-        with pytest.raises(CodecError, match=what):
-            wire.decode(data)  # type: ignore[arg-type]
-    lost = bytearray(
-        wire.encode(
-            wire.LeaseLost(echo_seq=1, holder_now=1.0, lost=[("a", wire.LostReason.UNKNOWN)])
-        )
+# -- precise errors -----------------------------------------------------------------------------
+
+
+def good_bytes(cls: type[Any], handles: Any = (2,)) -> bytes:
+    return wire.encode(build(cls, handles))
+
+
+def assert_plain_codec_error(data: Any, match: str) -> None:
+    with pytest.raises(CodecError, match=match) as info:
+        wire.decode(data)
+    assert not isinstance(info.value, UnsupportedVersionError | UnknownMessageTypeError)
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_version_and_type_errors(cls: type[Any]) -> None:
+    good = good_bytes(cls)
+    for version in (0, 1, 3, 255):
+        with pytest.raises(UnsupportedVersionError, match=f"version {version} "):
+            wire.decode(good[:2] + bytes([version]) + good[3:])
+    for mtype in (0, 5, 9, 255):
+        with pytest.raises(UnknownMessageTypeError, match=f"type {mtype}"):
+            wire.decode(good[:3] + bytes([mtype]) + good[4:])
+    assert_plain_codec_error(b"XX" + good[2:], "bad magic")
+    assert_plain_codec_error(b"HK" + good[2:], "bad magic")
+
+
+def test_version_1_messages_are_refused() -> None:
+    """Real version-1 bytes (request ids instead of handles) are unsupported, not misread."""
+    v1_heartbeat = b"KH\x01\x01" + struct.pack(">IdH", 7, 2.5, 2) + b"\x02ab\x01c"
+    v1_ack = b"KH\x01\x02" + struct.pack(">IdH", 7, 3.0, 1) + b"\x02ab" + struct.pack(">d", 23.0)
+    v1_lost = b"KH\x01\x03" + struct.pack(">IdH", 7, 3.0, 1) + b"\x02ab\x04"
+    v1_done = b"KH\x01\x04" + struct.pack(">IdH", 8, 4.0, 1) + b"\x02ab\x01"
+    for data in (v1_heartbeat, v1_ack, v1_lost, v1_done):
+        with pytest.raises(UnsupportedVersionError, match="version 1 "):
+            wire.decode(data)
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_truncated_headers(cls: type[Any]) -> None:
+    good = good_bytes(cls)
+    for length in range(18 + EXTRA[cls]):
+        assert_plain_codec_error(good[:length], "truncated")
+
+
+def with_count(raw: bytes, count: int) -> bytes:
+    """``raw`` with its count field (offset 16, u16) replaced."""
+    return raw[:16] + struct.pack(">H", count) + raw[18:]
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_count_and_length_errors(cls: type[Any]) -> None:
+    head = 18 + EXTRA[cls]
+    one = good_bytes(cls)
+    assert_plain_codec_error(with_count(one, 0), "handle count 0 ")
+    assert_plain_codec_error(with_count(one, 0)[:head], "handle count 0 ")
+    many = good_bytes(cls, range(2, 2 + 1024))
+    assert_plain_codec_error(
+        with_count(many, 1025) + (5000).to_bytes(8, "big"), "handle count 1025 "
     )
-    lost[-1] = 9
-    with pytest.raises(CodecError, match="reason byte 9"):
-        wire.decode(bytes(lost))
-    done = bytearray(
-        wire.encode(wire.LeaseDone(seq=1, sent_at=1.0, done=[("a", wire.DoneReason.RELEASED)]))
+    assert_plain_codec_error(with_count(one, 65535), "handle count 65535 ")
+    n = head + 8
+    assert_plain_codec_error(one + b"\x00", f"1 handles need {n} bytes; the message has {n + 1}")
+    assert_plain_codec_error(one[:-1], f"1 handles need {n} bytes; the message has {n - 1}")
+    assert_plain_codec_error(one[:head], f"1 handles need {n} bytes; the message has {head}")
+    assert_plain_codec_error(with_count(one, 2), f"2 handles need {n + 8} bytes")
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_handle_errors(cls: type[Any]) -> None:
+    head = 18 + EXTRA[cls]
+    good = good_bytes(cls, [5, 6, 7])
+    for bad in (0, 1):
+        for pos in range(3):
+            at = head + 8 * pos
+            raw = good[:at] + bad.to_bytes(8, "big") + good[at + 8 :]
+            assert_plain_codec_error(raw, "handle 0 or 1")
+    for raw in (
+        good[: head + 8] + (5).to_bytes(8, "big") + good[head + 16 :],  # 5 5 7
+        good[: head + 16] + (5).to_bytes(8, "big"),  # 5 6 5
+        good[: head + 16] + (6).to_bytes(8, "big"),  # 5 6 6
+    ):
+        assert_plain_codec_error(raw, "repeated handle")
+
+
+@pytest.mark.parametrize("cls", KINDS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_times(cls: type[Any], bad: float) -> None:
+    good = good_bytes(cls)
+    assert_plain_codec_error(
+        good[:8] + struct.pack(">d", bad) + good[16:], "time field is not finite"
     )
-    done[-1] = 3
-    with pytest.raises(CodecError, match="reason byte 3"):
-        wire.decode(bytes(done))
-    ack = bytearray(wire.encode(wire.LeaseAck(echo_seq=1, holder_now=1.0, expiries=[("a", 1.0)])))
-    ack[-8:] = struct.pack(">d", math.inf)
-    with pytest.raises(CodecError, match="expiry is not finite"):
-        wire.decode(bytes(ack))
+    if cls is wire.LeaseAck:
+        raw = good[:18] + struct.pack(">d", bad) + good[26:]
+        assert_plain_codec_error(raw, "expiry is not finite")
+
+
+def test_signalling_nan_bits_are_refused() -> None:
+    good = good_bytes(wire.LeaseAck)
+    snan = bytes.fromhex("7ff0000000000001")
+    assert_plain_codec_error(good[:8] + snan + good[16:], "time field is not finite")
+    assert_plain_codec_error(good[:18] + snan + good[26:], "expiry is not finite")
+
+
+def test_unknown_reason_bytes() -> None:
+    lost = good_bytes(wire.LeaseLost)
+    for code in range(256):
+        raw = lost[:18] + bytes([code]) + lost[19:]
+        if code in LOST_CODES:
+            assert wire.decode(raw).reason == wire.LostReason(code)  # type: ignore[union-attr]
+        else:
+            assert_plain_codec_error(raw, f"unknown loss reason byte {code}$")
+    done = good_bytes(wire.LeaseDone)
+    for code in range(256):
+        raw = done[:18] + bytes([code]) + done[19:]
+        if code in DONE_CODES:
+            assert wire.decode(raw).reason == wire.DoneReason(code)  # type: ignore[union-attr]
+        else:
+            assert_plain_codec_error(raw, f"unknown done reason byte {code}$")
+
+
+@pytest.mark.parametrize("data", ["KH", None, 42, [75, 72, 2, 1], bytes, 3.5, object()])
+def test_non_bytes_input(data: object) -> None:
+    assert_plain_codec_error(data, "expected bytes")
+
+
+def test_oversized_input() -> None:
+    good = good_bytes(wire.Heartbeat)
+    limit = wire.MAX_MESSAGE_BYTES
+    assert_plain_codec_error(
+        good + b"\x00" * (limit - len(good) + 1), f"{limit + 1} bytes; the limit is {limit}"
+    )
+    assert_plain_codec_error(b"\x00" * (10 * limit), "the limit is 16384")
+    assert_plain_codec_error(bytearray(limit + 1), "the limit is 16384")
+    # Exactly the limit is not refused for its size (but for its length: count says 1 handle).
+    assert_plain_codec_error(good + b"\x00" * (limit - len(good)), "1 handles need 26 bytes")
 
 
 # -- limits and splitting -----------------------------------------------------------------------
 
 
-def test_encode_refuses_oversized_input_and_points_to_split() -> None:
-    with pytest.raises(CodecError, match=r"256 UTF-8 bytes.*at most 255"):
-        wire.encode(wire.Heartbeat(seq=1, sent_at=0.0, request_ids=["x" * 256]))
-    many = [f"r{i}" for i in range(wire.MAX_IDS_PER_MESSAGE + 1)]
-    with pytest.raises(CodecError, match=r"1025 entries.*split\(\)"):
-        wire.encode(wire.Heartbeat(seq=1, sent_at=0.0, request_ids=many))
-    big = [f"{i:0200d}" for i in range(100)]
-    with pytest.raises(CodecError, match=r"bytes; the limit is 16384.*split\(\)"):
-        wire.encode(wire.Heartbeat(seq=1, sent_at=0.0, request_ids=big))
-    with pytest.raises(TypeError, match="not a wire message"):
-        wire.encode("hello")  # type: ignore[arg-type]
+@pytest.mark.parametrize("cls", KINDS)
+def test_encode_refuses_too_many_handles_and_points_to_split(cls: type[Any]) -> None:
+    too_many = build(cls, range(2, 2 + wire.MAX_HANDLES_PER_MESSAGE + 1))
+    with pytest.raises(
+        CodecError, match=r"1025 handles in one message; the limit is 1024.*split\(\)"
+    ):
+        wire.encode(too_many)
+    parts = wire.split(too_many)
+    assert [len(p.handles) for p in parts] == [1024, 1]
+    assert wire.encode(build(cls, range(2, 2 + wire.MAX_HANDLES_PER_MESSAGE)))
+
+
+def test_non_messages_are_type_errors() -> None:
+    for fn in (wire.encode, wire.encoded_size, wire.split):
+        with pytest.raises(TypeError, match="not a wire message: str"):
+            fn("hello")  # type: ignore[operator]
+
+    @attrs.frozen(kw_only=True)
+    class Lookalike:
+        seq: int = 1
+        sent_at: float = 0.0
+        handles: tuple[int, ...] = (2,)
+
+    with pytest.raises(TypeError, match="not a wire message: Lookalike"):
+        wire.encode(Lookalike())  # type: ignore[arg-type]
 
 
 @given(
-    st.lists(REQUEST_ID, min_size=1, max_size=400, unique=True),
-    st.integers(min_value=18 + 256, max_value=20_000),
+    cls=st.sampled_from(KINDS),
+    n=st.integers(1, 3000),
+    seed=st.integers(0, 2**32),
+    room=st.one_of(st.integers(0, 20_000), st.integers(0, 17)),
 )
-def test_split_preserves_entries_and_fits(ids: list[str], max_bytes: int) -> None:
-    msg = wire.Heartbeat(seq=3, sent_at=9.0, request_ids=ids)
+@example(cls=wire.Heartbeat, n=1024, seed=0, room=16_384 - 26)
+@example(cls=wire.Heartbeat, n=1025, seed=0, room=10**9)
+@example(cls=wire.LeaseAck, n=3, seed=0, room=0)
+@example(cls=wire.LeaseLost, n=3, seed=0, room=16)
+@example(cls=wire.LeaseDone, n=2000, seed=0, room=16_384)
+def test_split_keeps_order_and_header_and_fits(
+    cls: type[Any], n: int, seed: int, room: int
+) -> None:
+    max_bytes = 18 + EXTRA[cls] + 8 + room  # room for one handle, and `room` bytes more
+    msg = build(cls, random_handles(n, seed), seq=n, t=-float(seed), expiry=seed * 0.5)
     parts = wire.split(msg, max_bytes)
-    assert [rid for p in parts for rid in p.request_ids] == ids  # type: ignore[union-attr]
+    limit = min(max_bytes, wire.MAX_MESSAGE_BYTES)
+    assert [h for p in parts for h in p.handles] == list(msg.handles)
     for p in parts:
-        assert isinstance(p, wire.Heartbeat)
-        assert (p.seq, p.sent_at) == (3, 9.0)
+        assert type(p) is cls
+        assert header_fields(p) == header_fields(msg)
+        assert 1 <= len(p.handles) <= wire.MAX_HANDLES_PER_MESSAGE
         data = wire.encode(p)
-        assert len(data) <= min(max_bytes, wire.MAX_MESSAGE_BYTES)
-    if len(parts) == 1:
+        assert len(data) <= limit
+        assert wire.decode(data) == p
+    fits = n <= wire.MAX_HANDLES_PER_MESSAGE and documented_size(msg) <= limit
+    if fits:
+        assert parts == [msg]
         assert parts[0] is msg
-    else:  # greedy: each part but the last was full (the next id would not have fitted)
+    else:
+        assert len(parts) >= 2
+        # Greedy: each part but the last is full (one more handle would break a limit).
         for part, nxt in itertools.pairwise(parts):
-            grown = wire.Heartbeat(
-                seq=3,
-                sent_at=9.0,
-                request_ids=(*part.request_ids, nxt.request_ids[0]),  # type: ignore[union-attr]
+            grown = attrs.evolve(part, handles=(*part.handles, nxt.handles[0]))
+            assert (
+                len(grown.handles) > wire.MAX_HANDLES_PER_MESSAGE
+                or wire.encoded_size(grown) > limit
             )
-            assert wire.encoded_size(grown) > min(max_bytes, wire.MAX_MESSAGE_BYTES)
 
 
-def test_split_respects_the_id_count_limit_and_every_type() -> None:
-    ids = [f"r{i}" for i in range(2500)]
-    parts = wire.split(wire.Heartbeat(seq=0, sent_at=0.0, request_ids=ids))
-    assert [len(p.request_ids) for p in parts] == [1024, 1024, 452]  # type: ignore[union-attr]
-    acks = wire.split(
-        wire.LeaseAck(echo_seq=0, holder_now=0.0, expiries=[(i, 1.0) for i in ids]), 1000
+def test_split_examples_for_every_type() -> None:
+    handles = list(range(2, 2 + 2500))
+    hb = wire.split(wire.Heartbeat(seq=0, sent_at=0.0, handles=handles))
+    assert [len(p.handles) for p in hb] == [1024, 1024, 452]
+    acks = wire.split(build(wire.LeaseAck, handles), 1000)  # (1000 - 26) // 8 = 121 per part
+    assert [len(p.handles) for p in acks] == [121] * 20 + [80]
+    assert all(p.expiry == 30.0 for p in acks)  # type: ignore[union-attr]
+    losts = wire.split(build(wire.LeaseLost, handles, lost=wire.LostReason.CLAIMED), 500)
+    assert [len(p.handles) for p in losts] == [60] * 41 + [40]  # (500 - 19) // 8 = 60
+    assert {p.reason for p in losts} == {wire.LostReason.CLAIMED}  # type: ignore[union-attr]
+    dones = wire.split(build(wire.LeaseDone, handles, done=wire.DoneReason.RELEASED), 700)
+    assert [len(p.handles) for p in dones] == [85] * 29 + [35]  # (700 - 19) // 8 = 85
+    assert {p.reason for p in dones} == {wire.DoneReason.RELEASED}  # type: ignore[union-attr]
+    # A limit above MAX_MESSAGE_BYTES changes nothing.
+    assert wire.split(build(wire.LeaseAck, handles), 10**9) == wire.split(
+        build(wire.LeaseAck, handles), wire.MAX_MESSAGE_BYTES
     )
-    assert all(len(wire.encode(a)) <= 1000 for a in acks)
-    assert sum(len(a.expiries) for a in acks) == 2500  # type: ignore[union-attr]
-    losts = wire.split(
-        wire.LeaseLost(echo_seq=0, holder_now=0.0, lost=[(i, wire.LostReason(1)) for i in ids]),
-        500,
-    )
-    assert sum(len(x.lost) for x in losts) == 2500  # type: ignore[union-attr]
-    dones = wire.split(
-        wire.LeaseDone(seq=0, sent_at=0.0, done=[(i, wire.DoneReason.READ) for i in ids]), 700
-    )
-    assert all(isinstance(d, wire.LeaseDone) and d.seq == 0 for d in dones)
-    assert sum(len(d.done) for d in dones) == 2500  # type: ignore[union-attr]
-    with pytest.raises(CodecError, match="alone"):
-        wire.split(wire.Heartbeat(seq=0, sent_at=0.0, request_ids=["x" * 100]), 100)
-    with pytest.raises(ValueError, match="max_bytes"):
-        wire.split(wire.Heartbeat(seq=0, sent_at=0.0, request_ids=["x"]), 0)
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_split_needs_room_for_one_handle(cls: type[Any]) -> None:
+    one = 18 + EXTRA[cls] + 8
+    msg = build(cls, [2, 3, 4])
+    assert [p.handles for p in wire.split(msg, one)] == [(2,), (3,), (4,)]
+    assert [p.handles for p in wire.split(msg, one + 7)] == [(2,), (3,), (4,)]
+    assert [p.handles for p in wire.split(msg, one + 8)] == [(2, 3), (4,)]
+    assert [p.handles for p in wire.split(msg, one + 15)] == [(2, 3), (4,)]
+    assert [p.handles for p in wire.split(msg, one + 16)] == [(2, 3, 4)]
+    for too_small in (one - 1, 18, 1):
+        with pytest.raises(CodecError, match=f"one handle needs {one} bytes"):
+            wire.split(msg, too_small)
+        with pytest.raises(CodecError, match=f"one handle needs {one} bytes"):
+            wire.split(build(cls, [2]), too_small)
+
+
+@pytest.mark.parametrize("bad", [0, -1, -(10**9), True, False, 100.0, "100", None, 2.5])
+def test_split_bad_max_bytes(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_bytes must be a positive int") as info:
+        wire.split(wire.Heartbeat(seq=0, sent_at=0.0, handles=[2]), bad)  # type: ignore[arg-type]
+    assert not isinstance(info.value, CodecError)
+
+
+# -- constructors validate ----------------------------------------------------------------------
+
+
+def kwargs_for(cls: type[Any], **override: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {SEQ_FIELD[cls]: 0, TIME_FIELD[cls]: 0.0, "handles": [2]}
+    if cls is wire.LeaseAck:
+        base["expiry"] = 1.0
+    elif cls is wire.LeaseLost:
+        base["reason"] = wire.LostReason.UNKNOWN
+    elif cls is wire.LeaseDone:
+        base["reason"] = wire.DoneReason.READ
+    base.update(override)
+    return base
+
+
+BAD_SEQS = [-1, 2**32, 2**64, True, False, 1.0, "1", None]
+BAD_TIMES = [math.nan, math.inf, -math.inf, True, "1.0", None, b"1"]
+BAD_HANDLES: list[tuple[object, str]] = [
+    ([], "needs at least one handle"),
+    ((), "needs at least one handle"),
+    ([2, 3, 2], "must be distinct"),
+    ([0], r"\[2, 2\*\*64\), got 0"),
+    ([1], r"\[2, 2\*\*64\), got 1"),
+    ([-5], r"\[2, 2\*\*64\), got -5"),
+    ([2**64], r"\[2, 2\*\*64\), got 18446744073709551616"),
+    ([True], r"\[2, 2\*\*64\), got True"),
+    ([2.0], r"\[2, 2\*\*64\), got 2.0"),
+    (["2"], r"\[2, 2\*\*64\), got '2'"),
+    ([None], r"\[2, 2\*\*64\), got None"),
+    ("abc", "not one str"),
+    (b"\x02\x03", "not one bytes"),
+]
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_constructors_validate_seq_and_times(cls: type[Any]) -> None:
+    for bad in BAD_SEQS:
+        with pytest.raises(ValueError, match=f"{SEQ_FIELD[cls]} must be an int in"):
+            cls(**kwargs_for(cls, **{SEQ_FIELD[cls]: bad}))
+    time_fields = [TIME_FIELD[cls]] + (["expiry"] if cls is wire.LeaseAck else [])
+    for name in time_fields:
+        for bad in BAD_TIMES:
+            with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+                cls(**kwargs_for(cls, **{name: bad}))
+    # The boundaries are accepted, ints included.
+    ok = cls(**kwargs_for(cls, **{SEQ_FIELD[cls]: 2**32 - 1, TIME_FIELD[cls]: -3}))
+    assert wire.decode(wire.encode(ok)) == ok
+    assert cls(**kwargs_for(cls, **{SEQ_FIELD[cls]: 0, TIME_FIELD[cls]: 1.7e308}))
+
+
+@pytest.mark.parametrize("cls", KINDS)
+@pytest.mark.parametrize(("handles", "match"), BAD_HANDLES)
+def test_constructors_validate_handles(cls: type[Any], handles: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs_for(cls, handles=handles))
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_constructors_accept_handle_iterables_and_bounds(cls: type[Any]) -> None:
+    msg = cls(**kwargs_for(cls, handles=iter([U64 - 1, 2, 3])))
+    assert msg.handles == (U64 - 1, 2, 3)
+    assert isinstance(msg.handles, tuple)
+    assert cls(**kwargs_for(cls, handles=range(2, 5))).handles == (2, 3, 4)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        msg.handles = (4,)
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("cls", "bad", "match"),
     [
-        ({"seq": -1, "sent_at": 0.0, "request_ids": ["a"]}, "seq"),
-        ({"seq": 2**32, "sent_at": 0.0, "request_ids": ["a"]}, "seq"),
-        ({"seq": True, "sent_at": 0.0, "request_ids": ["a"]}, "seq"),
-        ({"seq": 0, "sent_at": math.nan, "request_ids": ["a"]}, "sent_at"),
-        ({"seq": 0, "sent_at": 0.0, "request_ids": []}, "at least one"),
-        ({"seq": 0, "sent_at": 0.0, "request_ids": ["a", "a"]}, "distinct"),
-        ({"seq": 0, "sent_at": 0.0, "request_ids": [""]}, "non-empty"),
-        ({"seq": 0, "sent_at": 0.0, "request_ids": [b"a"]}, "non-empty str"),
-        ({"seq": 0, "sent_at": 0.0, "request_ids": "abc"}, "not one str"),
+        (wire.LeaseLost, 1, "reason must be a LostReason, got 1"),
+        (wire.LeaseLost, wire.DoneReason.READ, "reason must be a LostReason"),
+        (wire.LeaseLost, "UNKNOWN", "reason must be a LostReason"),
+        (wire.LeaseLost, None, "reason must be a LostReason"),
+        (wire.LeaseDone, 1, "reason must be a DoneReason, got 1"),
+        (wire.LeaseDone, wire.LostReason.UNKNOWN, "reason must be a DoneReason"),
+        (wire.LeaseDone, True, "reason must be a DoneReason"),
+        (wire.LeaseDone, None, "reason must be a DoneReason"),
     ],
 )
-def test_message_values_validate(kwargs: dict[str, object], match: str) -> None:
+def test_constructors_validate_reason(cls: type[Any], bad: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        wire.Heartbeat(**kwargs)  # type: ignore[arg-type]
+        cls(**kwargs_for(cls, reason=bad))
 
 
-def test_ack_and_lost_values_validate() -> None:
-    with pytest.raises(ValueError, match="expiry of 'a' must be finite"):
-        wire.LeaseAck(echo_seq=0, holder_now=0.0, expiries=[("a", math.inf)])
-    with pytest.raises(ValueError, match="must be a number"):
-        wire.LeaseAck(echo_seq=0, holder_now=0.0, expiries=[("a", "1")])  # type: ignore[list-item]
-    with pytest.raises(ValueError, match="LostReason"):
-        wire.LeaseLost(echo_seq=0, holder_now=0.0, lost=[("a", 1)])  # type: ignore[list-item]
-    with pytest.raises(ValueError, match="DoneReason"):
-        wire.LeaseDone(seq=0, sent_at=0.0, done=[("a", 1)])  # type: ignore[list-item]
-    with pytest.raises(ValueError, match="distinct"):
-        wire.LeaseDone(seq=0, sent_at=0.0, done=[("a", wire.DoneReason.READ)] * 2)
+# -- inputs that once escaped as other exceptions ------------------------------------------------
+
+
+def test_released_memoryview_is_a_codec_error() -> None:
+    view = memoryview(good_bytes(wire.Heartbeat))
+    view.release()
+    with pytest.raises(CodecError):
+        wire.decode(view)
+
+
+def test_int_time_too_large_for_f64_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="sent_at must be a finite number"):
+        wire.Heartbeat(seq=0, sent_at=10**400, handles=[2])
+
+
+def test_handles_that_are_not_iterable_are_a_value_error() -> None:
+    with pytest.raises(ValueError, match="handles must be a sequence of ints"):
+        wire.Heartbeat(seq=0, sent_at=0.0, handles=5)  # type: ignore[arg-type]

@@ -196,6 +196,7 @@ def test_forged_and_malformed_notifications_are_counted_not_fatal(
     pd: tuple[Driver, Driver],
 ) -> None:
     from kvframe.core import wire
+    from kvframe.core.lease import lease_handle
 
     p, d = pd
     params = prefill(p, "r1", [3], tokens=16)
@@ -206,9 +207,12 @@ def test_forged_and_malformed_notifications_are_counted_not_fatal(
     t = d.worker.transport
     peer = p.worker.transport.name
     t.send_notification(peer, b"\x00garbage")
-    forged = wire.LeaseDone(seq=1, sent_at=0.0, done=[("nope~0000", wire.DoneReason.READ)])
+    forged = wire.LeaseDone(
+        seq=1, sent_at=0.0, reason=wire.DoneReason.READ, handles=[lease_handle("nope~0000")]
+    )
     t.send_notification(peer, wire.encode(forged))
-    t.send_notification(peer, wire.encode(wire.Heartbeat(seq=9, sent_at=0.0, request_ids=["x"])))
+    beat = wire.Heartbeat(seq=9, sent_at=0.0, handles=[lease_handle("x")])
+    t.send_notification(peer, wire.encode(beat))
     for _ in range(5):
         p.step()
         d.step()

@@ -93,11 +93,14 @@ def test_abort_before_scheduling_frees_p_at_once(producer: Node, consumer: Node)
 
 def test_forged_and_malformed_notifications_are_rejected(producer: Node, consumer: Node) -> None:
     from kvframe.core import wire
+    from kvframe.core.lease import lease_handle
 
     name = producer.status()["name"]
     before = producer.status()["counters"]
     consumer.call("notify", peer=name, payload=b"\xff\xfe not a message")
-    forged = wire.LeaseDone(seq=7, sent_at=0.0, done=[("r999~deadbeef", wire.DoneReason.READ)])
+    forged = wire.LeaseDone(
+        seq=7, sent_at=0.0, reason=wire.DoneReason.READ, handles=[lease_handle("r999~deadbeef")]
+    )
     consumer.call("notify", peer=name, payload=wire.encode(forged))
     after = producer.wait(
         lambda s: (

@@ -472,9 +472,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _reply(self, peer: str, messages: Iterable[wire.Message]) -> None:
         for msg in messages:
             if isinstance(msg, wire.LeaseAck):
-                self._count("leases_renewed", len(msg.expiries))
+                self._count("leases_renewed", len(msg.handles))
             elif isinstance(msg, wire.LeaseLost):
-                self._count("heartbeat_ids_ignored", len(msg.lost))
+                self._count("heartbeat_ids_ignored", len(msg.handles))
             for part in wire.split(msg, self._max_notif):
                 try:
                     self._transport.send_notification(peer, wire.encode(part))
