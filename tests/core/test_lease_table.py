@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -282,3 +283,48 @@ def test_renewed_within_the_extension_never_expires(gaps: list[float], start: fl
     bound = max(now + POLICY.extension, start + POLICY.duration)
     assert t.lease("a").expiry == bound  # type: ignore[union-attr]
     assert [x.request_id for x in t.expire(bound)] == ["a"]
+
+
+def test_forged_handles_name_nothing() -> None:
+    t = new_table()
+    for i in range(1000):
+        t.grant(f"r{i}", 0.0, i)
+    rng = np.random.default_rng(7)
+    forged = rng.integers(0, 2**63, 10_000, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    forged = np.concatenate([forged, np.array([0, 1], dtype=np.uint64)])
+    got = t.renew_handles(forged, 1.0)
+    assert got.renewed.size == 0
+    assert got.min_expiry is None
+    assert set(got.ignored.values()) == {RenewIgnored.UNKNOWN}
+    assert len(got.ignored) == len(set(forged.tolist()))
+    assert all(t.request_id_for(int(h)) is None for h in forged[:100])
+    assert t.counters.renewed == 0
+    assert t.next_deadline() == 30.0  # nothing was extended
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**64], ["x"], [1.5j]])
+def test_renew_handles_refuses_what_is_not_a_64_bit_handle(bad: list[object]) -> None:
+    t = new_table()
+    t.grant("a", 0.0, 0)
+    with pytest.raises(LeaseError, match="handles must be integers"):
+        t.renew_handles(bad, 1.0)  # type: ignore[arg-type]
+    assert t.lease("a").renewals == 0  # type: ignore[union-attr]
+
+
+def test_renew_handles_matches_renew_by_id() -> None:
+    a, b = new_table(), new_table()
+    ids = [f"r{i}" for i in range(50)]
+    for rid in ids:
+        a.grant(rid, 0.0, None)
+        b.grant(rid, 0.0, None)
+    a.consume("r3", 1.0)
+    b.consume("r3", 1.0)
+    names = [*ids[::2], "stranger"]
+    by_id = a.renew(names, 15.0)
+    by_handle = b.renew_handles([lease_handle(r) for r in names], 15.0)
+    assert {lease_handle(r): x for r, x in by_id.renewed.items()} == dict(
+        zip(by_handle.renewed.tolist(), by_handle.expiries.tolist(), strict=True)
+    )
+    assert {lease_handle(r): w for r, w in by_id.ignored.items()} == by_handle.ignored
+    assert [x.expiry for x in a.leases()] == [x.expiry for x in b.leases()]
+    assert a.lease("r0").handle == lease_handle("r0")  # type: ignore[union-attr]
