@@ -32,6 +32,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvframe.bench.lease",
         "lease table vs naive dict scan (renew, expire), and heartbeat bytes per request id",
     ),
+    "codec": (
+        "kvframe.bench.codec",
+        "metadata codec encode+decode (empty step, 64 P/D loads) vs plain msgspec, and the bar",
+    ),
     "offload": (
         "kvframe.bench.offload",
         "offload tiers vs memcpy and os.pwrite/pread, lookup cost, LRU vs ARC hit rates",

@@ -7,11 +7,17 @@ and the connector SPI passes them (:mod:`kvframe.spi.request` re-exports both na
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-__all__ = ["BlockIds", "as_block_ids"]
+import msgspec
 
-BlockIds = tuple[tuple[int, ...], ...]
+__all__ = ["BlockId", "BlockIds", "as_block_ids"]
+
+BlockId = Annotated[int, msgspec.Meta(ge=0)]
+"""One block id: a non-negative ``int``. The annotation lets the codec check the bound while it
+decodes, so :func:`as_block_ids` need not run again on received messages."""
+
+BlockIds = tuple[tuple[BlockId, ...], ...]
 """Block ids per KV cache group: ``block_ids[g]`` lists group ``g``'s blocks in token order.
 
 A model with one attention type has one group; hybrid models (full attention plus sliding

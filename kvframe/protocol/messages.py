@@ -15,23 +15,23 @@ typed records in a subclass of :class:`ConnectorOutput` (each added field a tupl
 *Plain values* (the type of ``extra``, event data) are what msgpack carries natively: ``None``,
 ``bool``, ``int`` (64-bit), ``float``, ``str``, ``bytes``, sequences of plain values and
 mappings from ``str`` to plain values. On construction, sequences become tuples and mappings
-become read-only mappings, so a message cannot change after it was built.
+become read-only mappings (:class:`FrozenDict`), so a message cannot change after it was built.
 """
 
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 
-from kvframe.protocol.blocks import BlockIds, as_block_ids
+from kvframe.protocol.blocks import BlockId, BlockIds, as_block_ids
 
 __all__ = [
     "ConnectorMetadata",
     "ConnectorOutput",
+    "FrozenDict",
     "KVEvent",
     "LoadSpec",
     "SaveSpec",
@@ -45,12 +45,38 @@ _INT64_MIN = -(2**63)
 _UINT64_MAX = 2**64 - 1
 
 
+def _read_only(self: object, *args: object, **kwargs: object) -> NoReturn:
+    """Refused: a FrozenDict is read-only (raises ``TypeError``)."""
+    raise TypeError(f"a {type(self).__name__} is read-only")
+
+
+class FrozenDict(dict):  # type: ignore[type-arg]
+    """The read-only mapping the messages hold: a ``dict`` whose mutating methods raise
+    ``TypeError``.
+
+    A ``dict`` (rather than :class:`types.MappingProxyType`) so that the codec's encoder
+    writes it natively, without a per-mapping callback. Like any frozen value it is shared,
+    never changed; it is not hashable (a message's mapping fields are left out of its hash).
+    """
+
+    __slots__ = ()
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __repr__(self) -> str:
+        return f"FrozenDict({dict.__repr__(self)})"
+
+    def copy(self) -> dict[Any, Any]:
+        """A mutable copy (a plain ``dict``)."""
+        return dict(self)
+
+
 def freeze_plain(value: Any, path: str = "value") -> Any:
     """Check that ``value`` is a plain value and return a read-only copy of it.
 
-    Lists and tuples become tuples, mappings become :class:`types.MappingProxyType` over a new
-    dict. Raises ``TypeError`` naming ``path`` (for example ``extra['k'][2]``) for anything
-    else: sets, objects, non-``str`` mapping keys, ints outside the 64-bit range msgpack
+    Lists and tuples become tuples, mappings become a new :class:`FrozenDict`. Raises
+    ``TypeError`` naming ``path`` (for example ``extra['k'][2]``) for anything else: sets,
+    objects, non-``str`` mapping keys, ints outside the 64-bit range msgpack
     carries. Nothing is returned then.
     """
     if value is None or isinstance(value, (bool, str, bytes, float)):
@@ -67,7 +93,7 @@ def freeze_plain(value: Any, path: str = "value") -> Any:
             if not isinstance(k, str):
                 raise TypeError(f"{path} has key {k!r}; mapping keys must be str")
             out[k] = freeze_plain(v, f"{path}[{k!r}]")
-        return types.MappingProxyType(out)
+        return FrozenDict(out)
     raise TypeError(
         f"{path} has type {type(value).__name__}; only None, bool, int, float, str, bytes, "
         "lists and str-keyed mappings of those can cross processes"
@@ -206,7 +232,7 @@ def _number_map(
         if not allow_negative and v < 0:
             raise ValueError(f"counter {k!r} = {v!r}; counters never go negative")
         out[k] = v
-    return types.MappingProxyType(out)
+    return FrozenDict(out)
 
 
 def _counters(value: Mapping[str, int | float]) -> Mapping[str, int | float]:
@@ -304,7 +330,7 @@ def _failures(value: Mapping[str, str]) -> Mapping[str, str]:
     for k, v in value.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise TypeError(f"failures[{k!r}] = {v!r}; request ids and reasons are str")
-    return types.MappingProxyType(dict(value))
+    return FrozenDict(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -332,7 +358,7 @@ class ConnectorOutput:
     the lease expired or it was aborted): their blocks may be freed."""
     finished_recving: frozenset[str] = attrs.field(default=frozenset(), converter=_str_set)
     """Requests whose asynchronous load stopped (completed or failed): they may be scheduled."""
-    invalid_block_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_int_set)
+    invalid_block_ids: frozenset[BlockId] = attrs.field(default=frozenset(), converter=_int_set)
     """Local blocks whose loaded contents are undefined (a failed or partial load)."""
     failures: Mapping[str, str] = attrs.field(factory=dict, converter=_failures, hash=False)
     """Request id → human-readable reason, for requests whose transfer failed this step."""

@@ -13,6 +13,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from kvframe.config import KVTransferConfig
+from kvframe.connectors.pd import PDConnector
+from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, RemoteEngineAddr
 from kvframe.errors import CodecError, UnknownMessageTypeError, UnsupportedVersionError
 from kvframe.protocol.codec import (
     DEFAULT_CODEC,
@@ -20,10 +23,12 @@ from kvframe.protocol.codec import (
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     Codec,
+    type_checked,
 )
-from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, LoadSpec
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, FrozenDict, LoadSpec
+from kvframe.spi.connector import codec_for
 
-from .strategies import load_specs, metadata, outputs
+from .strategies import ids, load_specs, metadata, outputs
 
 
 @attrs.frozen(kw_only=True)
@@ -75,13 +80,38 @@ def test_envelope_layout() -> None:
     assert struct.unpack(">H", data[4:6]) == (PROTOCOL_VERSION,)
     assert data[6] == len(tag)
     assert data[7 : 7 + len(tag)] == tag
-    body = msgpack.unpackb(data[7 + len(tag) :])
+    assert data[: 11 + len(tag)] == DEFAULT_CODEC.envelope(tag.decode(), b"")
+    body = msgpack.unpackb(data[11 + len(tag) :])
     assert body["step"] == 7
     assert set(body) == {f.name for f in attrs.fields(ConnectorMetadata)}
 
 
-def _with_header(body: bytes, *, tag: bytes = b"kvframe.output", version: int = 1) -> bytes:
-    return struct.pack(">4sHB", MAGIC, version, len(tag)) + tag + body
+def _with_header(
+    body: bytes, *, tag: bytes = b"kvframe.output", version: int = PROTOCOL_VERSION
+) -> bytes:
+    """``body`` in an envelope written by hand (the tag's layout checksum where it has one)."""
+    try:
+        layout = CUSTOM.envelope(tag.decode(), b"")[-4:]
+    except (KeyError, UnicodeDecodeError):
+        layout = b"\x00" * 4
+    return struct.pack(">4sHB", MAGIC, version, len(tag)) + tag + layout + body
+
+
+def test_a_sender_with_another_layout_is_refused() -> None:
+    @attrs.frozen(kw_only=True)
+    class CustomMeta(ConnectorMetadata):  # the same name and tag, one more field
+        tokens: tuple[int, ...] = ()
+        more: int = 0
+
+    other = DEFAULT_CODEC.with_types({"tests.custom": CustomMeta})
+    with pytest.raises(CodecError, match="has another layout"):
+        CUSTOM.decode(other.encode(CustomMeta()))
+
+
+def test_version_1_messages_are_refused() -> None:
+    data = struct.pack(">4sHB", MAGIC, 1, 14) + b"kvframe.output" + msgpack.packb({})
+    with pytest.raises(UnsupportedVersionError, match="protocol version 1"):
+        DEFAULT_CODEC.decode(data)
 
 
 def test_unknown_tag_raises_unknown_message_type() -> None:
@@ -90,7 +120,7 @@ def test_unknown_tag_raises_unknown_message_type() -> None:
         DEFAULT_CODEC.decode(data)
 
 
-@pytest.mark.parametrize("version", [0, 2, 65535])
+@pytest.mark.parametrize("version", [0, 1, 3, 65535])
 def test_unsupported_version(version: int) -> None:
     assert version not in SUPPORTED_VERSIONS
     data = _with_header(msgpack.packb({}), version=version)
@@ -104,20 +134,23 @@ def test_unsupported_version(version: int) -> None:
         (b"", "shorter than the 7-byte header"),
         (b"KVF", "shorter"),
         (b"JSON\x00\x01\x01x{}", "bad magic"),
-        (struct.pack(">4sHB", MAGIC, 1, 0), "empty type tag"),
-        (struct.pack(">4sHB", MAGIC, 1, 9) + b"kv", "truncated"),
-        (_with_header(b"", tag=b"kvframe.output"), "not valid msgpack"),
-        (_with_header(msgpack.packb({}) + b"\x00"), "not valid msgpack"),
-        (_with_header(msgpack.packb([1, 2])), "expected a map"),
-        (_with_header(msgpack.packb({"nope": 1})), "has no field 'nope'"),
-        (_with_header(msgpack.packb({"finished_sending": "abc"})), "expected an array"),
-        (_with_header(msgpack.packb({"finished_sending": [1]})), "expected str"),
-        (_with_header(msgpack.packb({"invalid_block_ids": [-1]})), "non-negative"),
-        (_with_header(msgpack.packb({"invalid_block_ids": [1, True]})), r"\[1\]: expected int"),
+        (struct.pack(">4sHB", MAGIC, PROTOCOL_VERSION, 0), "empty type tag"),
+        (struct.pack(">4sHB", MAGIC, PROTOCOL_VERSION, 9) + b"kv", "truncated"),
+        (struct.pack(">4sHB", MAGIC, PROTOCOL_VERSION, 14) + b"kvframe.output", "truncated"),
+        (_with_header(b"", tag=b"kvframe.output"), "Input data was truncated"),
+        (_with_header(msgpack.packb({}) + b"\x00"), "trailing characters"),
+        (_with_header(msgpack.packb([1, 2])), "Expected `object`, got `array`"),
+        (_with_header(msgpack.packb({"finished_sending": "abc"})), "Expected `array`"),
+        (_with_header(msgpack.packb({"finished_sending": [1]})), "Expected `str`"),
+        (_with_header(msgpack.packb({"invalid_block_ids": [-1]})), ">= 0"),
+        (
+            _with_header(msgpack.packb({"invalid_block_ids": [1, True]})),
+            r"Expected `int`, got `bool` - at `\$.invalid_block_ids\[1\]`",
+        ),
         (_with_header(msgpack.packb({"stats": {"counters": {"x": -1}}})), "never go negative"),
         (
             _with_header(msgpack.packb({"events": [{"kind": "k", "data": {"a": {1: 2}}}]})),
-            "msgpack",
+            "mapping keys must be str",
         ),
         (_with_header(msgpack.packb({"failures": {"r": msgpack.ExtType(3, b"x")}})), "ext"),
         (
@@ -127,7 +160,7 @@ def test_unsupported_version(version: int) -> None:
                 ),
                 tag=b"kvframe.metadata",
             ),
-            "not a valid LoadSpec",
+            r"missing required field `remote_engine_id` - at `\$.loads\[0\]`",
         ),
     ],
 )
@@ -220,7 +253,7 @@ def test_mutated_encodings_raise_only_codec_errors(msg: Any, data: st.DataObject
 
 def test_trailing_bytes_are_refused() -> None:
     data = DEFAULT_CODEC.encode(ConnectorOutput())
-    with pytest.raises(CodecError, match="not valid msgpack"):
+    with pytest.raises(CodecError, match="trailing characters"):
         DEFAULT_CODEC.decode(data + b"\xc0")
 
 
@@ -288,10 +321,18 @@ def test_recursive_types_are_refused() -> None:
         DEFAULT_CODEC.with_types({"tests.node": Node})
 
 
-def test_encoding_a_wrongly_typed_field_names_it() -> None:
+def test_a_wrongly_typed_field_is_refused_by_the_decoder_naming_it() -> None:
     msg = attrs.evolve(CustomMeta(), note=3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"CustomMeta\.note = 3"):
+    with pytest.raises(CodecError, match=r"Expected `str \| null`, got `int` - at `\$.note`"):
+        CUSTOM.decode(CUSTOM.encode(msg))
+
+
+def test_encoding_a_value_msgspec_cannot_write_is_a_type_error() -> None:
+    msg = attrs.evolve(CustomMeta(), note=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cannot encode CustomMeta"):
         CUSTOM.encode(msg)
+    with pytest.raises(TypeError, match="cannot encode CustomMeta"):
+        CUSTOM.encode(attrs.evolve(CustomMeta(), tokens=(2**70,)))
 
 
 def test_decode_as_checks_the_type() -> None:
@@ -353,14 +394,15 @@ def test_enums_travel_as_their_values(msg: Painted) -> None:
 
 def test_an_enum_value_the_class_does_not_have_is_a_codec_error() -> None:
     data = PAINTED.encode(Painted())
-    body = msgpack.unpackb(data[7 + len(b"tests.painted") :])
+    head = 11 + len(b"tests.painted")
+    body = msgpack.unpackb(data[head:])
     body["colour"] = "green"
-    bad = data[: 7 + len(b"tests.painted")] + msgpack.packb(body)
-    with pytest.raises(CodecError, match=r"'green' is not a Colour \(one of \['blue', 'red'\]\)"):
+    bad = data[:head] + msgpack.packb(body)
+    with pytest.raises(CodecError, match=r"Invalid enum value 'green' - at `\$.colour`"):
         PAINTED.decode(bad)
     body["colour"] = 1  # the right kind matters too: an int is not a str-valued member
-    with pytest.raises(CodecError, match="is not a Colour"):
-        PAINTED.decode(data[: 7 + len(b"tests.painted")] + msgpack.packb(body))
+    with pytest.raises(CodecError, match=r"Expected `str`, got `int` - at `\$.colour`"):
+        PAINTED.decode(data[:head] + msgpack.packb(body))
 
 
 class Mixed(enum.Enum):
@@ -378,6 +420,134 @@ def test_enums_of_mixed_or_other_values_are_refused_at_registration() -> None:
         DEFAULT_CODEC.with_types({"tests.bad": MixedHolder})
 
 
-def test_encoding_a_non_member_names_the_field() -> None:
-    with pytest.raises(TypeError, match=r"Painted\.colour = 'red'; expected a Colour"):
-        PAINTED.encode(attrs.evolve(Painted(), colour="red"))  # type: ignore[arg-type]
+def test_a_non_member_is_refused_by_the_decoder_naming_the_field() -> None:
+    data = PAINTED.encode(attrs.evolve(Painted(), colour="purple"))  # type: ignore[arg-type]
+    with pytest.raises(CodecError, match=r"Invalid enum value 'purple' - at `\$.colour`"):
+        PAINTED.decode(data)
+
+
+# -- on msgspec: what the finishing pass does ------------------------------------------------
+
+
+def test_decoded_maps_are_frozen_dicts_and_inputs_may_be_any_buffer() -> None:
+    msg = ConnectorMetadata(step=2, extra={"a": {"b": [1]}})
+    data = DEFAULT_CODEC.encode(msg)
+    for raw in (data, bytearray(data), memoryview(data)):
+        back = DEFAULT_CODEC.decode_as(raw, ConnectorMetadata)
+        assert back == msg
+        assert type(back.extra) is FrozenDict
+        assert type(back.extra["a"]) is FrozenDict
+        assert back.extra["a"]["b"] == (1,)
+        with pytest.raises(TypeError, match="read-only"):
+            back.extra.update(x=1)  # type: ignore[attr-defined]
+
+
+def _count_calls(value: tuple[int, ...]) -> tuple[int, ...]:
+    CALLS.append(value)
+    if any(v > 100 for v in value):
+        raise ValueError(f"{value!r}: at most 100")
+    return tuple(value)
+
+
+CALLS: list[tuple[int, ...]] = []
+
+
+def _as_tuple(value: tuple[int, ...]) -> tuple[int, ...]:
+    CALLS.append(value)
+    return tuple(value)
+
+
+type_checked(_as_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class Converted(ConnectorMetadata):
+    small: tuple[int, ...] = attrs.field(default=(), converter=_count_calls)
+    big: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
+
+
+CONVERTED = DEFAULT_CODEC.with_types({"tests.converted": Converted})
+
+
+def test_converters_run_on_decoding_unless_type_checked_or_default() -> None:
+    msg, empty = Converted(small=(1, 2), big=(7,)), Converted()
+    data, empty_data = CONVERTED.encode(msg), CONVERTED.encode(empty)
+    CALLS.clear()
+    assert CONVERTED.decode(data) == msg
+    assert CALLS == [(1, 2)]  # `big`'s converter is marked: not run
+    CALLS.clear()
+    assert CONVERTED.decode(empty_data) == empty
+    assert CALLS == []  # the default: its converted value was computed at registration
+    body = msgpack.packb({"small": [101]})
+    with pytest.raises(CodecError, match=r"Converted\.small: not a valid Converted: .*at most"):
+        CONVERTED.decode(CONVERTED.envelope("tests.converted", body))
+
+
+def test_maps_with_other_keys_and_sets_of_mixed_kinds_are_encoded() -> None:
+    @attrs.frozen(kw_only=True)
+    class Odd(ConnectorMetadata):
+        by_key: Mapping[bytes, int] = attrs.field(factory=dict)
+        mixed: frozenset[int | str] = frozenset()
+
+    odd = DEFAULT_CODEC.with_types({"tests.odd": Odd})
+    msg = Odd(by_key={b"k": 1}, mixed=frozenset({1, "a"}))
+    assert odd.decode(odd.encode(msg)) == msg
+
+
+def test_envelope_is_what_encode_writes_before_the_body() -> None:
+    data = DEFAULT_CODEC.encode(ConnectorOutput())
+    head = DEFAULT_CODEC.envelope("kvframe.output", b"")
+    assert data.startswith(head)
+    assert DEFAULT_CODEC.decode(DEFAULT_CODEC.envelope("kvframe.output", data[len(head) :])) == (
+        ConnectorOutput()
+    )
+    with pytest.raises(KeyError):
+        DEFAULT_CODEC.envelope("tests.nope", b"")
+
+
+PD_CODEC = codec_for(PDConnector, KVTransferConfig(kv_connector="PDConnector", kv_role="kv_both"))
+_addrs = st.builds(
+    RemoteEngineAddr,
+    engine_id=ids,
+    host=st.text(max_size=8),
+    port=st.integers(0, 65535),
+    tp_size=st.integers(1, 8),
+    ports=st.lists(st.integers(0, 65535), max_size=2).map(tuple),
+)
+pd_metas = st.builds(
+    PDMetadata,
+    step=st.integers(0, 2**40),
+    now=st.floats(allow_nan=False),
+    pd_loads=st.lists(
+        st.builds(
+            PDLoad,
+            request_id=ids,
+            remote=_addrs,
+            remote_request_id=ids,
+            local_block_ids=st.just(((1, 2),)),
+            remote_block_ids=st.just(((3, 4),)),
+        ),
+        max_size=3,
+    ).map(tuple),
+    pd_heartbeats=st.dictionaries(ids, st.lists(ids, max_size=2).map(tuple), max_size=2),
+    abort_request_ids=st.frozensets(ids, max_size=3),
+)
+
+
+@given(pd_metas, st.data())
+def test_pd_metadata_round_trips_and_its_mutations_raise_only_codec_errors(
+    msg: PDMetadata, data: st.DataObject
+) -> None:
+    raw = bytearray(PD_CODEC.encode(msg))
+    assert PD_CODEC.decode(bytes(raw)) == msg
+    pos = data.draw(st.integers(0, len(raw) - 1))
+    raw[pos] ^= data.draw(st.integers(1, 255))
+    _decode_only_codec_errors(PD_CODEC, bytes(raw))
+    del raw[data.draw(st.integers(0, len(raw) - 1)) :]
+    _decode_only_codec_errors(PD_CODEC, bytes(raw))
+
+
+def test_a_converter_that_checks_more_than_the_type_still_runs_for_pd() -> None:
+    body = msgpack.packb({"pd_heartbeats": {"": ["lease"]}})
+    with pytest.raises(CodecError, match="remote engine ids are non-empty str"):
+        PD_CODEC.decode(PD_CODEC.envelope("pd.metadata", body))

@@ -118,7 +118,7 @@ def test_host_resolved_spec_names_the_factory_path() -> None:
 
 
 def test_the_child_answers_a_malformed_frame_and_keeps_serving(child: ChildEndpoint) -> None:
-    body = b"KVFM" + bytes([0, 1, 5]) + b"nope." + b"\x80"  # a tag the wire does not know
+    body = b"KVFM" + bytes([0, 2, 5]) + b"nope." + b"\x80"  # a tag the wire does not know
     child._sock.sendall(len(body).to_bytes(4, "big") + body)
     failure = wire.recv(child._sock)
     assert isinstance(failure, wire.Failure)

@@ -7,13 +7,13 @@ Registered with the codec under the tag ``pd.metadata`` through ``PDConnector.me
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 
-from kvframe.protocol.messages import ConnectorMetadata
+from kvframe.protocol.codec import type_checked
+from kvframe.protocol.messages import ConnectorMetadata, FrozenDict
 from kvframe.spi.request import BlockIds, _block_ids
 
 __all__ = [
@@ -66,7 +66,7 @@ def _heartbeats(value: Mapping[str, Iterable[str]]) -> Mapping[str, tuple[str, .
             if not isinstance(r, str):
                 raise TypeError(f"pd_heartbeats[{engine!r}] contains {r!r}; lease ids are str")
         out[engine] = tup
-    return types.MappingProxyType(out)
+    return FrozenDict(out)
 
 
 def _releases(value: Any) -> tuple[RemoteRelease, ...]:
@@ -79,6 +79,10 @@ def _addrs(value: Any) -> tuple[RemoteEngineAddr, ...]:
 
 def _ports(value: Any) -> tuple[int, ...]:
     return tuple(int(p) for p in value)
+
+
+# They check only what the fields' types say: the codec skips them on decoding (hot path).
+type_checked(_blocks, _loads, _grants, _strs, _releases, _addrs, _ports)
 
 
 @attrs.frozen(kw_only=True)
