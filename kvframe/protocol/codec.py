@@ -281,15 +281,17 @@ def _finisher(cls: type[Any], steps: list[_Step]) -> _Fix:
             # The decoded value equals the default: the converted default, computed once.
             ns[f"d{i}"], ns[f"t{i}"] = step.default, type(step.default)
             lines.append(f"    if type(v) is t{i} and v == d{i}:")
-            lines.append(f"        n = step{i}.converted_default")
+            ns[f"c{i}"] = step.converted_default
+            lines.append(f"        n = c{i}")
             lines.append("    else:")
             pad = "        "
+        ns[f"fix{i}"] = step.fix
         if step.fix is None:
             lines.append(f"{pad}n = v")
         elif step.mapping:
-            lines.append(f"{pad}n = step{i}.fix(v) if v else _EMPTY")
+            lines.append(f"{pad}n = fix{i}(v) if v else _EMPTY")
         else:
-            lines.append(f"{pad}n = step{i}.fix(v)")
+            lines.append(f"{pad}n = fix{i}(v)")
         if step.converter is not None:
             lines.append(f"{pad}n = _convert(step{i}, inst, n)")
         lines.append("    if n is not v:")
@@ -437,6 +439,8 @@ class _Entry:
     decoder: msgspec.msgpack.Decoder[Any]
     finish: _Fix | None
     encoder: msgspec.msgpack.Encoder
+    skip: int
+    """``len(prefix)``: where the body starts."""
 
 
 class Codec:
@@ -486,7 +490,7 @@ class Codec:
         prefix = _HEADER.pack(MAGIC, PROTOCOL_VERSION, len(tag_bytes)) + tag_bytes + layout
         keys = _MAP_KEYS.findall(text)
         encoder = _ENCODER if all(k == "str" or k.startswith("str@") for k in keys) else _UNORDERED
-        entry = _Entry(cls, tag, prefix, layout, decoder, finish, encoder)
+        entry = _Entry(cls, tag, prefix, layout, decoder, finish, encoder, len(prefix))
         self._by_tag[tag_bytes] = entry
         self._by_cls[cls] = entry
         self._by_prefix[prefix] = entry
@@ -551,9 +555,9 @@ class Codec:
             body = self._unordered(message)
         except (OverflowError, ValueError, msgspec.EncodeError) as exc:
             raise TypeError(f"cannot encode {cls.__qualname__}: {exc}") from exc
-        if len(body) + len(entry.prefix) > self._max:
+        if len(body) + entry.skip > self._max:
             raise ValueError(
-                f"encoded {cls.__qualname__} is {len(body) + len(entry.prefix)} bytes, over the "
+                f"encoded {cls.__qualname__} is {len(body) + entry.skip} bytes, over the "
                 f"limit of {self._max}; split the work over several steps or raise "
                 "max_message_bytes"
             )
@@ -590,10 +594,11 @@ class Codec:
         if size > self._max:
             raise CodecError(f"message is {size} bytes, over the limit of {self._max}")
         # One look-up checks magic, version, tag and layout at once; a miss is diagnosed.
-        entry = self._by_prefix.get(data[: _HEADER.size + _LAYOUT + data[6]]) if size > 6 else None
-        if entry is None:
-            raise self._diagnose(data)
-        body = data[len(entry.prefix) :] if size < 4096 else memoryview(data)[len(entry.prefix) :]
+        try:
+            entry = self._by_prefix[data[: _HEADER.size + _LAYOUT + data[6]]]
+        except (KeyError, IndexError):
+            raise self._diagnose(data) from None
+        body = data[entry.skip :] if size < 4096 else memoryview(data)[entry.skip :]
         try:
             result: object = entry.decoder.decode(body)
             if entry.finish is not None:
