@@ -22,6 +22,15 @@ and replies are msgpack maps over pipes.
 :class:`Method` (``name``, ``setup``, ``run_once``, ``close``) and append its factory to
 :data:`METHOD_FACTORIES`; the tables, ratios and JSON pick it up, and the JSON shape stays the
 same (``results`` is keyed by method name).
+
+**Device memory** (``--device cuda``, ``measure(..., device="cuda")``): both pools (and the
+memcpy source) are torch tensors on that CUDA device, registered as ``DEVICE`` memory (NIXL
+``VRAM``), and the memcpy column is a torch ``copy_`` per block on the device. The default,
+``"cpu"``, is host memory exactly as described above. **Byte checks** (``--verify``): before
+each timed transfer the destination blocks are zeroed and after it every byte of them is
+compared with its source block (P's pool, rebuilt here from its seed, or the memcpy source),
+both outside the timing; the report then has a ``verify`` entry. ``tests/gpu/gpu_check.py``
+uses both.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import numpy.typing as npt
 from kvframe.spi.transport import (
     BlockLayout,
     LayoutHandle,
+    MemoryKind,
     MemoryRegion,
     Op,
     Transport,
@@ -59,6 +69,7 @@ __all__ = [
     "QUICK",
     "BenchConfig",
     "BenchEnv",
+    "Memory",
     "Method",
     "add_arguments",
     "format_report",
@@ -136,6 +147,68 @@ QUICK = BenchConfig(
 """``--quick``: a few seconds; for tests of the output's shape, not for figures."""
 
 
+class Memory:
+    """Where the pools live: ``"cpu"`` (numpy arrays in host memory, the default) or a CUDA
+    device such as ``"cuda"`` or ``"cuda:1"`` (torch tensors, registered as ``DEVICE`` memory,
+    NIXL ``VRAM``). Raises ``ValueError`` for any other name."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        if device != "cpu" and device.partition(":")[0] != "cuda":
+            raise ValueError(f"device {device!r}: give 'cpu', 'cuda' or 'cuda:N'")
+        self.device = device
+        self.cuda = device != "cpu"
+        self.kind = MemoryKind.DEVICE if self.cuda else MemoryKind.HOST
+        self.nixl = "VRAM" if self.cuda else "DRAM"
+        index = device.partition(":")[2]
+        self.device_id = int(index) if index else 0
+
+    def place(self, data: npt.NDArray[np.uint8]) -> Any:
+        """``data`` itself on the host, or a copy of it on the device."""
+        if not self.cuda:
+            return data
+        import torch
+
+        out = torch.from_numpy(data).to(self.device)
+        self.sync()
+        return out
+
+    def addr(self, pool: Any) -> int:
+        """The address of a pool made by :meth:`place`."""
+        return int(pool.data_ptr()) if self.cuda else int(pool.ctypes.data)
+
+    def region(self, addr: int, length: int) -> MemoryRegion:
+        """A region of this memory."""
+        return MemoryRegion(addr=addr, length=length, kind=self.kind, device_id=self.device_id)
+
+    def tensor(self, pool: Any) -> Any:
+        """The pool as a torch tensor (a view, not a copy)."""
+        if self.cuda:
+            return pool
+        import torch
+
+        return torch.from_numpy(pool)
+
+    def index(self, blocks: npt.NDArray[np.int64]) -> Any:
+        """Block ids to index a pool with."""
+        if not self.cuda:
+            return blocks
+        import torch
+
+        return torch.as_tensor(blocks, device=self.device)
+
+    def sync(self) -> None:
+        """Wait for the device's queued work (nothing to do on the host)."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+
+def _p_content(pool_bytes: int) -> npt.NDArray[np.uint8]:
+    """What P's pool holds (the byte checks rebuild it on D's side)."""
+    return np.random.default_rng(0).integers(0, 256, pool_bytes, dtype=np.uint8)
+
+
 # -- the child process (P) -------------------------------------------------------------------
 
 
@@ -159,8 +232,9 @@ def _send(fd: int, value: Any) -> None:
         view = view[os.write(fd, view) :]
 
 
-def serve(reply_fd: int, pool_bytes: int) -> None:
-    """The child's main loop: host P's kvframe transport and raw NIXL agent over one pool.
+def serve(reply_fd: int, pool_bytes: int, device: str = "cpu") -> None:
+    """The child's main loop: host P's kvframe transport and raw NIXL agent over one pool
+    (in ``device``'s memory, see :class:`Memory`).
 
     Commands come as msgpack maps on stdin (``add_peer``, ``add_raw``, ``exit``); one reply per
     command goes to ``reply_fd``. Progress is driven every 0.5 ms in between.
@@ -171,22 +245,26 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
 
     from kvframe.runtime.plugins import PluginHost
 
-    pool = np.random.default_rng(0).integers(0, 256, pool_bytes, dtype=np.uint8)
+    memory = Memory(device)
+    pool = memory.place(_p_content(pool_bytes))
+    addr = memory.addr(pool)
     host = PluginHost()
     host.load()
     t = host.create_transport("nixl", TransportParams(name=f"bench-P-{os.getpid()}"))
-    t.register_memory([MemoryRegion(addr=pool.ctypes.data, length=pool.nbytes)])
+    t.register_memory([memory.region(addr, pool.nbytes)])
     raw: Any = nixl_cu12.nixl_agent(
         f"bench-P-raw-{os.getpid()}", nixl_cu12.nixl_agent_config(enable_prog_thread=False)
     )
-    raw.register_memory(np.array([[pool.ctypes.data, pool.nbytes, 0]], dtype=np.uint64), "DRAM")
+    raw.register_memory(
+        np.array([[addr, pool.nbytes, memory.device_id]], dtype=np.uint64), memory.nixl
+    )
     _send(
         reply_fd,
         {
             "meta": t.local_metadata(),
             "raw_meta": bytes(raw.get_agent_metadata()),
             "raw_name": raw.name,
-            "addr": pool.ctypes.data,
+            "addr": addr,
         },
     )
     unpacker = msgpack.Unpacker(raw=False)
@@ -212,7 +290,9 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
                 elif cmd["op"] == "pd_setup":
                     if pd is not None:
                         pd.close()
-                    pd = _PDEngine("kv_producer", pool, cmd["block_size"], cmd["num_blocks"])
+                    pd = _PDEngine(
+                        "kv_producer", memory.tensor(pool), cmd["block_size"], cmd["num_blocks"]
+                    )
                     _send(reply_fd, None)
                 elif cmd["op"] == "pd_grant":
                     assert pd is not None
@@ -229,10 +309,18 @@ def serve(reply_fd: int, pool_bytes: int) -> None:
 class _Child:
     """The P process, seen from D."""
 
-    def __init__(self, pool_bytes: int) -> None:
+    def __init__(self, pool_bytes: int, device: str = "cpu") -> None:
         r, w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvframe.bench.transfer", "serve", str(w), str(pool_bytes)],
+            [
+                sys.executable,
+                "-m",
+                "kvframe.bench.transfer",
+                "serve",
+                str(w),
+                str(pool_bytes),
+                device,
+            ],
             stdin=subprocess.PIPE,
             pass_fds=[w],
         )
@@ -284,14 +372,22 @@ class BenchEnv:
     memory, ``config.pool_bytes`` bytes), ``remote_addr`` (the address of P's pool in the child),
     ``child`` (the P process: ``child.hello`` holds P's kvframe transport metadata under
     ``"meta"`` and its raw NIXL agent metadata under ``"raw_meta"``), ``source`` (a local copy
-    source for in-process methods) and ``config``."""
+    source for in-process methods), ``config``, and ``memory`` (where both pools live, see
+    :class:`Memory`; ``pool`` and ``source`` are torch tensors on a CUDA device) with ``addr``
+    (the address of ``pool``)."""
 
-    def __init__(self, child: _Child, pool: npt.NDArray[np.uint8], config: BenchConfig) -> None:
+    def __init__(
+        self, child: _Child, pool: Any, config: BenchConfig, memory: Memory | None = None
+    ) -> None:
         self.child = child
         self.pool = pool
+        self.memory = memory if memory is not None else Memory()
+        self.addr = self.memory.addr(pool)
         self.remote_addr: int = child.hello["addr"]
         self.config = config
-        self.source = np.random.default_rng(1).integers(0, 256, pool.nbytes, dtype=np.uint8)
+        self.source = self.memory.place(
+            np.random.default_rng(1).integers(0, 256, pool.nbytes, dtype=np.uint8)
+        )
 
 
 class Method(Protocol):
@@ -332,7 +428,7 @@ class _KvframeMethod:
             "nixl", TransportParams(name=f"bench-D-{name}-{os.getpid()}", options=options or {})
         )
         self.env = env
-        self.t.register_memory([MemoryRegion(addr=env.pool.ctypes.data, length=env.pool.nbytes)])
+        self.t.register_memory([env.memory.region(env.addr, env.pool.nbytes)])
         self.peer = self.t.add_peer(env.child.hello["meta"])
         env.child.call(self.t.progress, "add_peer", meta=self.t.local_metadata())
         self.local: LayoutHandle | None = None
@@ -340,10 +436,10 @@ class _KvframeMethod:
 
     def setup(self, block_size: int, num_blocks: int) -> None:
         self.local = self.t.prepare_local(
-            _layout(self.env.pool.ctypes.data, block_size, num_blocks)
+            _layout(self.env.memory, self.env.addr, block_size, num_blocks)
         )
         self.remote = self.t.prepare_remote(
-            self.peer, _layout(self.env.remote_addr, block_size, num_blocks)
+            self.peer, _layout(self.env.memory, self.env.remote_addr, block_size, num_blocks)
         )
 
     def post(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> Any:
@@ -365,18 +461,24 @@ class _KvframeMethod:
         self.t.close()
 
 
-def _layout(addr: int, block_size: int, num_blocks: int) -> BlockLayout:
+def _layout(memory: Memory, addr: int, block_size: int, num_blocks: int) -> BlockLayout:
     return BlockLayout(
-        regions=[MemoryRegion(addr=addr, length=block_size * num_blocks)],
+        regions=[memory.region(addr, block_size * num_blocks)],
         block_lens=[block_size],
         num_blocks=num_blocks,
     )
 
 
-def _descs(addr: int, block_size: int, num_blocks: int) -> npt.NDArray[np.uint64]:
+def _descs(
+    addr: int, block_size: int, num_blocks: int, device_id: int = 0
+) -> npt.NDArray[np.uint64]:
     starts = np.uint64(addr) + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_size)
     return np.stack(
-        [starts, np.full(num_blocks, block_size, np.uint64), np.zeros(num_blocks, np.uint64)],
+        [
+            starts,
+            np.full(num_blocks, block_size, np.uint64),
+            np.full(num_blocks, device_id, np.uint64),
+        ],
         axis=1,
     )
 
@@ -391,9 +493,9 @@ class _RawNixlMethod:
         self.agent: Any = nixl_cu12.nixl_agent(
             f"bench-D-raw-{os.getpid()}", nixl_cu12.nixl_agent_config(enable_prog_thread=False)
         )
-        pool = env.pool
+        mem = env.memory
         self.reg = self.agent.register_memory(
-            np.array([[pool.ctypes.data, pool.nbytes, 0]], dtype=np.uint64), "DRAM"
+            np.array([[env.addr, env.pool.nbytes, mem.device_id]], dtype=np.uint64), mem.nixl
         )
         self.peer = _as_str(self.agent.add_remote_agent(env.child.hello["raw_meta"]))
         env.child.call(
@@ -404,11 +506,14 @@ class _RawNixlMethod:
     def setup(self, block_size: int, num_blocks: int) -> None:
         for h in self.lists:
             h.release()
+        mem = self.env.memory
         self.local = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _descs(self.env.pool.ctypes.data, block_size, num_blocks), "DRAM"
+            "NIXL_INIT_AGENT",
+            _descs(self.env.addr, block_size, num_blocks, mem.device_id),
+            mem.nixl,
         )
         self.remote = self.agent.prep_xfer_dlist(
-            self.peer, _descs(self.env.remote_addr, block_size, num_blocks), "DRAM"
+            self.peer, _descs(self.env.remote_addr, block_size, num_blocks, mem.device_id), mem.nixl
         )
         self.lists = [self.local, self.remote]
 
@@ -442,6 +547,11 @@ class _MemcpyMethod:
         self.src = self.env.source[:n].reshape(num_blocks, block_size)
 
     def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
+        if self.env.memory.cuda:  # torch copy_ per block on the device
+            for d, s in zip(dst.tolist(), src.tolist(), strict=True):
+                self.dst[d].copy_(self.src[s])
+            self.env.memory.sync()
+            return
         for d, s in zip(dst.tolist(), src.tolist(), strict=True):
             np.copyto(self.dst[d], self.src[s])
 
@@ -450,14 +560,12 @@ class _MemcpyMethod:
 
 
 class _PDEngine:
-    """A minimal engine around :class:`~kvframe.connectors.pd.PDConnector` over a byte pool:
-    one region, ``block_size``-byte blocks, one token per block. Metadata and outputs cross
-    between its scheduler and worker halves as codec bytes, as in a real engine."""
+    """A minimal engine around :class:`~kvframe.connectors.pd.PDConnector` over a byte pool
+    (a uint8 torch tensor, on the host or a CUDA device): one region, ``block_size``-byte
+    blocks, one token per block. Metadata and outputs cross between its scheduler and worker
+    halves as codec bytes, as in a real engine."""
 
-    def __init__(
-        self, role: str, pool: npt.NDArray[np.uint8], block_size: int, num_blocks: int
-    ) -> None:
-        import torch
+    def __init__(self, role: str, pool: Any, block_size: int, num_blocks: int) -> None:
 
         from kvframe.config import KVTransferConfig
         from kvframe.connectors.pd import PDConnector
@@ -479,7 +587,7 @@ class _PDEngine:
         ctx = BuildContext(host=host)
         self.sched = PDConnector.build_scheduler(config, info, ctx)
         self.worker = PDConnector.build_worker(config, info, 0, ctx)
-        kv = torch.from_numpy(pool[: block_size * num_blocks]).view(num_blocks, block_size)
+        kv = pool[: block_size * num_blocks].view(num_blocks, block_size)
         self.worker.register_kv_caches({"pool": kv})
         blob = self.worker.get_handshake_metadata()
         if blob is not None:
@@ -557,7 +665,9 @@ class _PDConnectorMethod:
         if self.engine is not None:
             self.engine.close()
         self.env.child.call(None, "pd_setup", block_size=block_size, num_blocks=num_blocks)
-        self.engine = _PDEngine("kv_consumer", self.env.pool, block_size, num_blocks)
+        self.engine = _PDEngine(
+            "kv_consumer", self.env.memory.tensor(self.env.pool), block_size, num_blocks
+        )
 
     def prepare(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
         """Untimed: P finishes a request and grants its lease."""
@@ -627,6 +737,42 @@ class _Scrub:
         self.buf.fill(self.value)
 
 
+class _ByteCheck:
+    """``verify``: zeroes the destination blocks before each timed transfer and compares every
+    byte of them with the source blocks after it (both untimed). The source is P's pool,
+    rebuilt here from its seed, or the local source for memcpy."""
+
+    def __init__(self, env: BenchEnv) -> None:
+        self.env = env
+        self.remote = env.memory.place(_p_content(env.config.pool_bytes))
+        self.transfers = 0
+        self.bytes = 0
+        self.mismatches: list[str] = []
+
+    def _blocks(self, pool: Any, block_size: int) -> Any:
+        n = self.env.config.pool_bytes // block_size
+        return pool[: n * block_size].reshape(n, block_size)
+
+    def clear(self, block_size: int, dst: npt.NDArray[np.int64]) -> None:
+        self._blocks(self.env.pool, block_size)[self.env.memory.index(dst)] = 0
+        self.env.memory.sync()
+
+    def check(
+        self, m: Method, block_size: int, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]
+    ) -> None:
+        mem = self.env.memory
+        source = self.env.source if isinstance(m, _MemcpyMethod) else self.remote
+        got = self._blocks(self.env.pool, block_size)[mem.index(dst)]
+        want = self._blocks(source, block_size)[mem.index(src)]
+        if not bool((got == want).all()):
+            self.mismatches.append(f"{m.name}: {len(dst)} x {_fmt_size(block_size)}")
+        self.transfers += 1
+        self.bytes += block_size * len(dst)
+
+    def report(self) -> dict[str, Any]:
+        return {"transfers": self.transfers, "bytes": self.bytes, "mismatches": self.mismatches}
+
+
 def _rounds(methods: Sequence[Method], repeats: int) -> Iterator[list[tuple[int, Method]]]:
     """``repeats + 1`` rounds (the first is a warm-up the caller drops); each round runs every
     method once, and the order rotates so no method is always first."""
@@ -636,7 +782,11 @@ def _rounds(methods: Sequence[Method], repeats: int) -> Iterator[list[tuple[int,
 
 
 def _throughput(
-    methods: Sequence[Method], config: BenchConfig, rng: np.random.Generator, scrub: _Scrub
+    methods: Sequence[Method],
+    config: BenchConfig,
+    rng: np.random.Generator,
+    scrub: _Scrub,
+    check: _ByteCheck | None = None,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for bs in config.block_sizes:
@@ -652,10 +802,14 @@ def _throughput(
                     prepare = getattr(m, "prepare", None)
                     if prepare is not None:
                         prepare(dst, src)  # untimed set-up (the P/D method's lease grant)
+                    if check is not None:
+                        check.clear(bs, dst)
                     scrub()
                     t0 = time.perf_counter()
                     m.run_once(dst, src)
                     times[m.name].append(time.perf_counter() - t0)
+                    if check is not None:
+                        check.check(m, bs, dst, src)
             nbytes = bs * n
             results = {}
             for name, ts in times.items():
@@ -797,21 +951,29 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def measure(config: BenchConfig, *, seed: int = 0) -> dict[str, Any]:
+def measure(
+    config: BenchConfig, *, seed: int = 0, device: str = "cpu", verify: bool = False
+) -> dict[str, Any]:
     """Run the whole benchmark and return the JSON-able report (see :func:`run` for its
-    shape). Raises ``RuntimeError`` when the child process or a transfer fails."""
+    shape), with both pools in ``device``'s memory (see :class:`Memory`) and, with
+    ``verify``, every byte of every timed transfer checked. Raises ``RuntimeError`` when the
+    child process or a transfer fails, ``ValueError`` for an unknown device."""
+    memory = Memory(device)
     _quiet_nixl()
-    pool = np.zeros(config.pool_bytes, dtype=np.uint8)
-    pool[:] = 1  # touch every page before timing anything
-    child = _Child(config.pool_bytes)
+    host_pool = np.zeros(config.pool_bytes, dtype=np.uint8)
+    host_pool[:] = 1  # touch every page before timing anything
+    pool = memory.place(host_pool)
+    child = _Child(config.pool_bytes, device)
     methods: list[Method] = []
+    check: _ByteCheck | None = None
     try:
-        env = BenchEnv(child, pool, config)
+        env = BenchEnv(child, pool, config, memory)
         for factory in METHOD_FACTORIES:
             methods.append(factory(env))
         rng = np.random.default_rng(seed)
         scrub = _Scrub(config.scrub_bytes)
-        throughput = _throughput(methods, config, rng, scrub)
+        check = _ByteCheck(env) if verify else None
+        throughput = _throughput(methods, config, rng, scrub, check)
         kv = {m.name: m for m in methods if isinstance(m, _KvframeMethod)}
         inline, threaded = kv["kvframe_inline"], kv["kvframe"]
         raw = next(m for m in methods if isinstance(m, _RawNixlMethod))
@@ -822,7 +984,7 @@ def measure(config: BenchConfig, *, seed: int = 0) -> dict[str, Any]:
         for m in methods:
             m.close()
         child.close()
-    return {
+    report: dict[str, Any] = {
         "benchmark": "transfer",
         "version": 1,
         "config": config.as_dict(),
@@ -831,6 +993,11 @@ def measure(config: BenchConfig, *, seed: int = 0) -> dict[str, Any]:
         "post_cost": post_cost,
         "overlap": overlap,
     }
+    if memory.cuda:
+        report["device"] = device
+    if check is not None:
+        report["verify"] = check.report()
+    return report
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -843,6 +1010,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="a few seconds; checks the output, not for figures"
     )
     parser.add_argument("--seed", type=int, default=0, help="block-set seed (default 0)")
+    parser.add_argument(
+        "--device", default="cpu", help="where the pools live: cpu (default), cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--verify", action="store_true", help="check every byte of every timed transfer"
+    )
 
 
 def _fmt_size(n: int) -> str:
@@ -852,8 +1025,9 @@ def _fmt_size(n: int) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """The report as tables for people."""
     methods: list[str] = report["methods"]
+    where = f" ({report['device']} memory)" if "device" in report else ""
     lines = [
-        "READ P->D across processes, GB/s (median); ratios: kvframe / other",
+        f"READ P->D across processes{where}, GB/s (median); ratios: kvframe / other",
         "",
         "| block | blocks | "
         + " | ".join(methods)
@@ -896,6 +1070,10 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for key in ("inline", "post_thread"):
         lines.append(f"| {key} | {ov[key]['post_s'] * 1e3:.2f} | {ov[key]['step_s'] * 1e3:.1f} |")
+    if "verify" in report:
+        v = report["verify"]
+        bad = ", ".join(v["mismatches"]) or "none"
+        lines += ["", f"Byte checks: {v['transfers']} transfers, {v['bytes']} bytes; wrong: {bad}"]
     return "\n".join(lines)
 
 
@@ -910,7 +1088,9 @@ def run(args: argparse.Namespace) -> int:
                         "raw_make_us", "raw_make_transfer_us",
                         "pd_connector_launch_us"}],
          "overlap": {"bytes", "transfer_s", "work_s",
-                     "inline": {"post_s", "step_s"}, "post_thread": {"post_s", "step_s"}}}
+                     "inline": {"post_s", "step_s"}, "post_thread": {"post_s", "step_s"}},
+         "device": "cuda",  # only with --device other than cpu
+         "verify": {"transfers", "bytes", "mismatches": [str]}}  # only with --verify
 
     Returns 0, or 1 (with a message on stderr) when the NIXL plugin is missing.
     """
@@ -922,15 +1102,17 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    report = measure(QUICK if args.quick else FULL, seed=args.seed)
+    report = measure(
+        QUICK if args.quick else FULL, seed=args.seed, device=args.device, verify=args.verify
+    )
     report["quick"] = bool(args.quick)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "serve":
-        serve(int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "serve":
+        serve(int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])
     else:
         print("usage: kvframe bench transfer [--json] [--quick]", file=sys.stderr)
         sys.exit(2)
