@@ -9,8 +9,9 @@
   ``if TYPE_CHECKING:`` — and any string constant that names a kvframe module (what
   ``importlib.import_module`` gets: the plugin host's built-ins, the command's benchmarks).
   Relative imports are resolved first, so ``from ..runtime import x`` cannot slip by.
-- ``kvframe.core`` imports only the standard library, attrs and itself (and ``kvframe.errors``);
-  it never reads a clock, sleeps, starts threads, opens sockets or logs.
+- ``kvframe.core`` imports only the standard library, attrs, numpy (arrays for the lease
+  table's bulk paths: computation, no I/O, and already a kvframe dependency) and itself (and
+  ``kvframe.errors``); it never reads a clock, sleeps, starts threads, opens sockets or logs.
 - ``kvframe.errors`` is the bottom layer: it imports only the standard library.
 - Plugins (``plugins/``) and engine adapters (``contrib/``) use kvframe's public names only.
 
@@ -152,13 +153,13 @@ def _files(sub: str) -> list[Path]:
 
 
 @pytest.mark.parametrize("path", _files("core"), ids=lambda p: p.name)
-def test_core_imports_only_stdlib_attrs_and_core(path: Path) -> None:
+def test_core_imports_only_stdlib_attrs_numpy_and_core(path: Path) -> None:
     for name in _imports(path):
         top = name.split(".")[0]
         if name.startswith("kvframe"):
             assert name.startswith(("kvframe.core", "kvframe.errors")), f"{path}: {name}"
         else:
-            assert top in STDLIB or top == "attrs", f"{path} imports {name}"
+            assert top in STDLIB or top in ("attrs", "numpy"), f"{path} imports {name}"
             assert top not in FORBIDDEN_IN_CORE, f"{path} imports {name}: the core is sans-I/O"
 
 

@@ -1,7 +1,7 @@
 """The sans-I/O core: pure state machines that take ``now`` and return what must happen.
 
-Imports only the standard library and attrs. Never reads a clock, sleeps, starts a thread, opens
-a socket or logs.
+Imports only the standard library, attrs and numpy (the lease table's bulk paths). Never reads
+a clock, sleeps, starts a thread, opens a socket or logs.
 
 - :mod:`kvframe.core.lease` — P's lease table and the one-number timing policy.
 - :mod:`kvframe.core.heartbeat` — D's heartbeat tracker and P's heartbeat guard.
