@@ -20,7 +20,8 @@ the payload is decoded, so an incompatible or hostile peer never reaches the dec
     4      1     side-channel version (HANDSHAKE_VERSION)
     5      16    compatibility hash (blake2b-128 of what both sides must agree on)
     21     ...   payload, at most MAX_PAYLOAD bytes: one message in the envelope of
-                 kvframe.protocol.codec (magic, protocol version, type tag, msgpack body)
+                 kvframe.protocol.codec (magic, protocol version, type tag, layout
+                 checksum, msgpack body)
 
 The payload's messages are frozen attrs values, registered in :data:`HANDSHAKE_CODEC` (which
 knows nothing else a hostile peer could make it build). :func:`decode_frame` is the one reader,
