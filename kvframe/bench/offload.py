@@ -1,15 +1,30 @@
 """``kvframe bench offload``: the offload tiers against memcpy and plain file I/O, lookup cost,
 and LRU versus ARC on a synthetic multi-turn trace.
 
-Measured, in one run:
+Measured, in one run, each tier beside its reference (the two sides alternate run by run, in
+an order that flips every run, over the same bytes, so that a machine that gets busier or
+quieter mid-run moves both):
 
 - **cpu tier**: a store (KV cache → CPU tier, through the worker's per-layer copy path in its
   thread pool, from ``save_kv_layer`` to the job's completion) and a load (CPU tier → KV cache,
   ``start_load_kv`` to the last ``wait_for_layer_load``) of ``--blocks`` blocks, against one
   ``np.copyto`` of the same bytes;
 - **disk tier**: :class:`~kvframe.connectors.offload.tiers.DiskTier` ``write`` and ``read``
-  of the same blocks (checksummed files, through the page cache) against ``os.pwrite`` /
-  ``os.pread`` of the same bytes to one file per block;
+  of the same blocks (checksummed files under temporary names renamed into place, through the
+  page cache) against plain ``os.pwrite`` / ``os.pread`` of the same bytes, one file per block,
+  in the same directory (``--dir``, default the system's temporary directory; its filesystem is
+  printed), with the tier's file names and sub-directories on both sides. Blocks are written
+  from the slots of one CPU tier and read into those of another (page-aligned, the fastest
+  case for the kernel's copies: the references get it too). **Page cache state**: before each
+  timed write, that side's files are deleted and ``os.sync()`` runs (untimed), so every write
+  creates new files with no dirty data pending; reads find the files just written, so they
+  come from the page cache (a warm read, as a promotion soon after a write-through is). The
+  reads are measured on one thread and again split over two threads (the connector's
+  ``io_threads`` default), both sides alike;
+- **O_DIRECT references**: ``os.pwrite`` / ``os.pread`` with ``O_DIRECT`` (page-aligned
+  buffers; the read is cold by construction), to show what bypassing the page cache costs or
+  gains on this filesystem; reported as unsupported when the filesystem refuses ``O_DIRECT``
+  (``EINVAL``) or the block size is not a multiple of 4096;
 - **engine-thread cost of a store**: the time ``save_kv_layer`` × layers + ``wait_for_save``
   take on the engine's thread. For a store at finish they only post copies, beside the time
   until the copy-out is done (how long the engine keeps the finished request's blocks); for a
@@ -25,31 +40,44 @@ Human-readable table by default; ``--json`` prints one JSON object::
 
     {"benchmark": "offload",
      "params": {"blocks": int, "block_bytes": int, "layers": int, "entries": int,
-                "repeat": int, "quick": bool},
+                "repeat": int, "quick": bool, "dir": str, "filesystem": str},
      "results": {
         "cpu":  {"store_gbps": float, "load_gbps": float},
         "disk": {"write_gbps": float, "read_gbps": float},
         "baselines": {"memcpy_gbps": float, "pwrite_gbps": float, "pread_gbps": float},
+        "comparisons": {NAME: {"gbps": float, "p90_gbps": float, "reference": str,
+                               "ref_gbps": float, "ref_p90_gbps": float, "ratio": float,
+                               "bar": float | null}},
+        "o_direct": {"pwrite_gbps": float | null, "pread_gbps": float | null, "note": str},
         "store_engine_thread_us": float, "store_copy_out_ms": float,
         "step_store_engine_thread_us": float,
         "lookup_us_per_block": float,
         "hit_rates": {"lru": float, "arc": float}}}
 
-GB/s are 10⁹ bytes per second, medians over ``--repeat`` runs. ``--quick`` shrinks every size
-so that a test can check the shape in well under a second of measuring.
+The comparisons are ``cpu_store`` (vs memcpy, bar 0.9), ``cpu_load`` (vs memcpy), ``disk_write``
+(vs ``os.pwrite``, bar 0.9), ``disk_read`` (vs ``os.pread``, bar 0.8) and ``disk_read_2t``
+(both on two threads). GB/s are 10⁹ bytes per second: ``gbps`` from the median time over
+``--repeat`` runs of each side (writes, O_DIRECT), three times as many for the reads and five
+times as many for the CPU tier (their runs take milliseconds); ``p90_gbps`` from the
+90th-percentile (slow) time; ``ratio`` is the median's over the reference's median, in the
+same run. ``--quick`` shrinks every size so that
+a test can check the shape in well under a second of measuring.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import errno
 import json
+import mmap
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +87,18 @@ from kvframe.config import KVTransferConfig
 from kvframe.connectors.offload.manager import TieredOffloadManager
 from kvframe.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
 from kvframe.connectors.offload.policies import ARCPolicy, LRUPolicy
-from kvframe.connectors.offload.tiers import DiskTier
+from kvframe.connectors.offload.tiers import DISK_TRAILER_BYTES, CPUTier, DiskTier
 from kvframe.spi.connector import BuildContext, EngineInfo
 from kvframe.spi.offload import PolicyConfig, TierConfig
 
 __all__ = ["add_arguments", "measure", "run"]
+
+_CPU_RUNS = 5
+_READ_RUNS = 3
+"""Runs per ``--repeat`` of the short measurements (the CPU tier's copies, warm reads)."""
+
+BARS = {"cpu_store": 0.9, "disk_write": 0.9, "disk_read": 0.8}
+"""The ratios (tier over reference) the tiers must reach on the machine they run on."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,16 +110,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layer-block-bytes", type=int, default=32768, help="bytes per block per layer (32768)"
     )
     parser.add_argument("--entries", type=int, default=1_000_000, help="indexed blocks (1e6)")
-    parser.add_argument("--repeat", type=int, default=5, help="runs per measurement (5)")
+    parser.add_argument("--repeat", type=int, default=9, help="runs per measurement (9)")
+    parser.add_argument(
+        "--dir", default=None, help="directory for the disk files (the system's temporary one)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (for tests)")
-
-
-def _median(fn: Callable[[], float], repeat: int) -> float:
-    return statistics.median(fn() for _ in range(repeat))
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _p90(times: Sequence[float]) -> float:
+    if len(times) < 2:
+        return times[0]
+    return statistics.quantiles(times, n=10, method="inclusive")[8]
+
+
+def _paired(
+    sides: dict[str, Callable[[], float]],
+    repeat: int,
+    before: Callable[[str], None] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds of each side, ``repeat`` runs alternating between the sides (the order flips
+    every run); ``before(side)`` runs untimed before every timed run of ``side``."""
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    names = list(sides)
+    for r in range(repeat):
+        for name in names if r % 2 == 0 else names[::-1]:
+            if before is not None:
+                before(name)
+            times[name].append(sides[name]())
+    return times
+
+
+def _compare(
+    nbytes: int, times: dict[str, list[float]], side: str, ref: str, bar: float | None
+) -> dict[str, Any]:
+    a, b = times[side], times[ref]
+    gbps, ref_gbps = _gbps(nbytes, statistics.median(a)), _gbps(nbytes, statistics.median(b))
+    return {
+        "gbps": gbps,
+        "p90_gbps": _gbps(nbytes, _p90(a)),
+        "reference": ref,
+        "ref_gbps": ref_gbps,
+        "ref_p90_gbps": _gbps(nbytes, _p90(b)),
+        "ratio": gbps / ref_gbps,
+        "bar": bar,
+    }
+
+
+def _timed(fn: Callable[[], object]) -> Callable[[], float]:
+    def once() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return once
 
 
 def _worker(layers: int, layer_bytes: int, blocks: int) -> Any:
@@ -111,13 +193,15 @@ def _worker(layers: int, layer_bytes: int, blocks: int) -> Any:
     return worker, kv
 
 
-def _cpu(args: argparse.Namespace, blocks: int, layers: int, lb: int) -> dict[str, float]:
+def _cpu(args: argparse.Namespace, blocks: int, layers: int, lb: int) -> dict[str, Any]:
     worker, kv = _worker(layers, lb, blocks)
     ids = tuple(range(blocks))
     total = blocks * layers * lb
     job_ids = iter(range(1, 1 << 30))
     engine_us: list[float] = []
     copy_ms: list[float] = []
+    src = np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)
+    dst = np.empty_like(src)
 
     def store() -> float:
         job = StoreJob(
@@ -181,89 +265,216 @@ def _cpu(args: argparse.Namespace, blocks: int, layers: int, lb: int) -> dict[st
         worker.clear_connector_metadata()
         return t1 - t0
 
+    memcpy = _timed(lambda: np.copyto(dst, src))
     try:
-        store_s = _median(store, args.repeat)
-        _median(step_store, args.repeat)
-        load_s = _median(load, args.repeat)
+        # One untimed round first: every page of the tier, the KV cache and dst is touched.
+        store(), load(), memcpy()
+        engine_us.clear()
+        copy_ms.clear()
+        # Each run takes milliseconds: five times as many runs steady the medians.
+        times = _paired({"store": store, "load": load, "memcpy": memcpy}, args.repeat * _CPU_RUNS)
+        for _ in range(args.repeat):
+            step_store()
     finally:
         worker.shutdown()
     return {
-        "store_gbps": _gbps(total, store_s),
-        "load_gbps": _gbps(total, load_s),
+        "cpu_store": _compare(total, times, "store", "memcpy", BARS["cpu_store"]),
+        "cpu_load": _compare(total, times, "load", "memcpy", None),
         "store_engine_thread_us": statistics.median(engine_us),
         "store_copy_out_ms": statistics.median(copy_ms),
         "step_store_engine_thread_us": statistics.median(step_us),
     }
 
 
-def _memcpy(args: argparse.Namespace, total: int) -> float:
-    src = np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)
-    dst = np.empty_like(src)
+def _filesystem(path: Path) -> str:
+    """``fstype device (mount point)`` of the mount holding ``path``, or ``"unknown"``."""
+    best = ("", "unknown", "")
+    with_mounts = Path("/proc/self/mounts")
+    if not with_mounts.exists():
+        return "unknown"
+    real = str(path.resolve())
+    for line in with_mounts.read_text().splitlines():
+        dev, mnt, fstype = line.split()[:3]
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best[0]):
+            best = (mnt, fstype, dev)
+    return f"{best[1]} {best[2]} ({best[0]})" if best[0] else "unknown"
 
-    def once() -> float:
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        return time.perf_counter() - t0
 
-    return _gbps(total, _median(once, args.repeat))
+def _aligned(nbytes: int) -> memoryview:
+    """A page-aligned writable buffer (anonymous memory), as O_DIRECT needs."""
+    return memoryview(mmap.mmap(-1, nbytes))
 
 
-def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, float]:
-    rng = np.random.default_rng(1)
-    data = [rng.integers(0, 255, block_bytes, dtype=np.uint8) for _ in range(blocks)]
-    out = np.empty(block_bytes, dtype=np.uint8)
+def _parallel(pool: cf.ThreadPoolExecutor, threads: int, fn: Callable[[int], None], n: int) -> None:
+    """``fn(i)`` for ``i`` in ``0..n-1``, split into ``threads`` interleaved shares."""
+
+    def share(first: int) -> None:
+        for i in range(first, n, threads):
+            fn(i)
+
+    for fut in [pool.submit(share, t) for t in range(threads)]:
+        fut.result()
+
+
+def _keys(blocks: int) -> list[bytes]:
+    return [i.to_bytes(32, "little") for i in range(blocks)]
+
+
+def _layout(root: Path, blocks: int) -> list[str]:
+    """The references' files: the tier's names and sub-directories (``ab/abcd…``), so that
+    both sides create files in the same directory structure. Strings made up front: the
+    references pay nothing for their names."""
+    paths = []
+    for key in _keys(blocks):
+        name = key.hex()
+        (root / name[:2]).mkdir(parents=True, exist_ok=True)
+        paths.append(str(root / name[:2] / name))
+    return paths
+
+
+def _o_direct(
+    args: argparse.Namespace, root: Path, blocks: int, block_bytes: int
+) -> dict[str, Any]:
+    """``os.pwrite`` / ``os.pread`` with O_DIRECT of the same blocks, one file per block."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return {"pwrite_gbps": None, "pread_gbps": None, "note": "no O_DIRECT on this OS"}
+    if block_bytes % 4096:
+        note = f"block of {block_bytes} bytes: not a multiple of 4096, O_DIRECT needs one"
+        return {"pwrite_gbps": None, "pread_gbps": None, "note": note}
+    paths = _layout(root / "direct", blocks)
+    buf = _aligned(block_bytes)
+    buf[:] = np.random.default_rng(2).integers(0, 255, block_bytes, dtype=np.uint8).tobytes()
+
+    def pwrite() -> None:
+        for p in paths:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+            try:
+                os.pwrite(fd, buf, 0)
+            finally:
+                os.close(fd)
+
+    def pread() -> None:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY | flag)
+            try:
+                os.preadv(fd, [buf], 0)
+            finally:
+                os.close(fd)
+
+    try:
+        pwrite()
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        note = f"O_DIRECT refused by this filesystem ({exc.strerror}): the tier would fall back"
+        return {"pwrite_gbps": None, "pread_gbps": None, "note": note}
     total = blocks * block_bytes
-    keys = [i.to_bytes(32, "little") for i in range(blocks)]
-    with tempfile.TemporaryDirectory(prefix="kvframe-bench-offload-") as tmp:
+    times = _paired(
+        {"pwrite": _timed(pwrite), "pread": _timed(pread)}, args.repeat, lambda _: os.sync()
+    )
+    return {
+        "pwrite_gbps": _gbps(total, statistics.median(times["pwrite"])),
+        "pread_gbps": _gbps(total, statistics.median(times["pread"])),
+        "note": "one file per block, page-aligned buffer; the reads are cold (no page cache)",
+    }
+
+
+def _cpu_slots(blocks: int, block_bytes: int) -> Any:
+    tier = CPUTier(
+        TierConfig(
+            name="cpu", index=0, capacity_bytes=blocks * block_bytes, block_bytes=block_bytes
+        )
+    )
+    tier.open()
+    return tier.contiguous_array()
+
+
+def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, Any]:
+    # Written from the slots of one CPU tier and read into the slots of another (page-aligned,
+    # as the kernel copies fastest: the module docstring of the tiers says why).
+    data, out = _cpu_slots(blocks, block_bytes), _cpu_slots(blocks, block_bytes)
+    data[:] = np.random.default_rng(1).integers(0, 255, data.shape, dtype=np.uint8)
+    out[:] = 0
+    total = blocks * block_bytes
+    keys = _keys(blocks)
+    with tempfile.TemporaryDirectory(prefix="kvframe-bench-offload-", dir=args.dir) as tmp:
+        root = Path(tmp)
         tier = DiskTier(
             TierConfig(
                 name="disk",
                 index=1,
-                capacity_bytes=(block_bytes + 64) * blocks,
+                capacity_bytes=(block_bytes + DISK_TRAILER_BYTES) * blocks,
                 block_bytes=block_bytes,
-                options={"path": str(Path(tmp) / "tier")},
+                options={"path": str(root / "tier")},
             )
         )
         tier.open()
-        plain = Path(tmp) / "plain"
-        plain.mkdir()
+        paths = _layout(root / "plain", blocks)
+        pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvframe-bench")
 
-        def tier_write() -> float:
-            t0 = time.perf_counter()
-            for k, d in zip(keys, data, strict=True):
-                tier.write(k, 0, d)
-            return time.perf_counter() - t0
+        def forget(side: str) -> None:
+            # Untimed, before every write: each side writes new files, no dirty data pending.
+            for i, k in enumerate(keys):
+                if side == "tier":
+                    tier.remove(k, i)
+                else:
+                    Path(paths[i]).unlink(missing_ok=True)
+            os.sync()
 
-        def tier_read() -> float:
-            t0 = time.perf_counter()
-            for k in keys:
-                tier.read(k, 0, out)
-            return time.perf_counter() - t0
+        def tier_write() -> None:
+            for i, k in enumerate(keys):
+                tier.write(k, i, data[i])
 
-        def pwrite() -> float:
-            t0 = time.perf_counter()
-            for i, d in enumerate(data):
-                fd = os.open(plain / str(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.pwrite(fd, memoryview(d.data), 0)
+        def pwrite() -> None:
+            for i, p in enumerate(paths):
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.pwrite(fd, memoryview(data[i].data), 0)
                 os.close(fd)
-            return time.perf_counter() - t0
 
-        def pread() -> float:
-            t0 = time.perf_counter()
-            for i in range(blocks):
-                fd = os.open(plain / str(i), os.O_RDONLY)
-                os.preadv(fd, [memoryview(out.data)], 0)
-                os.close(fd)
-            return time.perf_counter() - t0
+        def read_tier(i: int) -> None:
+            tier.read(keys[i], i, out[i])
 
-        results = {
-            "write_gbps": _gbps(total, _median(tier_write, args.repeat)),
-            "read_gbps": _gbps(total, _median(tier_read, args.repeat)),
-            "pwrite_gbps": _gbps(total, _median(pwrite, args.repeat)),
-            "pread_gbps": _gbps(total, _median(pread, args.repeat)),
-        }
-        tier.close()
-    return results
+        def read_plain(i: int) -> None:
+            fd = os.open(paths[i], os.O_RDONLY)
+            os.preadv(fd, [memoryview(out[i].data)], 0)
+            os.close(fd)
+
+        def loop(fn: Callable[[int], None]) -> Callable[[], None]:
+            def each() -> None:
+                for i in range(blocks):
+                    fn(i)
+
+            return each
+
+        try:
+            writes = _paired(
+                {"tier": _timed(tier_write), "pwrite": _timed(pwrite)}, args.repeat, forget
+            )
+            reads = _paired(
+                {
+                    "tier": _timed(loop(read_tier)),
+                    "pread": _timed(loop(read_plain)),
+                    "tier_2t": _timed(lambda: _parallel(pool, 2, read_tier, blocks)),
+                    "pread_2t": _timed(lambda: _parallel(pool, 2, read_plain, blocks)),
+                },
+                args.repeat * _READ_RUNS,
+            )
+            if not np.array_equal(out, data):
+                raise RuntimeError("the disk tier read back other bytes than it wrote")
+            direct = _o_direct(args, root, blocks, block_bytes)
+        finally:
+            pool.shutdown()
+            tier.close()
+    return {
+        "disk_write": _compare(total, writes, "tier", "pwrite", BARS["disk_write"]),
+        "disk_read": _compare(total, reads, "tier", "pread", BARS["disk_read"]),
+        "disk_read_2t": _compare(total, reads, "tier_2t", "pread_2t", None),
+        "o_direct": direct,
+        "filesystem": _filesystem(root),
+        "dir": str(root.parent),
+    }
 
 
 def _manager(policy: str, capacity: int) -> TieredOffloadManager:
@@ -290,7 +501,7 @@ def _lookup_cost(args: argparse.Namespace, entries: int) -> float:
             m.lookup(q)
         return time.perf_counter() - t0
 
-    return _median(once, args.repeat) / (len(queries) * 16) * 1e6
+    return statistics.median(once() for _ in range(args.repeat)) / (len(queries) * 16) * 1e6
 
 
 def _trace(quick: bool) -> list[list[bytes]]:
@@ -345,6 +556,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     trace = _trace(quick)
     distinct = len({k for req in trace for k in req})
     capacity = max(16, distinct // 6)
+    comparisons = {
+        name: source[name]
+        for source, names in ((cpu, ("cpu_store", "cpu_load")), (disk, _DISK_ROWS))
+        for name in names
+    }
     return {
         "benchmark": "offload",
         "params": {
@@ -354,15 +570,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "entries": entries,
             "repeat": repeat,
             "quick": quick,
+            "dir": disk["dir"],
+            "filesystem": disk["filesystem"],
         },
         "results": {
-            "cpu": {"store_gbps": cpu["store_gbps"], "load_gbps": cpu["load_gbps"]},
-            "disk": {"write_gbps": disk["write_gbps"], "read_gbps": disk["read_gbps"]},
-            "baselines": {
-                "memcpy_gbps": _memcpy(args, blocks * layers * lb),
-                "pwrite_gbps": disk["pwrite_gbps"],
-                "pread_gbps": disk["pread_gbps"],
+            "cpu": {
+                "store_gbps": cpu["cpu_store"]["gbps"],
+                "load_gbps": cpu["cpu_load"]["gbps"],
             },
+            "disk": {
+                "write_gbps": disk["disk_write"]["gbps"],
+                "read_gbps": disk["disk_read"]["gbps"],
+            },
+            "baselines": {
+                "memcpy_gbps": cpu["cpu_store"]["ref_gbps"],
+                "pwrite_gbps": disk["disk_write"]["ref_gbps"],
+                "pread_gbps": disk["disk_read"]["ref_gbps"],
+            },
+            "comparisons": comparisons,
+            "o_direct": disk["o_direct"],
             "store_engine_thread_us": cpu["store_engine_thread_us"],
             "store_copy_out_ms": cpu["store_copy_out_ms"],
             "step_store_engine_thread_us": cpu["step_store_engine_thread_us"],
@@ -375,20 +601,45 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+_DISK_ROWS = ("disk_write", "disk_read", "disk_read_2t")
+_LABELS = {
+    "cpu_store": ("cpu tier store (KV -> CPU)", "memcpy (np.copyto)"),
+    "cpu_load": ("cpu tier load (CPU -> KV)", "memcpy (np.copyto)"),
+    "disk_write": ("disk tier write", "os.pwrite, file per block"),
+    "disk_read": ("disk tier read (verified)", "os.pread, file per block"),
+    "disk_read_2t": ("disk tier read, 2 threads", "os.pread, 2 threads"),
+}
+
+
 def _human(report: dict[str, Any]) -> str:
     p, r = report["params"], report["results"]
     lines = [
         f"kvframe bench offload: {p['blocks']} blocks of {p['block_bytes']} bytes "
-        f"({p['layers']} layers), median of {p['repeat']}",
+        f"({p['layers']} layers), {p['repeat']} runs per side, the sides alternating",
+        f"disk files in {p['dir']} ({p['filesystem']}): writes create new files after an "
+        "untimed os.sync(); reads are warm (page cache, the files just written)",
+        "GB/s: median time (p90 time, the slow tail); ratio = median / reference median",
         "",
-        f"{'copy':<34}{'GB/s':>8}",
-        f"{'cpu tier store (KV -> CPU)':<34}{r['cpu']['store_gbps']:>8.2f}",
-        f"{'cpu tier load (CPU -> KV)':<34}{r['cpu']['load_gbps']:>8.2f}",
-        f"{'memcpy (np.copyto, one copy)':<34}{r['baselines']['memcpy_gbps']:>8.2f}",
-        f"{'disk tier write':<34}{r['disk']['write_gbps']:>8.2f}",
-        f"{'os.pwrite, file per block':<34}{r['baselines']['pwrite_gbps']:>8.2f}",
-        f"{'disk tier read':<34}{r['disk']['read_gbps']:>8.2f}",
-        f"{'os.pread, file per block':<34}{r['baselines']['pread_gbps']:>8.2f}",
+        f"{'measurement':<28}{'GB/s':>7}{'p90':>7}  {'reference':<27}{'GB/s':>7}{'p90':>7}"
+        f"{'ratio':>7}{'bar':>6}",
+    ]
+    for name, c in r["comparisons"].items():
+        side, ref = _LABELS[name]
+        bar = "" if c["bar"] is None else f"{c['bar']:.1f}"
+        verdict = "" if c["bar"] is None else ("  ok" if c["ratio"] >= c["bar"] else "  BELOW")
+        lines.append(
+            f"{side:<28}{c['gbps']:>7.2f}{c['p90_gbps']:>7.2f}  {ref:<27}{c['ref_gbps']:>7.2f}"
+            f"{c['ref_p90_gbps']:>7.2f}{c['ratio']:>7.2f}{bar:>6}{verdict}"
+        )
+    od = r["o_direct"]
+    if od["pwrite_gbps"] is None:
+        lines.append(f"O_DIRECT: {od['note']}")
+    else:
+        lines.append(
+            f"O_DIRECT, same blocks: os.pwrite {od['pwrite_gbps']:.2f} GB/s, os.pread "
+            f"{od['pread_gbps']:.2f} GB/s ({od['note']})"
+        )
+    lines += [
         "",
         f"store: {r['store_engine_thread_us']:.0f} µs on the engine thread, copy-out done after "
         f"{r['store_copy_out_ms']:.2f} ms (the engine keeps the blocks until then)",
@@ -411,6 +662,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if args.layer_block_bytes % 4:
         print("kvframe bench offload: --layer-block-bytes must be a multiple of 4", file=sys.stderr)
+        return 2
+    if args.dir is not None and not Path(args.dir).is_dir():
+        print(f"kvframe bench offload: --dir {args.dir!r} is not a directory", file=sys.stderr)
         return 2
     report = measure(args)
     print(json.dumps(report, indent=2) if args.json else _human(report))

@@ -167,7 +167,7 @@ def test_disk_tier_detects_damage_and_removes_the_file(tmp_path: Path) -> None:
     assert list(tier.scan()) == [key]
     path = tier.file_of(key)
     raw = bytearray(path.read_bytes())
-    raw[20] ^= 1  # inside the header's key (bytes 8..39)
+    raw[256 + 20] ^= 1  # inside the trailer's key (trailer bytes 8..39, behind the payload)
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptEntryError, match="another key"):
         tier.read(key, 0, out)

@@ -1,0 +1,172 @@
+"""The disk tier's file format (payload, then a checksummed trailer): every kind of damage is
+detected, named and removed; files of the older format are refused by name; the CPU tier's
+slots are page-aligned; the checksum releases the GIL."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvframe.connectors.offload.tiers import DISK_TRAILER_BYTES, CPUTier, DiskTier
+from kvframe.spi.offload import CorruptEntryError, TierConfig
+
+BLOCK = 4096
+KEY = bytes(range(32))
+
+
+def _tier(root: Path, block: int = BLOCK) -> DiskTier:
+    tier = DiskTier(
+        TierConfig(
+            name="disk",
+            index=1,
+            capacity_bytes=1 << 20,
+            block_bytes=block,
+            options={"path": str(root)},
+        )
+    )
+    tier.open()
+    return tier
+
+
+def _data(block: int = BLOCK) -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 255, block, dtype=np.uint8)
+
+
+def test_payload_first_then_a_64_byte_trailer(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    data = _data()
+    tier.write(KEY, 3, data)
+    raw = tier.file_of(KEY).read_bytes()
+    assert DISK_TRAILER_BYTES == 64
+    assert len(raw) == BLOCK + 64
+    assert raw[:BLOCK] == data.tobytes()  # at offset 0: page-aligned in the page cache
+    magic, version, _, key, length, checksum, _ = struct.unpack("<4sHH32sQQ8s", raw[BLOCK:])
+    assert (magic, version, key, length) == (b"KVOB", 2, KEY, BLOCK)
+    assert checksum == xxhash.xxh3_64_intdigest(data.tobytes())
+    out = np.zeros(BLOCK, dtype=np.uint8)
+    tier.read(KEY, 0, out)
+    assert np.array_equal(out, data)
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def _flip(offset: int) -> Callable[[bytearray], bytes]:
+    def damage(raw: bytearray) -> bytes:
+        raw[offset] ^= 0x01
+        return bytes(raw)
+
+    return damage
+
+
+def _set_field(fmt: str, at: int, value: int) -> Callable[[bytearray], bytes]:
+    def damage(raw: bytearray) -> bytes:
+        struct.pack_into(fmt, raw, BLOCK + at, value)
+        return bytes(raw)
+
+    return damage
+
+
+DAMAGE: dict[str, tuple[Callable[[bytearray], bytes], str]] = {
+    "payload byte": (_flip(100), "checksum mismatch"),
+    "last payload byte": (_flip(BLOCK - 1), "checksum mismatch"),
+    "magic": (_flip(BLOCK), "bad magic"),
+    "version": (_set_field("<H", 4, 3), "unknown format version 3"),
+    "reserved": (_flip(BLOCK + 6), "reserved trailer bytes"),
+    "key": (_flip(BLOCK + 20), "another key"),
+    "length": (_set_field("<Q", 40, BLOCK + 1), "payload length"),
+    "checksum": (_flip(BLOCK + 48), "checksum mismatch"),
+    "last byte": (_flip(BLOCK + 63), "reserved trailer bytes"),
+    "truncated in the payload": (lambda raw: bytes(raw[: BLOCK // 2]), "truncated"),
+    "truncated in the trailer": (lambda raw: bytes(raw[:-1]), "truncated"),
+    "empty": (lambda raw: b"", "0 bytes on disk"),
+    "one byte too long": (lambda raw: bytes(raw) + b"\0", "more than"),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_every_damage_is_detected_named_and_removed(tmp_path: Path, kind: str) -> None:
+    tier = _tier(tmp_path)
+    tier.write(KEY, 0, _data())
+    path = tier.file_of(KEY)
+    damage, message = DAMAGE[kind]
+    path.write_bytes(damage(bytearray(path.read_bytes())))
+    with pytest.raises(CorruptEntryError, match=message):
+        tier.read(KEY, 0, np.zeros(BLOCK, dtype=np.uint8))
+    assert not path.exists()
+    with pytest.raises(CorruptEntryError, match="gone"):
+        tier.read(KEY, 0, np.zeros(BLOCK, dtype=np.uint8))
+
+
+def _version_1_file(data: np.ndarray) -> bytes:
+    """A block file as kvframe releases before format version 2 wrote it."""
+    header = struct.pack("<4sHH32sQI12x", b"KVOB", 1, 0, KEY, data.size, zlib.crc32(data))
+    return header + data.tobytes()
+
+
+@pytest.mark.parametrize("block", [BLOCK, 2 * BLOCK])
+def test_a_version_1_file_is_refused_by_name_and_removed(tmp_path: Path, block: int) -> None:
+    # Same block size (the same file size as a version-2 file) or another one.
+    tier = _tier(tmp_path)
+    tier.write(KEY, 0, _data())
+    path = tier.file_of(KEY)
+    path.write_bytes(_version_1_file(_data(block)))
+    assert list(tier.scan()) == [KEY]  # listed at start-up like any entry ...
+    out = np.zeros(BLOCK, dtype=np.uint8)
+    with pytest.raises(CorruptEntryError, match=r"format version 1 \(a CRC-32 header"):
+        tier.read(KEY, 0, out)  # ... and never read as data
+    assert not path.exists()
+
+
+def test_cpu_tier_slots_are_page_aligned() -> None:
+    tier = CPUTier(
+        TierConfig(name="cpu", index=0, capacity_bytes=8 * BLOCK, block_bytes=BLOCK, options={})
+    )
+    tier.open()
+    try:
+        for slot in range(tier.capacity_blocks):
+            assert tier.slot_array(slot).ctypes.data % mmap.PAGESIZE == 0
+        whole = tier.contiguous_array()
+        assert whole is not None
+        assert whole.shape == (8, BLOCK)
+        assert whole.flags.c_contiguous
+    finally:
+        tier.close()
+
+
+def _stall_beside_a_hash(view: memoryview) -> tuple[float, float]:
+    """(longest stall of a Python loop, duration of the hash) with one thread hashing
+    ``view`` in one call."""
+    done = threading.Event()
+    took: list[float] = []
+
+    def work() -> None:
+        t0 = time.perf_counter()
+        xxhash.xxh3_64_intdigest(view)
+        took.append(time.perf_counter() - t0)
+        done.set()
+
+    thread = threading.Thread(target=work)
+    last = time.perf_counter()
+    stall = 0.0
+    thread.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        stall, last = max(stall, now - last), now
+    thread.join()
+    return stall, took[0]
+
+
+def test_the_checksum_releases_the_gil() -> None:
+    # A Python loop beside a thread checksumming 64 MiB in one call: held, the GIL would stall
+    # the loop for the whole call. Several tries: a busy machine can stall a thread anyway.
+    view = memoryview(np.ones(64 << 20, dtype=np.uint8).data).cast("B")
+    tries = [_stall_beside_a_hash(view) for _ in range(5)]
+    assert any(stall < took / 2 for stall, took in tries), tries
