@@ -9,9 +9,10 @@ process, and UCX reads its settings when it starts):
    with its version, or missing), the transports the plugin host finds and their memory kinds.
 2. ``nixl_vram_registration`` — a CUDA tensor registered with NIXL: through kvframe's NIXL
    transport (``DEVICE`` → ``VRAM``, a prepared layout) and with a raw NIXL agent.
-3. ``conformance_nixl`` / ``conformance_ucx`` — kvframe's transport conformance kit with every
-   buffer a CUDA tensor (``check_conformance.py``); for a transport whose capability card lacks
-   ``DEVICE`` the step says so instead of running.
+3. ``conformance_inprocess`` / ``conformance_nixl`` / ``conformance_ucx`` — kvframe's
+   transport conformance kit with every buffer a CUDA tensor (``check_conformance.py``): the
+   in-process transport's CUDA copy, NIXL ``VRAM`` between two processes, ucxx; for a
+   transport whose capability card lacks ``DEVICE`` the step says so instead of running.
 4. ``transfer_vram`` — ``kvframe bench transfer`` with both pools in VRAM and its byte checks on
    (``measure(device="cuda", verify=True)``): VRAM→VRAM between two processes through the P/D
    connector, the kvframe transport and raw NIXL with the same prepared lists, 64 KiB … 2 MiB
@@ -72,6 +73,12 @@ PACKAGES = {
 }
 BASE = ["torch", "numpy", "attrs", "pluggy", "msgpack", "zmq", "msgspec", "xxhash", "kvframe"]
 KIT = [*BASE, "pytest", "hypothesis"]
+#: What each transport's kit needs besides :data:`KIT` (its binding's site folder, if any).
+BINDINGS = {
+    "inprocess": [],
+    "nixl": ["kvframe_nixl", "nixl_cu12"],
+    "ucx": ["kvframe_ucx", "ucxx"],
+}
 
 #: Per-binding site folders ``run.sh`` installs into (``KVFRAME_GPU_SITE``): ``common`` for
 #: every step, then ``nixl`` or ``ucx`` for the steps of that binding.
@@ -90,7 +97,7 @@ SIZES: dict[str, dict[str, Any]] = {
             "scrub_bytes": 1 << 20,
         },
         "offload": {"blocks": 256, "layers": 8, "layer_block_bytes": 256 << 10, "repeat": 3},
-        "kit_select": {"nixl": None, "ucx": None},
+        "kit_select": {"inprocess": None, "nixl": None, "ucx": None},
     },
     "dry": {
         "transfer": {
@@ -105,7 +112,11 @@ SIZES: dict[str, dict[str, Any]] = {
         "offload": {"blocks": 16, "layers": 2, "layer_block_bytes": 64 << 10, "repeat": 1},
         # a few of the kit's tests (each starts a child endpoint, seconds on two cores): enough
         # to run every piece of check_conformance.py and torch_endpoint.py
-        "kit_select": {"nixl": "on_the_device or post_with_notification", "ucx": "on_the_device"},
+        "kit_select": {
+            "inprocess": None,  # the whole kit: no child process, a fake clock, seconds
+            "nixl": "on_the_device or post_with_notification",
+            "ucx": "on_the_device",
+        },
     },
 }
 
@@ -125,10 +136,20 @@ class Runner:
     """Runs step bodies (``python gpu_check.py _step NAME ...``) in child interpreters with the
     right ``PYTHONPATH`` for their binding, and collects their JSON answers."""
 
-    def __init__(self, device: str, sizes: dict[str, Any], timeout: float) -> None:
+    def __init__(
+        self, device: str, sizes: dict[str, Any], timeout: float, deadline: float | None = None
+    ) -> None:
         self.device = device
         self.sizes = sizes
         self.timeout = timeout
+        self.deadline = deadline
+        """``time.monotonic()`` by which every step must have ended (``--deadline``)."""
+
+    def _limit(self, timeout: float | None) -> float:
+        limit = timeout or self.timeout
+        if self.deadline is not None:
+            limit = min(limit, self.deadline - time.monotonic())
+        return max(limit, 1.0)
 
     def env(self, binding: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -159,7 +180,7 @@ class Runner:
                 env=self.env(binding, extra_env),
                 capture_output=True,
                 text=True,
-                timeout=timeout or self.timeout,
+                timeout=self._limit(timeout),
                 check=False,
             )
         except subprocess.TimeoutExpired as exc:
@@ -435,8 +456,9 @@ def _kit(runner: Runner, transport: str, caps: dict[str, list[str]] | None) -> d
             "memory only, so registering a CUDA tensor raises CapabilityError",
             memory_kinds=kinds,
         )
-    need = [*KIT, f"kvframe_{transport}", "nixl_cu12" if transport == "nixl" else "ucxx"]
-    missing = runner.missing(need, transport)
+    need = [*KIT, *BINDINGS[transport]]
+    binding = transport if BINDINGS[transport] else None
+    missing = runner.missing(need, binding)
     if missing:
         return _missing_result(name, missing)
     with tempfile.TemporaryDirectory(prefix="kvframe-gpu-kit-") as tmp:
@@ -452,7 +474,7 @@ def _kit(runner: Runner, transport: str, caps: dict[str, list[str]] | None) -> d
         t0 = time.monotonic()
         status, out = runner.child(
             argv,
-            transport,
+            binding,
             {"KVFRAME_KIT_TRANSPORT": transport, "KVFRAME_KIT_DEVICE": runner.device},
         )
         counts = _junit_counts(xml)
@@ -494,9 +516,10 @@ def _gpu_parts(result: dict[str, Any], cuda: bool, why: str) -> dict[str, Any]:
 
 def check(args: argparse.Namespace) -> dict[str, Any]:
     """Run every step; returns the report (``{"mode", "device", "steps": [...], "ok"}``)."""
-    steps: list[dict[str, Any]] = []
     mode = "dry-run" if args.dry_run else "gpu"
-    runner = Runner("cpu", SIZES["dry"], args.step_timeout)
+    deadline = time.monotonic() + args.deadline
+    runner = Runner("cpu", SIZES["dry"], args.step_timeout, deadline)
+    steps = _Steps(args.out)
 
     missing = runner.missing(BASE, None)
     env = (
@@ -507,7 +530,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     cuda = has_cuda and not args.dry_run
     why = "--dry-run" if has_cuda else "no CUDA device"
     if cuda:
-        runner = Runner(args.device, SIZES["gpu"], args.step_timeout)
+        runner = Runner(args.device, SIZES["gpu"], args.step_timeout, deadline)
     caps = env["details"].get("transports")
 
     missing = runner.missing([*BASE, "kvframe_nixl", "nixl_cu12"], "nixl")
@@ -516,7 +539,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     else:
         steps.append(_gpu_parts(runner.step("nixl_vram_registration", "nixl"), cuda, why))
 
-    for transport in ("nixl", "ucx"):
+    for transport in BINDINGS:
         steps.append(_gpu_parts(_kit(runner, transport, caps), cuda, why))
 
     missing = runner.missing([*BASE, "kvframe_nixl", "nixl_cu12"], "nixl")
@@ -544,14 +567,28 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
 
     bad = [s["name"] for s in steps if s["status"] in (FAILED, MISSING)]
     ok = not bad and (cuda or args.dry_run)
-    return {
-        "mode": mode,
-        "device": runner.device,
-        "cuda": cuda,
-        "steps": steps,
-        "ok": ok,
-        "bad": bad,
-    }
+    report = {"mode": mode, "device": runner.device, "cuda": cuda, "steps": list(steps)}
+    return {**report, "ok": ok, "bad": bad}
+
+
+class _Steps(list[dict[str, Any]]):
+    """The steps so far. Each one is announced on stderr as it ends and, with ``--out``, the
+    report so far is written at once: a command stopped by its time limit still leaves them."""
+
+    def __init__(self, out: str | None) -> None:
+        super().__init__()
+        self.out = out
+
+    def append(self, step: dict[str, Any]) -> None:
+        super().append(step)
+        secs = step.get("seconds") or step["details"].get("seconds")
+        took = f" [{secs:.1f} s]" if isinstance(secs, int | float) else ""
+        print(
+            f"gpu_check: {step['name']}: {step['status']} {step['reason']}{took}", file=sys.stderr
+        )
+        if self.out:
+            partial = {"partial": True, "steps": list(self)}
+            Path(self.out).write_text(json.dumps(partial, indent=2))
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -572,7 +609,7 @@ def format_report(report: dict[str, Any]) -> str:
             "packages missing: " + (", ".join(absent) or "none"),
             f"transports and their memory kinds: {env.get('transports')}",
         ]
-    for key in ("conformance_nixl", "conformance_ucx"):
+    for key in (f"conformance_{t}" for t in BINDINGS):
         d = by_name.get(key, {})
         if "tests" in d:
             lines.append(
@@ -628,7 +665,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--device", default="cuda:0", help="the CUDA device (default cuda:0)")
-    parser.add_argument("--step-timeout", type=float, default=420.0, help="seconds per step (420)")
+    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds per step (300)")
+    parser.add_argument(
+        "--deadline", type=float, default=520.0, help="seconds for all steps together (520)"
+    )
     parser.add_argument("--out", help="also write the JSON report to this file")
     args = parser.parse_args(argv)
     if not args.device.startswith("cuda"):

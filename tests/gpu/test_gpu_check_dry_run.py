@@ -29,6 +29,7 @@ import gpu_check  # noqa: E402  (a script beside this file, not a package)
 
 GPU_STEPS = (
     "nixl_vram_registration",
+    "conformance_inprocess",
     "conformance_nixl",
     "conformance_ucx",
     "transfer_vram",
@@ -69,7 +70,7 @@ def test_dry_run_reports_every_gpu_step_not_applicable(dry_run: dict[str, Any]) 
     assert dry_run["ok"] is True
     assert dry_run["bad"] == []
     steps = {s["name"]: s for s in dry_run["steps"]}
-    assert list(steps) == ["environment", *GPU_STEPS[:4], "ucx_transports", GPU_STEPS[4]]
+    assert list(steps) == ["environment", *GPU_STEPS[:5], "ucx_transports", GPU_STEPS[5]]
     assert steps["environment"]["status"] == "passed"
     cuda = steps["environment"]["details"]["cuda_available"]
     why = "--dry-run" if cuda else "no CUDA device"
@@ -86,11 +87,12 @@ def test_dry_run_reports_every_gpu_step_not_applicable(dry_run: dict[str, Any]) 
 def test_dry_run_moved_and_checked_bytes_on_host_memory(dry_run: dict[str, Any]) -> None:
     steps = {s["name"]: s["details"] for s in dry_run["steps"]}
     assert steps["nixl_vram_registration"]["nixl_memory"] == "DRAM"
-    for kit in ("conformance_nixl", "conformance_ucx"):
+    for kit in ("conformance_inprocess", "conformance_nixl", "conformance_ucx"):
         d = steps[kit]
         assert d["device"] == "cpu"
         assert d["tests"] >= 1
         assert d["failures"] == d["errors"] == 0, d
+    assert steps["conformance_inprocess"]["tests"] >= 20  # the whole kit
     transfer = steps["transfer_vram"]
     sizes = gpu_check.SIZES["dry"]["transfer"]
     cells = [(r["block_bytes"], r["blocks"]) for r in transfer["rows"]]
@@ -207,3 +209,13 @@ def test_the_device_command_in_the_docs_runs_run_sh_with_the_carried_wheels() ->
     text = (ROOT / "docs" / "gpu.md").read_text()
     for group in ("common", "nixl"):
         assert f".kvframe-gpu-wheels/{group}" in text
+
+
+def test_a_missing_package_is_named_with_its_distribution() -> None:
+    runner = gpu_check.Runner("cpu", gpu_check.SIZES["dry"], timeout=60)
+    assert runner.missing(["json", "kvframe_no_such_module"], None) == ["kvframe_no_such_module"]
+    result = gpu_check._missing_result("transfer_vram", ["nixl_cu12", "zmq"])
+    assert result["status"] == "missing"
+    assert "nixl_cu12 (pip: nixl-cu12)" in result["reason"]
+    assert "zmq (pip: pyzmq)" in result["reason"]
+    assert "prepare_carry.py" in result["reason"]
