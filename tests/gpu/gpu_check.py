@@ -120,6 +120,18 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 
+#: Every step, in the order they run (``--only`` names some of them; ``environment`` always runs).
+STEPS = (
+    "environment",
+    "nixl_vram_registration",
+    "conformance_inprocess",
+    "conformance_nixl",
+    "conformance_ucx",
+    "transfer_vram",
+    "ucx_transports",
+    "offload_cpu_tier",
+)
+
 #: Transports of UCX that move device memory directly, and those that mean a host bounce.
 CUDA_TLS = {"cuda_ipc", "cuda_copy", "gdr_copy"}
 HOST_TLS = {"sysv", "posix", "cma", "knem", "xpmem", "tcp"}
@@ -532,18 +544,23 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         runner = Runner(args.device, SIZES["gpu"], args.step_timeout, deadline)
     caps = env["details"].get("transports")
+    chosen = set(STEPS if args.only is None else args.only.split(","))
 
     missing = runner.missing([*BASE, "kvframe_nixl", "nixl_cu12"], "nixl")
-    if missing:
+    if "nixl_vram_registration" not in chosen:
+        pass
+    elif missing:
         steps.append(_missing_result("nixl_vram_registration", missing))
     else:
         steps.append(_gpu_parts(runner.step("nixl_vram_registration", "nixl"), cuda, why))
 
     for transport in BINDINGS:
-        steps.append(_gpu_parts(_kit(runner, transport, caps), cuda, why))
+        if f"conformance_{transport}" in chosen:
+            steps.append(_gpu_parts(_kit(runner, transport, caps), cuda, why))
 
-    missing = runner.missing([*BASE, "kvframe_nixl", "nixl_cu12"], "nixl")
-    if missing:
+    if not chosen & {"transfer_vram", "ucx_transports"}:
+        pass
+    elif missing:
         steps.append(_missing_result("transfer_vram", missing))
         steps.append(_missing_result("ucx_transports", missing))
     else:
@@ -558,7 +575,9 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         steps.append(_result("ucx_transports", status, reason, **verdict))
 
     missing = runner.missing(BASE, None)
-    if missing:
+    if "offload_cpu_tier" not in chosen:
+        pass
+    elif missing:
         steps.append(_missing_result("offload_cpu_tier", missing))
     else:
         result = runner.step("offload", None)
@@ -568,6 +587,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     bad = [s["name"] for s in steps if s["status"] in (FAILED, MISSING)]
     ok = not bad and (cuda or args.dry_run)
     report = {"mode": mode, "device": runner.device, "cuda": cuda, "steps": list(steps)}
+    if args.only is not None:
+        report["only"] = [name for name in STEPS if name in chosen]
     return {**report, "ok": ok, "bad": bad}
 
 
@@ -665,14 +686,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--device", default="cuda:0", help="the CUDA device (default cuda:0)")
-    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds per step (300)")
+    parser.add_argument("--step-timeout", type=float, default=240.0, help="seconds per step (240)")
     parser.add_argument(
-        "--deadline", type=float, default=520.0, help="seconds for all steps together (520)"
+        "--deadline", type=float, default=420.0, help="seconds for all steps together (420)"
+    )
+    parser.add_argument(
+        "--only", help="run only these steps, comma-separated (a rerun); environment always runs"
     )
     parser.add_argument("--out", help="also write the JSON report to this file")
     args = parser.parse_args(argv)
     if not args.device.startswith("cuda"):
         parser.error(f"--device {args.device!r}: give a CUDA device such as cuda:0")
+    unknown = set((args.only or "").split(",")) - set(STEPS) - {""}
+    if unknown:
+        parser.error(f"--only: unknown step(s) {sorted(unknown)}; steps: {', '.join(STEPS)}")
     report = check(args)
     text = json.dumps(report, indent=2)
     if args.out:

@@ -117,10 +117,20 @@ def test_dry_run_moved_and_checked_bytes_on_host_memory(dry_run: dict[str, Any])
     assert "byte checks:" in text
 
 
-def test_bad_arguments_exit_2() -> None:
+@pytest.mark.parametrize("argv", [["--device", "cpu"], ["--only", "transfer_vram,no_such_step"]])
+def test_bad_arguments_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        gpu_check.main(["--device", "cpu"])
+        gpu_check.main(argv)
     assert exc.value.code == 2
+
+
+def test_only_runs_the_steps_named(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    code = gpu_check.main(["--dry-run", "--only", "offload_cpu_tier", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0
+    assert report["only"] == ["offload_cpu_tier"]
+    assert [s["name"] for s in report["steps"]] == ["environment", "offload_cpu_tier"]
 
 
 # -- UCX's protocol tables ----------------------------------------------------------------------
