@@ -105,7 +105,7 @@ def test_corrupt_and_truncated_disk_entries_are_misses_and_removed(tmp_path: Pat
 class _FullDisk(DiskTier):
     """A disk tier whose device is full: every write fails with ENOSPC."""
 
-    def _writev(self, fd: int, buffers: list[Any]) -> int:
+    def _pwrite(self, fd: int, data: Any, offset: int) -> int:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 

@@ -226,13 +226,20 @@ class DiskTier(OffloadTier):
         final = self._path(key)
         tmp = f"{final}.{os.getpid()}.{slot}.tmp"
         payload = memoryview(np.ascontiguousarray(data).data).cast("B")
-        trailer = _TRAILER.pack(_MAGIC, _VERSION, 0, key, len(payload), _checksum(payload), _ZEROS)
         try:
             self._sub_dir(key)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                written = self._writev(fd, [payload, trailer])
-                if written != len(payload) + len(trailer):
+                written = self._pwrite(fd, payload, 0)
+                if written == len(payload):
+                    # Checksummed after the copy into the page cache, which left the payload
+                    # in the CPU's cache: faster than reading it from memory twice.
+                    checksum = _checksum(payload)
+                    trailer = _TRAILER.pack(
+                        _MAGIC, _VERSION, 0, key, len(payload), checksum, _ZEROS
+                    )
+                    written += self._pwrite(fd, trailer, written)
+                if written != len(payload) + _TRAILER.size:
                     raise OffloadError(f"short write to {tmp}: {written} bytes")
                 if self.fsync:
                     os.fsync(fd)
@@ -246,19 +253,13 @@ class DiskTier(OffloadTier):
                 raise TierFullError(f"disk tier {str(self.root)!r} is full: {exc}") from exc
             raise OffloadError(f"writing {final}: {exc}") from exc
 
-    def _writev(self, fd: int, buffers: list[Any]) -> int:
-        """Write ``buffers`` one after the other from offset 0; returns the bytes written.
-        One ``os.pwrite`` per buffer, not one ``os.writev``: the page cache takes a lone
-        256 KiB payload 1.3–2× faster than the same bytes with a 64-byte trailer in one
-        ``writev`` (measured, ext4). A fault-injection point for tests (a subclass raises
-        ``OSError(errno.ENOSPC, ...)`` here to simulate a full disk)."""
-        offset = 0
-        for buf in buffers:
-            n = os.pwrite(fd, buf, offset)
-            offset += n
-            if n != len(buf):
-                break
-        return offset
+    def _pwrite(self, fd: int, data: Any, offset: int) -> int:
+        """One of the two system calls that write a block file (the payload alone, then the
+        trailer: the page cache takes a lone 256 KiB payload 1.3–2× faster than the same bytes
+        with a 64-byte trailer in one ``os.writev``, measured on ext4). A fault-injection
+        point for tests (a subclass raises ``OSError(errno.ENOSPC, ...)`` here to simulate a
+        full disk)."""
+        return os.pwrite(fd, data, offset)
 
     def read(self, key: bytes, slot: int, out: ByteArray) -> None:
         path = self._path(key)
