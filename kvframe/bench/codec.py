@@ -53,6 +53,7 @@ from typing import Any
 
 import msgspec
 
+from kvframe.bench._stats import p90
 from kvframe.config import KVTransferConfig
 from kvframe.connectors.pd import PDConnector
 from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, RemoteEngineAddr
@@ -163,10 +164,6 @@ def _sampler(
     return sample
 
 
-def _p90(samples: list[float]) -> float:
-    return statistics.quantiles(samples, n=10)[-1] if len(samples) > 1 else samples[0]
-
-
 def _compare(
     codec: Codec,
     pair: tuple[PDMetadata, _Step],
@@ -190,7 +187,7 @@ def _compare(
     for _ in range(samples):
         ks.append(k())
         ms.append(m())
-    k_med, m_med, k_p90, m_p90 = statistics.median(ks), statistics.median(ms), _p90(ks), _p90(ms)
+    k_med, m_med, k_p90, m_p90 = statistics.median(ks), statistics.median(ms), p90(ks), p90(ms)
     return {
         "kvframe_median_s": k_med,
         "kvframe_p90_s": k_p90,

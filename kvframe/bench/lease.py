@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import random
 import statistics
 import sys
@@ -62,6 +61,7 @@ from collections.abc import Callable
 import msgpack
 import numpy as np
 
+from kvframe.bench._stats import p90
 from kvframe.core import wire
 from kvframe.core.lease import LeasePolicy, LeaseTable, lease_handle
 
@@ -161,18 +161,13 @@ def _times(fn: Callable[[], object], repeat: int) -> list[float]:
     return samples
 
 
-def _p90(samples: list[float]) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
-
-
 def _pair(kvframe: list[float], naive: list[float]) -> dict[str, float]:
     k, n = statistics.median(kvframe), statistics.median(naive)
     return {
         "kvframe_s": k,
-        "kvframe_p90_s": _p90(kvframe),
+        "kvframe_p90_s": p90(kvframe),
         "naive_s": n,
-        "naive_p90_s": _p90(naive),
+        "naive_p90_s": p90(naive),
         "ratio": n / k if k > 0 else float("inf"),
     }
 

@@ -77,12 +77,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvframe.bench._stats import p90
 from kvframe.config import KVTransferConfig
 from kvframe.connectors.offload.manager import TieredOffloadManager
 from kvframe.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
@@ -121,12 +122,6 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def _p90(times: Sequence[float]) -> float:
-    if len(times) < 2:
-        return times[0]
-    return statistics.quantiles(times, n=10, method="inclusive")[8]
-
-
 def _paired(
     sides: dict[str, Callable[[], float]],
     repeat: int,
@@ -151,10 +146,10 @@ def _compare(
     gbps, ref_gbps = _gbps(nbytes, statistics.median(a)), _gbps(nbytes, statistics.median(b))
     return {
         "gbps": gbps,
-        "p90_gbps": _gbps(nbytes, _p90(a)),
+        "p90_gbps": _gbps(nbytes, p90(a)),
         "reference": ref,
         "ref_gbps": ref_gbps,
-        "ref_p90_gbps": _gbps(nbytes, _p90(b)),
+        "ref_p90_gbps": _gbps(nbytes, p90(b)),
         "ratio": gbps / ref_gbps,
         "bar": bar,
     }

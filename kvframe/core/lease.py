@@ -400,43 +400,27 @@ class _HandleIndex:
             self.tombs += 1
 
     def positions(self, handles: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp]:
-        """Where each handle sits (-1 where absent), all at once."""
-        n = len(handles)
-        out = np.full(n, -1, dtype=np.intp)
-        if not n:
-            return out
-        keys = self.keys
-        mask = np.uint64(self.mask)
-        pos = (handles & mask).astype(np.intp)
-        pending = np.arange(n)
-        while pending.size:
-            p = pos[pending]
-            k = keys[p]
-            want = handles[pending]
-            hit = k == want
-            out[pending[hit]] = p[hit]
-            go_on = ~hit & (k != _EMPTY)
-            pending = pending[go_on]
-            pos[pending] = (p[go_on] + 1) & self.mask
-        return out
-
-    def slots(self, handles: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
-        """The slot of each handle (-1 where absent), all at once: one vector round for
-        every handle, then rounds only for those that probe further."""
-        keys, vals, mask = self.keys, self.vals, self.mask
+        """Where each handle sits (-1 where absent), all at once: one vector round for every
+        handle, then rounds only for those that probe further."""
+        keys, mask = self.keys, self.mask
         pos = (handles & np.uint64(mask)).astype(np.intp)
         k = keys[pos]
         hit = k == handles
-        out = np.where(hit, vals[pos], -1)
+        out = np.where(hit, pos, -1)
         miss = np.flatnonzero(~hit & (k != _EMPTY))
         while miss.size:
             at = (pos[miss] + 1) & mask
             pos[miss] = at
             k = keys[at]
             hit = k == handles[miss]
-            out[miss[hit]] = vals[at[hit]]
+            out[miss[hit]] = at[hit]
             miss = miss[~hit & (k != _EMPTY)]
         return out
+
+    def slots(self, handles: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+        """The slot of each handle (-1 where absent), all at once."""
+        pos = self.positions(handles)
+        return np.where(pos >= 0, self.vals[pos], -1)
 
     def remove_many(self, handles: npt.NDArray[np.uint64]) -> None:
         pos = self.positions(handles)
@@ -576,9 +560,12 @@ class LeaseTable(Generic[_PayloadT]):
 
     def state(self, request_id: str) -> LeaseState:
         """``request_id``'s state (``ABSENT`` when unknown or forgotten)."""
+        return self._state(request_id)
+
+    def _state(self, request_id: str, handle: int | None = None) -> LeaseState:
         if request_id in self._slot:
             return LeaseState.LIVE
-        ended = self._gone(request_id)
+        ended = self._gone(request_id, handle)
         return LeaseState.ABSENT if ended is None else ended.state
 
     def _gone(self, request_id: str, handle: int | None = None) -> Lease[_PayloadT] | None:
@@ -644,7 +631,7 @@ class LeaseTable(Generic[_PayloadT]):
         """
         handle = lease_handle(request_id)
         check_now(now)
-        self._transition(request_id, LeaseEvent.GRANT)
+        self._transition(request_id, LeaseEvent.GRANT, handle)
         other = self._handles.get(handle)
         if other >= 0:
             raise LeaseError(
@@ -696,7 +683,7 @@ class LeaseTable(Generic[_PayloadT]):
         ids = list(dict.fromkeys(request_ids))
         get = self._slot.get
         slots = np.fromiter((get(r, -1) for r in ids), dtype=np.int64, count=len(ids))
-        found, ok, _, expiries = self._renew_slots(slots, t, candidate)
+        found, ok, expiries = self._renew_slots(slots, t, candidate)
         renewed = dict(
             zip(np.asarray(ids, dtype=object)[ok].tolist(), expiries.tolist(), strict=True)
         )
@@ -742,7 +729,7 @@ class LeaseTable(Generic[_PayloadT]):
                 ) from None
         t, candidate = self._renew_times(now, sent_at)
         slots = self._handles.slots(h)
-        found, ok, _, expiries = self._renew_slots(slots, t, candidate)
+        found, ok, expiries = self._renew_slots(slots, t, candidate)
         renewed = h[ok]
         exp_arr = expiries
         ignored: dict[int, RenewIgnored] = {}
@@ -830,9 +817,7 @@ class LeaseTable(Generic[_PayloadT]):
 
     def _renew_slots(
         self, slots: npt.NDArray[np.int64], t: float, candidate: float
-    ) -> tuple[
-        npt.NDArray[np.bool_], npt.NDArray[np.bool_], npt.NDArray[np.int64], npt.NDArray[np.float64]
-    ]:
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_], npt.NDArray[np.float64]]:
         # found: names a live lease; ok: renewed (live, not due, and the heartbeat is fresh).
         found = slots >= 0
         exp = self._exp
@@ -845,14 +830,16 @@ class LeaseTable(Generic[_PayloadT]):
             self._ren[rs] += 1
             self._lb_exact = False
         self._renewed += len(rs)
-        return found, ok, rs, new
+        return found, ok, new
 
-    def _transition(self, request_id: str, event: LeaseEvent) -> LeaseState:
-        source = self.state(request_id)
+    def _transition(
+        self, request_id: str, event: LeaseEvent, handle: int | None = None
+    ) -> LeaseState:
+        source = self._state(request_id, handle)
         try:
             return next_state(source, event, request_id)
         except InvalidTransitionError as exc:
-            gone = self._gone(request_id)
+            gone = self._gone(request_id, handle)
             if gone is not None:
                 raise InvalidTransitionError(
                     f"{exc} (it ended at t={gone.ended_at!r}; request ids are single-use)"
@@ -880,6 +867,7 @@ class LeaseTable(Generic[_PayloadT]):
             return []
         idx = slots.tolist()
         handles = self._hnd[slots]
+        hlist = handles.tolist()
         ids, payloads, granted = self._ids, self._payloads, self._granted_at
         rids = list(map(ids.__getitem__, idx))
         rows = zip(
@@ -890,7 +878,7 @@ class LeaseTable(Generic[_PayloadT]):
             self._ren[slots].tolist(),
             map(payloads.__getitem__, idx),
             repeat(now),
-            handles.tolist(),
+            hlist,
         )
         # Named tuples made by tuple.__new__ through map: no Python frame per lease.
         out: list[Lease[_PayloadT]] = list(map(tuple.__new__, repeat(Lease), rows))
@@ -904,7 +892,6 @@ class LeaseTable(Generic[_PayloadT]):
         self._free.extend(idx)
         if self._remember:
             ended, order = self._ended, self._ended_order
-            hlist = handles.tolist()
             ended.update(zip(hlist, out, strict=True))
             order.extend(hlist)
             excess = len(order) - self._remember
