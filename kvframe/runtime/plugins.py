@@ -792,7 +792,8 @@ class PluginHost:
     def create_transport(self, name: str, params: TransportParams) -> Transport:
         """Build a new transport with the factory registered as ``name``.
 
-        :raises PluginNotFoundError, PluginConflictError: as :meth:`transport_info`.
+        :raises PluginNotFoundError: as :meth:`transport_info`.
+        :raises PluginConflictError: as :meth:`transport_info`.
         :raises KVFrameError: whatever kvframe error the factory raises (typically
             :class:`~kvframe.errors.ConfigError` for bad options), unchanged.
         :raises PluginError: the factory raised anything else, or returned something that is
