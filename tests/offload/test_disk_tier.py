@@ -1,10 +1,12 @@
 """The disk tier's file format (payload, then a checksummed trailer): every kind of damage is
-detected, named and removed; files of the older format are refused by name; the CPU tier's
-slots are page-aligned; the checksum releases the GIL."""
+detected, named and removed (a short file once it is old: a write may be under way); files
+of the older format are refused by name; the CPU tier's slots are page-aligned; the checksum
+releases the GIL."""
 
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 import threading
 import time
@@ -16,7 +18,12 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvframe.connectors.offload.tiers import DISK_TRAILER_BYTES, CPUTier, DiskTier
+from kvframe.connectors.offload.tiers import (
+    DISK_TRAILER_BYTES,
+    IN_PROGRESS_GRACE_S,
+    CPUTier,
+    DiskTier,
+)
 from kvframe.spi.offload import CorruptEntryError, TierConfig
 
 BLOCK = 4096
@@ -98,11 +105,62 @@ def test_every_damage_is_detected_named_and_removed(tmp_path: Path, kind: str) -
     path = tier.file_of(KEY)
     damage, message = DAMAGE[kind]
     path.write_bytes(damage(bytearray(path.read_bytes())))
+    _age(path)  # a short file is removed only once it is old (see the next test)
     with pytest.raises(CorruptEntryError, match=message):
         tier.read(KEY, 0, np.zeros(BLOCK, dtype=np.uint8))
     assert not path.exists()
     with pytest.raises(CorruptEntryError, match="gone"):
         tier.read(KEY, 0, np.zeros(BLOCK, dtype=np.uint8))
+
+
+def _age(path: Path, seconds: float = IN_PROGRESS_GRACE_S + 1) -> None:
+    """Make ``path`` look last changed ``seconds`` ago."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+@pytest.mark.parametrize("cut", [0, BLOCK // 2, BLOCK, BLOCK + DISK_TRAILER_BYTES - 1])
+def test_a_file_without_its_trailer_yet_is_a_miss_left_in_place_until_old(
+    tmp_path: Path, cut: int
+) -> None:
+    # What a reader in another engine sees while this one writes (payload first, trailer last).
+    tier = _tier(tmp_path)
+    tier.write(KEY, 0, _data())
+    path = tier.file_of(KEY)
+    path.write_bytes(path.read_bytes()[:cut])
+    out = np.zeros(BLOCK, dtype=np.uint8)
+    with pytest.raises(CorruptEntryError, match=r"left in place .*perhaps still being written"):
+        tier.read(KEY, 0, out)
+    assert path.stat().st_size == cut  # untouched
+    _age(path, IN_PROGRESS_GRACE_S - 5)
+    with pytest.raises(CorruptEntryError, match="left in place"):
+        tier.read(KEY, 0, out)
+    _age(path)  # a crash's leftover: removed
+    with pytest.raises(CorruptEntryError, match="removed"):
+        tier.read(KEY, 0, out)
+    assert not path.exists()
+    tier.write(KEY, 0, _data())  # and the key can be written again
+    tier.read(KEY, 0, out)
+    assert np.array_equal(out, _data())
+
+
+def test_a_rewrite_in_place_replaces_the_block_and_a_mixed_file_is_refused(
+    tmp_path: Path,
+) -> None:
+    tier = _tier(tmp_path)
+    first, second = _data(), _data()[::-1].copy()
+    tier.write(KEY, 0, first)
+    path = tier.file_of(KEY)
+    old = path.read_bytes()
+    tier.write(KEY, 0, second)
+    out = np.zeros(BLOCK, dtype=np.uint8)
+    tier.read(KEY, 0, out)
+    assert np.array_equal(out, second)
+    # Two engines writing the key at once: the payload of one, the trailer of the other.
+    path.write_bytes(second.tobytes() + old[BLOCK:])
+    with pytest.raises(CorruptEntryError, match="checksum mismatch"):
+        tier.read(KEY, 0, out)
+    assert not path.exists()
 
 
 def _version_1_file(data: np.ndarray) -> bytes:

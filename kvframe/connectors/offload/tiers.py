@@ -7,12 +7,18 @@ on a page boundary, so that with a block size that is a multiple of the page siz
 is page-aligned (the disk tier's reads and writes run fastest so, see below). Options: none.
 
 **disk** (:class:`DiskTier`): one file per block under ``path``, named by the key's hex
-(``ab/abcdef….kvb``), written to a temporary name and renamed into place, so a reader never
-sees a half-written file under its final name. A file is the payload at offset 0 followed by
-a 64-byte trailer (magic, format version, key, payload length, XXH3-64 of the payload, zero
-reserved bytes); a read checks every one of them and removes a file that fails (truncated, too
-long, corrupted, foreign, or in another format version: version-1 files of older releases,
-a CRC-32 header in front of the payload, are refused by name and removed, never misread).
+(``ab/abcdef….kvb``). A file is the payload at offset 0 followed by a 64-byte trailer (magic,
+format version, key, payload length, XXH3-64 of the payload, zero reserved bytes); a read
+checks every one of them and removes a file that fails (truncated, too long, corrupted,
+foreign, or in another format version: version-1 files of older releases, a CRC-32 header in
+front of the payload, are refused by name and removed, never misread). A block is written in
+place under its final name, the payload first and the trailer last: no temporary name and no
+rename (the rename cost about a tenth of a block's write here). A reader that comes before the
+trailer has landed finds the file too short: that is a miss, and the file is left alone while
+it is younger than :data:`IN_PROGRESS_GRACE_S` (another engine sharing the directory may be
+writing it), removed when older (a crash's leftover). Two engines writing the same key at once
+can leave a payload of one with the trailer of the other: the checksum refuses that file, so a
+read never returns bytes the trailer does not vouch for.
 
 The payload sits at offset 0 so that the kernel copies it between page-cache pages and
 page-aligned memory (the CPU tier's slots are page-aligned) at the same offset within a page:
@@ -41,6 +47,7 @@ import errno
 import mmap
 import os
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -63,6 +70,7 @@ from kvframe.spi.offload import (
 __all__ = [
     "DISK_HEADER_BYTES",
     "DISK_TRAILER_BYTES",
+    "IN_PROGRESS_GRACE_S",
     "CPUTier",
     "DiskTier",
     "create_cpu_tier",
@@ -84,6 +92,9 @@ _OLD_VERSIONS = {1: "a CRC-32 header in front of the payload"}
 # Releases the GIL (checked: a Python loop beside a thread hashing 256 MiB never stalls).
 _checksum = xxhash.xxh3_64_intdigest
 _SUFFIX = ".kvb"
+IN_PROGRESS_GRACE_S = 30.0
+"""A file shorter than a block file that changed less than this many seconds ago is a miss
+but stays on disk (a write may be under way); an older one is removed."""
 _NOSPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
@@ -223,12 +234,13 @@ class DiskTier(OffloadTier):
             ) from exc
 
     def write(self, key: bytes, slot: int, data: ByteArray) -> None:
-        final = self._path(key)
-        tmp = f"{final}.{os.getpid()}.{slot}.tmp"
+        path = self._path(key)
         payload = memoryview(np.ascontiguousarray(data).data).cast("B")
         try:
             self._sub_dir(key)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # In place, the trailer last: until the trailer lands, a reader finds the file
+            # too short and leaves it alone (see read); no temporary name, no rename.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 written = self._pwrite(fd, payload, 0)
                 if written == len(payload):
@@ -240,18 +252,21 @@ class DiskTier(OffloadTier):
                     )
                     written += self._pwrite(fd, trailer, written)
                 if written != len(payload) + _TRAILER.size:
-                    raise OffloadError(f"short write to {tmp}: {written} bytes")
+                    raise OffloadError(f"short write to {path}: {written} bytes")
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
         except OSError as exc:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(path)
             if exc.errno in _NOSPACE:
                 raise TierFullError(f"disk tier {str(self.root)!r} is full: {exc}") from exc
-            raise OffloadError(f"writing {final}: {exc}") from exc
+            raise OffloadError(f"writing {path}: {exc}") from exc
+        except OffloadError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
 
     def _pwrite(self, fd: int, data: Any, offset: int) -> int:
         """One of the two system calls that write a block file (the payload alone, then the
@@ -285,6 +300,13 @@ class DiskTier(OffloadTier):
             return  # the one comparison of the common case; _check says what is wrong
         problem = self._check(key, dst, trailer, got)
         if problem:
+            if got < len(dst) + _TRAILER.size and _young(path):
+                # Perhaps being written right now (by another engine sharing the directory):
+                # a miss, but the file stays; a crash's leftover goes once it is old.
+                raise CorruptEntryError(
+                    f"{path}: {problem}; left in place (changed less than "
+                    f"{IN_PROGRESS_GRACE_S:g} s ago: perhaps still being written)"
+                )
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise CorruptEntryError(f"{path}: {problem}; removed")
@@ -328,7 +350,7 @@ class DiskTier(OffloadTier):
             for f in sub.iterdir():
                 name = f.name
                 if name.endswith(".tmp"):
-                    f.unlink(missing_ok=True)  # a write that never finished
+                    f.unlink(missing_ok=True)  # older releases' unfinished write
                     continue
                 if not name.endswith(_SUFFIX):
                     continue
@@ -339,6 +361,14 @@ class DiskTier(OffloadTier):
                     continue
                 if len(key) == KEY_SIZE:
                     yield key
+
+
+def _young(path: str) -> bool:
+    """Whether ``path`` changed within :data:`IN_PROGRESS_GRACE_S` (false when it is gone)."""
+    try:
+        return time.time() - os.stat(path).st_mtime < IN_PROGRESS_GRACE_S
+    except OSError:
+        return False
 
 
 def _old_format(payload: memoryview, got: int) -> str:
