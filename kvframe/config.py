@@ -29,6 +29,7 @@ from kvframe.errors import ConfigError
 __all__ = [
     "KV_LOAD_FAILURE_POLICIES",
     "KV_ROLES",
+    "MIN_LEASE_DURATION",
     "KVLoadFailurePolicy",
     "KVRole",
     "KVTransferConfig",
@@ -61,6 +62,23 @@ _VLLM_ONLY: Final = {
 
 _DEFAULT_LEASE: Final = 30.0
 _DEFAULT_TTL: Final = 480.0
+
+MIN_LEASE_DURATION: Final = 0.1
+"""The shortest ``kv_lease_duration`` accepted, seconds.
+
+D heartbeats every ``duration / 6`` (``duration // 6`` from 6 s on) and each heartbeat keeps the
+lease for an extension of ``2/3`` of the duration; D sends them from its engine steps, which
+take about 1 ms when idle and tens of milliseconds under load. At 0.1 s the interval is about
+17 ms and the extension about 67 ms: a few loaded steps. Below it the extension is shorter than
+the gap between two steps, so P would expire the leases of consumers that are alive and reading
+(at 0.001 s: a 0.17 ms interval, a 0.67 ms extension). Durations this short are for tests on one
+host; deployments want 6 s or more, where heartbeats come in whole seconds as NixlConnector
+computes them (``int`` floor division: NixlConnector's 5 s gives an interval of 0, a heartbeat
+every step, where kvframe uses the exact fraction below 6 s)."""
+
+# Keys of this configuration that NixlConnector users write inside kv_connector_extra_config
+# (NixlConnector reads its lease settings there); kvframe reads them beside kv_connector.
+_TOP_LEVEL_ONLY: Final = ("kv_lease_duration", "decoder_kv_blocks_ttl", "kv_load_failure_policy")
 
 
 def _fmt(value: Any) -> str:
@@ -100,6 +118,39 @@ def _seconds(path: str, value: Any) -> float:
     if not math.isfinite(value) or value <= 0:
         raise _fail(path, value, "a finite number of seconds > 0")
     return float(value)
+
+
+def _is_seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _default_ttl(lease: float) -> float:
+    return max(_DEFAULT_TTL, lease)
+
+
+def _lease(path: str, value: Any) -> float:
+    seconds = _seconds(path, value)
+    if seconds < MIN_LEASE_DURATION:
+        raise _fail(
+            path,
+            value,
+            f"at least {MIN_LEASE_DURATION:g} seconds (6 or more outside tests)",
+            f"D would heartbeat every {seconds / 6:.2g} s and each heartbeat would keep the "
+            f"lease only {seconds * 2 / 3:.2g} s, less than an engine step, so live consumers "
+            "would lose their leases; see MIN_LEASE_DURATION in docs/configuration.md",
+        )
+    return seconds
+
+
+def _check_timing(prefix: str, lease: float, ttl: float) -> None:
+    """Cross-key rules: the lease fits under the hard upper bound on holding blocks."""
+    if ttl < lease:
+        raise ConfigError(
+            f"{prefix}decoder_kv_blocks_ttl: got {ttl:g} with {prefix}kv_lease_duration "
+            f"{lease:g}; expected at least the lease duration (it bounds how long P holds "
+            f"blocks, so a smaller value would cut every lease short): raise it to {lease:g} "
+            f"or more (the default is {_DEFAULT_TTL:g}) or lower kv_lease_duration"
+        )
 
 
 def _json_value(path: str, value: Any) -> Any:
@@ -148,6 +199,17 @@ def _extra_config(path: str, value: Any, parent: Mapping[str, Any]) -> Mapping[s
     if not isinstance(value, Mapping):
         raise _fail(path, value, "an object (a mapping of connector-specific options)")
     frozen = cast(Mapping[str, Any], _json_value(path, value))
+    for key in _TOP_LEVEL_ONLY:
+        if key in frozen:
+            outer = path.rsplit(".", 1)[0] + "." if "." in path else ""
+            raise ConfigError(
+                f"{path}.{key}: {_fmt(_thaw(frozen[key]))} is a key of the configuration "
+                f"itself, not of kv_connector_extra_config (NixlConnector reads it there; "
+                f"kvframe reads it beside kv_connector): write it as {outer}{key}, e.g. "
+                f'{{"kv_connector": ..., "{key}": {json.dumps(_thaw(frozen[key]))}}}; inside '
+                "vLLM's --kv-transfer-config the kvframe adapter accepts it in "
+                "kv_connector_extra_config"
+            )
     if "transport_options" in frozen and not isinstance(frozen["transport_options"], Mapping):
         raise _fail(
             f"{path}.transport_options",
@@ -171,6 +233,11 @@ def _sub_config(path: str, sub: Any, parent: Mapping[str, Any]) -> KVTransferCon
     if not isinstance(sub, Mapping):
         raise _fail(path, _thaw(sub), "an object (a connector configuration)")
     inherited = {k: parent[k] for k in _INHERITED if k in parent and k not in sub}
+    lease = sub.get("kv_lease_duration")
+    if "decoder_kv_blocks_ttl" in inherited and _is_seconds(lease):
+        # A sub-connector's own longer lease raises the inherited bound with it, as the
+        # default does at the top level.
+        inherited["decoder_kv_blocks_ttl"] = max(inherited["decoder_kv_blocks_ttl"], lease)
     return KVTransferConfig._parse({**inherited, **sub}, path)
 
 
@@ -203,7 +270,7 @@ def _check_engine_id(
 
 
 def _lease_seconds(value: Any) -> float:
-    return _seconds("kv_lease_duration", value)
+    return _lease("kv_lease_duration", value)
 
 
 def _ttl_seconds(value: Any) -> float:
@@ -231,7 +298,8 @@ class KVTransferConfig:
     """``"kv_producer"`` (P: computes KV for others), ``"kv_consumer"`` (D: loads KV computed
     elsewhere) or ``"kv_both"``."""
     engine_id: str | None = attrs.field(default=None, validator=_check_engine_id)
-    """This engine's id as peers see it. ``None``: the runtime picks a unique one at start."""
+    """This engine's id as peers see it. ``None``: left to the engine integration (vLLM makes a
+    random one); connectors that name their engine to peers (``PDConnector``) refuse ``None``."""
     kv_connector_extra_config: Mapping[str, Any] = attrs.field(
         factory=dict, converter=_freeze_extra, hash=False
     )
@@ -246,11 +314,16 @@ class KVTransferConfig:
     kv_lease_duration: float = attrs.field(default=_DEFAULT_LEASE, converter=_lease_seconds)
     """Seconds a producer keeps a request's blocks for a consumer without hearing from it
     (each heartbeat renews the lease for this long)."""
-    decoder_kv_blocks_ttl: float = attrs.field(default=_DEFAULT_TTL, converter=_ttl_seconds)
+    decoder_kv_blocks_ttl: float = attrs.field(
+        default=attrs.Factory(lambda self: _default_ttl(self.kv_lease_duration), takes_self=True),
+        converter=_ttl_seconds,
+    )
     """Upper bound in seconds on how long a producer keeps blocks for a request whose consumer
-    never started reading them, whatever the heartbeats say."""
+    never started reading them, whatever the heartbeats say. At least ``kv_lease_duration``;
+    the default is 480, or ``kv_lease_duration`` when that is longer."""
 
     def __attrs_post_init__(self) -> None:
+        _check_timing("", self.kv_lease_duration, self.decoder_kv_blocks_ttl)
         if "connectors" in self.kv_connector_extra_config:
             # Validates the sub-configurations (raises ConfigError with their paths).
             _extra_config("kv_connector_extra_config", self.kv_connector_extra_config, self._own())
@@ -328,11 +401,25 @@ class KVTransferConfig:
                 data["kv_load_failure_policy"],
                 KV_LOAD_FAILURE_POLICIES,
             )
-        for key in ("kv_lease_duration", "decoder_kv_blocks_ttl"):
-            if key in data:
-                kwargs[key] = _seconds(prefix + key, data[key])
+        if "kv_lease_duration" in data:
+            kwargs["kv_lease_duration"] = _lease(
+                prefix + "kv_lease_duration", data["kv_lease_duration"]
+            )
+        if "decoder_kv_blocks_ttl" in data:
+            kwargs["decoder_kv_blocks_ttl"] = _seconds(
+                prefix + "decoder_kv_blocks_ttl", data["decoder_kv_blocks_ttl"]
+            )
+        _check_timing(
+            prefix,
+            kwargs.get("kv_lease_duration", _DEFAULT_LEASE),
+            kwargs.get(
+                "decoder_kv_blocks_ttl",
+                _default_ttl(kwargs.get("kv_lease_duration", _DEFAULT_LEASE)),
+            ),
+        )
         if "kv_connector_extra_config" in data:
             parent = {**cls._defaults(), **kwargs}
+            parent.setdefault("decoder_kv_blocks_ttl", _default_ttl(parent["kv_lease_duration"]))
             kwargs["kv_connector_extra_config"] = _extra_config(
                 prefix + "kv_connector_extra_config", data["kv_connector_extra_config"], parent
             )
@@ -344,7 +431,6 @@ class KVTransferConfig:
             "engine_id": None,
             "kv_load_failure_policy": "recompute",
             "kv_lease_duration": _DEFAULT_LEASE,
-            "decoder_kv_blocks_ttl": _DEFAULT_TTL,
         }
 
     # -- views --------------------------------------------------------------------------------
@@ -409,7 +495,7 @@ def reference_table() -> str:
     rows = [
         ("kv_connector", "string", "required", "a registered connector name"),
         ("kv_role", "string", "required", ", ".join(f"`{r}`" for r in KV_ROLES)),
-        ("engine_id", "string or null", "`null` (the runtime picks one)", "non-empty"),
+        ("engine_id", "string or null", "`null` (left to the engine)", "non-empty"),
         ("kv_connector_extra_config", "object", "`{}`", "connector-specific; JSON values"),
         (
             "kv_load_failure_policy",
@@ -417,8 +503,18 @@ def reference_table() -> str:
             "`recompute`",
             ", ".join(f"`{p}`" for p in KV_LOAD_FAILURE_POLICIES),
         ),
-        ("kv_lease_duration", "number (seconds)", f"`{_DEFAULT_LEASE:g}`", "finite, > 0"),
-        ("decoder_kv_blocks_ttl", "number (seconds)", f"`{_DEFAULT_TTL:g}`", "finite, > 0"),
+        (
+            "kv_lease_duration",
+            "number (seconds)",
+            f"`{_DEFAULT_LEASE:g}`",
+            f"finite, ≥ {MIN_LEASE_DURATION:g} ([why](#the-timing-rules)); 6 or more outside tests",
+        ),
+        (
+            "decoder_kv_blocks_ttl",
+            "number (seconds)",
+            f"`{_DEFAULT_TTL:g}`, or `kv_lease_duration` when longer",
+            "finite, ≥ `kv_lease_duration`",
+        ),
     ]
     fields = {f.name for f in attrs.fields(KVTransferConfig)}
     if fields != {r[0] for r in rows}:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvframe.config import KV_ROLES, KVTransferConfig, reference_table
+from kvframe.config import KV_ROLES, MIN_LEASE_DURATION, KVTransferConfig, reference_table
 from kvframe.errors import ConfigError
 
 BASE: dict[str, Any] = {"kv_connector": "pd", "kv_role": "kv_both"}
@@ -186,7 +186,7 @@ json_values: st.SearchStrategy[Any] = st.recursive(
     ),
     max_leaves=10,
 )
-seconds = st.floats(min_value=1e-6, max_value=1e9) | st.integers(1, 10**6)
+seconds = st.floats(min_value=MIN_LEASE_DURATION, max_value=1e9) | st.integers(1, 10**6)
 configs = st.fixed_dictionaries(
     {"kv_connector": st.text(min_size=1).filter(str.strip), "kv_role": st.sampled_from(KV_ROLES)},
     optional={
@@ -201,6 +201,14 @@ configs = st.fixed_dictionaries(
         ),
     },
 )
+
+
+def _ttl_covers_the_lease(data: dict[str, Any]) -> bool:
+    lease = data.get("kv_lease_duration", 30.0)
+    return bool(data.get("decoder_kv_blocks_ttl", max(480.0, lease)) >= lease)
+
+
+configs = configs.filter(_ttl_covers_the_lease)
 
 
 @given(configs)
@@ -225,3 +233,137 @@ def test_reference_table_lists_every_key() -> None:
     table = reference_table()
     for key in KVTransferConfig.__attrs_attrs__:
         assert f"| `{key.name}` |" in table
+
+
+# -- the timing rules (docs/configuration.md#the-timing-rules) --------------------------------
+TIMING_BAD: list[tuple[dict[str, Any], list[str]]] = [
+    (
+        _with(kv_lease_duration=0.001),
+        [
+            "kv_lease_duration: got 0.001 (float)",
+            "expected at least 0.1 seconds (6 or more outside tests)",
+            "heartbeat every 0.00017 s",
+            "only 0.00067 s",
+        ],
+    ),
+    (_with(kv_lease_duration=0.09), ["at least 0.1 seconds"]),
+    (
+        _with(kv_lease_duration=60, decoder_kv_blocks_ttl=30),
+        [
+            "decoder_kv_blocks_ttl: got 30 with kv_lease_duration 60",
+            "raise it to 60 or more",
+        ],
+    ),
+    (
+        _multi({"kv_connector": "a", "kv_lease_duration": 0.01}),
+        ["kv_connector_extra_config.connectors[0].kv_lease_duration: got 0.01"],
+    ),
+    (
+        _multi({"kv_connector": "a", "kv_lease_duration": 90, "decoder_kv_blocks_ttl": 60}),
+        ["kv_connector_extra_config.connectors[0].decoder_kv_blocks_ttl: got 60"],
+    ),
+    # NixlConnector's flat keys are top-level keys here: the error names that form.
+    (
+        _with(kv_connector_extra_config={"kv_lease_duration": 60}),
+        [
+            "kv_connector_extra_config.kv_lease_duration: 60 is a key of the configuration",
+            "write it as kv_lease_duration",
+            '"kv_lease_duration": 60',
+        ],
+    ),
+    (
+        _multi({"kv_connector": "a", "kv_connector_extra_config": {"decoder_kv_blocks_ttl": 9}}),
+        ["write it as kv_connector_extra_config.connectors[0].decoder_kv_blocks_ttl"],
+    ),
+    (
+        _with(kv_connector_extra_config={"kv_load_failure_policy": "fail"}),
+        ["write it as kv_load_failure_policy"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "fragments"), TIMING_BAD)
+def test_nonsensical_timing_is_refused_with_what_would_work(
+    data: dict[str, Any], fragments: list[str]
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        KVTransferConfig.from_dict(data)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_the_constructor_applies_the_timing_rules_too() -> None:
+    with pytest.raises(ConfigError, match=r"at least 0\.1 seconds"):
+        KVTransferConfig(kv_connector="pd", kv_role="kv_both", kv_lease_duration=0.001)
+    with pytest.raises(ConfigError, match="decoder_kv_blocks_ttl: got 5 with"):
+        KVTransferConfig(
+            kv_connector="pd", kv_role="kv_both", kv_lease_duration=10, decoder_kv_blocks_ttl=5
+        )
+
+
+@pytest.mark.parametrize("lease", [MIN_LEASE_DURATION, 0.2, 5, 6, 30, 479.5])
+def test_leases_from_the_floor_up_are_accepted(lease: float) -> None:
+    cfg = KVTransferConfig.from_dict(_with(kv_lease_duration=lease))
+    assert (cfg.kv_lease_duration, cfg.decoder_kv_blocks_ttl) == (lease, 480.0)
+
+
+def test_the_default_bound_follows_a_longer_lease() -> None:
+    cfg = KVTransferConfig.from_dict(_with(kv_lease_duration=600))
+    assert cfg.decoder_kv_blocks_ttl == 600.0
+    assert (
+        KVTransferConfig(
+            kv_connector="pd", kv_role="kv_both", kv_lease_duration=900
+        ).decoder_kv_blocks_ttl
+        == 900.0
+    )
+    multi = KVTransferConfig.from_dict(
+        _multi({"kv_connector": "a", "kv_lease_duration": 700}, {"kv_connector": "b"})
+    )
+    a, b = multi.connectors
+    assert (a.decoder_kv_blocks_ttl, b.decoder_kv_blocks_ttl) == (700.0, 480.0)
+    assert KVTransferConfig.from_dict(multi.to_dict()) == multi
+
+
+@pytest.mark.parametrize(
+    ("lease", "margin", "ok"),
+    [(30, 19.9, True), (30, 20, False), (30, 25, False), (5, 3.3, True), (5, 3.34, False)],
+)
+def test_a_read_margin_at_or_above_the_extension_is_refused(
+    lease: float, margin: float, ok: bool
+) -> None:
+    from kvframe.connectors.pd.options import PDOptions
+
+    extra = {"read_margin": margin}
+    assert PDOptions.from_extra(extra).read_margin == margin  # without a lease: not checked
+    if ok:
+        assert PDOptions.from_extra(extra, lease).read_margin == margin
+        return
+    with pytest.raises(ConfigError) as info:
+        PDOptions.from_extra(extra, lease)
+    message = str(info.value)
+    assert f"kv_connector_extra_config.read_margin = {margin:g}" in message
+    assert "expected less than the lease extension" in message
+    assert "leave it out (default extension / 4" in message
+
+
+def test_the_pd_connector_refuses_a_read_margin_above_the_extension_at_build() -> None:
+    from kvframe.connectors.pd import PDConnector
+    from kvframe.runtime.plugins import PluginHost
+    from kvframe.spi.connector import BuildContext, EngineInfo
+
+    cfg = KVTransferConfig.from_dict(
+        _with(
+            kv_connector="PDConnector",
+            engine_id="p0",
+            kv_lease_duration=6,
+            kv_connector_extra_config={"transport": "inprocess", "read_margin": 4},
+        )
+    )
+    host = PluginHost()
+    host.load()
+    ctx = BuildContext(host=host)
+    info = EngineInfo(block_size=16, model="m")
+    with pytest.raises(ConfigError, match="4 s for kv_lease_duration 6"):
+        PDConnector.build_scheduler(cfg, info, ctx)
+    with pytest.raises(ConfigError, match="read_margin = 4"):
+        PDConnector.build_worker(cfg, info, 0, ctx)

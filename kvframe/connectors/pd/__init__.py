@@ -56,7 +56,7 @@ class PDConnector(KVConnector):
         return PDConnectorScheduler(
             config,
             engine,
-            PDOptions.from_extra(config.kv_connector_extra_config),
+            PDOptions.from_extra(config.kv_connector_extra_config, config.kv_lease_duration),
             codec=codec_for(cls, config),
         )
 
@@ -66,7 +66,7 @@ class PDConnector(KVConnector):
     ) -> PDConnectorWorker:
         """Build a worker: its transport comes from ``ctx.host``, its time from ``ctx.clock``
         (tests pass a fake or skewed clock)."""
-        options = PDOptions.from_extra(config.kv_connector_extra_config)
+        options = PDOptions.from_extra(config.kv_connector_extra_config, config.kv_lease_duration)
         if config.engine_id is None:
             raise ConfigError("engine_id is required by PDConnector")
         return PDConnectorWorker(

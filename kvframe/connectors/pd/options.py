@@ -34,9 +34,13 @@ class PDOptions:
         return self.read_margin if self.read_margin is not None else policy.extension / 4
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> PDOptions:
+    def from_extra(
+        cls, extra: Mapping[str, Any], kv_lease_duration: float | None = None
+    ) -> PDOptions:
         """Parse ``kv_connector_extra_config``. Raises :class:`ConfigError` naming the key path,
-        the value and what is allowed (and the closest known key for a typo)."""
+        the value and what is allowed (and the closest known key for a typo); with
+        ``kv_lease_duration``, also a ``read_margin`` at or above the lease extension (D could
+        never post a read: a heartbeat confirms at most one extension ahead)."""
         known = {f.name for f in attrs.fields(cls)}
         for key in extra:
             if key not in known:
@@ -76,12 +80,23 @@ class PDOptions:
         ttl = seconds("peer_idle_ttl", 600.0)
         assert timeout is not None
         assert ttl is not None
+        margin = seconds("read_margin", None)
+        if margin is not None and kv_lease_duration is not None:
+            policy = LeasePolicy.from_duration(kv_lease_duration)
+            if margin >= policy.extension:
+                raise ConfigError(
+                    f"{_PATH}.read_margin = {margin:g}; expected less than the lease extension, "
+                    f"{policy.extension:g} s for kv_lease_duration {kv_lease_duration:g} (a "
+                    "heartbeat confirms a lease at most one extension ahead, so D could never "
+                    f"read): leave it out (default extension / 4 = {policy.extension / 4:g} s) "
+                    "or raise kv_lease_duration"
+                )
         return cls(
             transport=text("transport", "nixl"),
             transport_options=dict(topts),
             side_channel_host=text("side_channel_host", "127.0.0.1"),
             side_channel_port=port,
             handshake_timeout=timeout,
-            read_margin=seconds("read_margin", None),
+            read_margin=margin,
             peer_idle_ttl=ttl,
         )
