@@ -52,6 +52,8 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from kvframe.bench.progress import Progress
+from kvframe.runtime.procs import ChildProcesses
 from kvframe.spi.transport import (
     BlockLayout,
     LayoutHandle,
@@ -311,7 +313,9 @@ class _Child:
 
     def __init__(self, pool_bytes: int, device: str = "cpu") -> None:
         r, w = os.pipe()
-        self.proc = subprocess.Popen(
+        # Its own process group, stopped with this one on a signal (kvframe.runtime.procs).
+        self._children = ChildProcesses()
+        self.proc = self._children.popen(
             [
                 sys.executable,
                 "-m",
@@ -362,6 +366,7 @@ class _Child:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
             os.close(self._fd)
+            self._children.close()
 
 
 # -- methods (the table's columns) ------------------------------------------------------------
@@ -787,6 +792,7 @@ def _throughput(
     rng: np.random.Generator,
     scrub: _Scrub,
     check: _ByteCheck | None = None,
+    progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for bs in config.block_sizes:
@@ -794,6 +800,8 @@ def _throughput(
         for m in methods:
             m.setup(bs, pool_blocks)
         for n in config.blocks:
+            if progress is not None:
+                progress(f"throughput, {n} blocks of {_fmt_size(bs)}")
             times: dict[str, list[float]] = {m.name: [] for m in methods}
             for order in _rounds(methods, config.repeats):
                 dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
@@ -848,6 +856,7 @@ def _post_cost(
     rng: np.random.Generator,
     scrub: _Scrub,
     pd: _PDConnectorMethod | None = None,
+    progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     bs = 16 * KiB
     pool_blocks = config.pool_bytes // bs
@@ -857,6 +866,8 @@ def _post_cost(
         pd.setup(bs, pool_blocks)
     rows = []
     for n in config.descriptor_counts:
+        if progress is not None:
+            progress(f"post cost, {n} descriptors")
         samples: dict[str, list[float]] = {
             "kvframe_inline_post_us": [],
             "kvframe_post_thread_us": [],
@@ -963,6 +974,9 @@ def measure(
     host_pool = np.zeros(config.pool_bytes, dtype=np.uint8)
     host_pool[:] = 1  # touch every page before timing anything
     pool = memory.place(host_pool)
+    steps = len(config.block_sizes) * len(config.blocks) + len(config.descriptor_counts) + 1
+    progress = Progress("transfer", total=steps)
+    progress.note(f"starting P's process ({_fmt_size(config.pool_bytes)} pool, {device})")
     child = _Child(config.pool_bytes, device)
     methods: list[Method] = []
     check: _ByteCheck | None = None
@@ -973,12 +987,13 @@ def measure(
         rng = np.random.default_rng(seed)
         scrub = _Scrub(config.scrub_bytes)
         check = _ByteCheck(env) if verify else None
-        throughput = _throughput(methods, config, rng, scrub, check)
+        throughput = _throughput(methods, config, rng, scrub, check, progress)
         kv = {m.name: m for m in methods if isinstance(m, _KvframeMethod)}
         inline, threaded = kv["kvframe_inline"], kv["kvframe"]
         raw = next(m for m in methods if isinstance(m, _RawNixlMethod))
         pd = next((m for m in methods if isinstance(m, _PDConnectorMethod)), None)
-        post_cost = _post_cost(inline, threaded, raw, config, rng, scrub, pd)
+        post_cost = _post_cost(inline, threaded, raw, config, rng, scrub, pd, progress)
+        progress(f"overlap of a {_fmt_size(config.overlap_bytes)} post with the caller's work")
         overlap = _overlap(inline, threaded, config, rng)
     finally:
         for m in methods:
@@ -1098,7 +1113,8 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(
             f"kvframe bench transfer needs the NIXL plugin ({', '.join(missing)} not "
-            "installed): install nixl-cu12 and plugins/kvframe-nixl (./dev does both)",
+            "installed): install it with: pip install kvframe-nixl (it brings nixl-cu12; "
+            "in a source checkout ./dev installs both)",
             file=sys.stderr,
         )
         return 1

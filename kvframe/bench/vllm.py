@@ -2,17 +2,17 @@
 vLLM engines — a thin launcher.
 
 vLLM lives in its own virtualenv (``.venv-vllm``, made by ``./dev vllm-setup``; it pins its own
-torch build), so this command runs ``python -m kvframe_vllm.bench`` with that venv's
-interpreter and passes the options through. ``KVFRAME_VLLM_PYTHON`` names another
-interpreter. What is measured and the JSON shape are documented in ``kvframe_vllm.bench``
-(``docs/vllm.md``).
+torch build), so this command becomes ``python -m kvframe_vllm.bench`` with that venv's
+interpreter (``exec``: the same process, so a signal sent to ``kvframe bench vllm`` reaches
+the benchmark, which stops its engines and removes its temporary directory) and passes the
+options through. ``KVFRAME_VLLM_PYTHON`` names another interpreter. What is measured and the
+JSON shape are documented in ``kvframe_vllm.bench`` (``docs/vllm.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark in the vLLM venv; returns its exit status (2 when there is no such
-    venv, with a message saying how to make one)."""
+    """Replace this process with the benchmark in the vLLM venv; returns only when that fails:
+    2 when there is no such venv (with a message saying how to make one) or it cannot be
+    started."""
     python = find_python()
     if python is None or not python.exists():
         print(
@@ -67,4 +68,10 @@ def run(args: argparse.Namespace) -> int:
         cmd += ["--only", args.only]
     if args.json:
         cmd.append("--json")
-    return subprocess.run(cmd, check=False).returncode
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(cmd[0], cmd)
+    except OSError as exc:
+        print(f"kvframe bench vllm: cannot start {python}: {exc}", file=sys.stderr)
+    return 2

@@ -42,9 +42,11 @@ from typing import Any
 import msgpack
 import torch
 
+from kvframe.bench.progress import Progress
 from kvframe.config import KVTransferConfig
 from kvframe.protocol.messages import ConnectorMetadata, LoadSpec
 from kvframe.runtime.plugins import PluginHost
+from kvframe.runtime.procs import ChildProcesses
 from kvframe.spi.connector import (
     BuildContext,
     EngineInfo,
@@ -304,8 +306,11 @@ def _time_request(engine: Engine, prefix: int, suffix: int, rid: int) -> float:
 def measure(cases: list[tuple[int, int]], repeats: int) -> dict[str, Any]:
     """Run every (prefix, suffix) case; see the module docstring for the result's shape."""
     num_blocks = max(p + s for p, s in cases) // BLOCK + 8
+    progress = Progress("pipeline", total=len(cases))
+    progress.note("starting P's process")
     r, w = os.pipe()
-    child = subprocess.Popen(
+    children = ChildProcesses()  # its own process group, stopped on a signal
+    child = children.popen(
         [
             sys.executable,
             "-m",
@@ -333,6 +338,7 @@ def measure(cases: list[tuple[int, int]], repeats: int) -> dict[str, Any]:
     try:
         rid = 0
         for prefix, suffix in cases:
+            progress(f"{prefix} + {suffix} tokens: whole, layer by layer, compute only")
             times: dict[str, list[float]] = {m: [] for m in engines}
             transfer: list[float] = []
             for i in range(repeats + 1):  # round 0 warms up (handshake, caches)
@@ -368,6 +374,7 @@ def measure(cases: list[tuple[int, int]], repeats: int) -> dict[str, Any]:
         child.stdin.close()
         child.wait(10)
         os.close(r)
+        children.close()
     return {
         "benchmark": "pipeline",
         "version": 1,

@@ -12,6 +12,12 @@
    plus one extension of D's last heartbeat), then runs the leak oracle on P;
 4. prints a table (``--json`` for machines).
 
+Every option is checked before any process starts (:func:`check_options`); a bad one is
+refused with exit status 2 and a message naming it. Each process starts in its own process
+group (:class:`kvframe.runtime.procs.ChildProcesses`): SIGINT, SIGTERM or SIGHUP stops all
+three, prints one line and exits with ``128 + signal``. The first progress line names the
+three processes' pids.
+
 Exit status 0 when every check passed, 1 otherwise.
 """
 
@@ -33,10 +39,24 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import attrs
+
+from kvframe.connectors.pd.options import PDOptions
+from kvframe.core.lease import LeasePolicy
+from kvframe.errors import ConfigError, PluginError
+from kvframe.runtime.plugins import PluginHost
+from kvframe.runtime.procs import ChildProcesses
 from kvframe_refengine.router import post_json
 from kvframe_refengine.tokenizer import encode
 
-__all__ = ["main", "run_demo"]
+__all__ = ["MAX_PROMPTS", "PHASE2_MAX_TOKENS", "check_options", "main", "run_demo"]
+
+#: The most prompts the demo takes: phase 2 sends twice as many requests at once, one client
+#: thread each, to engines that run 16 (P) and 2 (D) at a time.
+MAX_PROMPTS = 64
+
+#: Tokens each phase-2 request asks for (long enough to be running when D is killed).
+PHASE2_MAX_TOKENS = 1000
 
 _PROMPTS = [
     "Disaggregated serving splits prefill and decode across machines.",
@@ -53,6 +73,69 @@ _PROMPTS = [
 ]
 
 
+def _prompt(i: int) -> list[int]:
+    return encode(_PROMPTS[i % len(_PROMPTS)] + f" [{i}]")
+
+
+def _max_model_len() -> int:
+    from kvframe_refengine.engine import EngineConfig
+
+    default = attrs.fields(EngineConfig).max_model_len.default
+    assert isinstance(default, int)
+    return default
+
+
+def check_options(*, num_prompts: int, max_tokens: int, lease: float, transport: str) -> None:
+    """Check the demo's options before anything starts: the same checks the engines would make
+    (the P/D connector's configuration, its lease floor and timing, from :mod:`kvframe.config`,
+    :class:`~kvframe.core.lease.LeasePolicy` and
+    :class:`~kvframe.connectors.pd.options.PDOptions`; the transport from the installed
+    plugins) and the demo's own.
+
+    Raises :class:`~kvframe.errors.ConfigError` whose message names the option, the value and
+    what would work.
+    """
+    if isinstance(num_prompts, bool) or not 1 <= num_prompts <= MAX_PROMPTS:
+        raise ConfigError(
+            f"--prompts {num_prompts}: expected 1..{MAX_PROMPTS} (phase 2 sends twice as "
+            "many requests at once)"
+        )
+    limit = _max_model_len()
+    longest = max(len(_prompt(i)) for i in range(num_prompts))
+    if longest + PHASE2_MAX_TOKENS > limit:  # cannot happen with the built-in prompts
+        raise ConfigError(f"--prompts {num_prompts}: a prompt is too long for phase 2")
+    if isinstance(max_tokens, bool) or not 1 <= max_tokens <= limit - longest:
+        raise ConfigError(
+            f"--max-tokens {max_tokens}: expected 1..{limit - longest} (the engines' "
+            f"max_model_len is {limit} and the longest prompt has {longest} tokens)"
+        )
+    host = PluginHost()
+    host.load()
+    try:
+        info = host.transport_info(transport)
+    except PluginError as exc:
+        raise ConfigError(f"--transport {transport}: {exc}") from exc
+    if not info.capabilities.cross_process:
+        usable = [
+            n for n in host.transport_names() if host.transport_info(n).capabilities.cross_process
+        ]
+        raise ConfigError(
+            f"--transport {transport}: the demo runs P and D as separate processes and this "
+            f"transport works within one process only; use one of: {', '.join(usable)}"
+        )
+    from kvframe_refengine.server import kv_transfer_config
+
+    try:
+        for engine_id, role in (("demo-P", "kv_producer"), ("demo-D", "kv_consumer")):
+            config = kv_transfer_config(
+                engine_id=engine_id, role=role, transport=transport, lease=lease
+            )
+            LeasePolicy.from_duration(config.kv_lease_duration)
+            PDOptions.from_extra(config.kv_connector_extra_config)
+    except ConfigError as exc:
+        raise ConfigError(f"--lease {lease:g}: {exc}") from exc
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,12 +149,14 @@ def _get(url: str, timeout: float = 10.0) -> dict[str, Any]:
 
 
 class _Proc:
-    def __init__(self, name: str, args: list[str], log: Callable[[str], None]) -> None:
+    def __init__(
+        self, name: str, args: list[str], log: Callable[[str], None], children: ChildProcesses
+    ) -> None:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         self.name = name
-        self.proc = subprocess.Popen(
+        self.proc = children.popen(
             [sys.executable, "-m", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -132,7 +217,35 @@ def run_demo(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the demo; returns the results (what ``--json`` prints). Never raises for a failed
-    check: ``result["ok"]`` says whether everything passed and ``result["checks"]`` which."""
+    check: ``result["ok"]`` says whether everything passed and ``result["checks"]`` which.
+
+    Raises :class:`~kvframe.errors.ConfigError` for a bad option (:func:`check_options`),
+    before starting anything, and :class:`~kvframe.runtime.procs.Stopped` when a signal
+    stopped it (under :func:`~kvframe.runtime.procs.stop_on_signals`; every process it
+    started is stopped by then).
+    """
+    check_options(num_prompts=num_prompts, max_tokens=max_tokens, lease=lease, transport=transport)
+    children = ChildProcesses(grace=10.0)
+
+    def quiet_when_stopping(msg: str) -> None:  # what fails as the demo stops is not news
+        if not children.stopping:
+            log(msg)
+
+    try:
+        return _run(children, num_prompts, max_tokens, lease, transport, kill, quiet_when_stopping)
+    finally:
+        children.close()
+
+
+def _run(
+    children: ChildProcesses,
+    num_prompts: int,
+    max_tokens: int,
+    lease: float,
+    transport: str,
+    kill: bool,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     interval, extension = lease / 6, lease * 2 / 3
     ports = {k: _free_port() for k in ("prefill", "decode", "router")}
     base = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
@@ -151,6 +264,7 @@ def run_demo(
                 *common,
             ],
             log,
+            children,
         ),
         "decode": _Proc(
             "decode engine",
@@ -167,6 +281,7 @@ def run_demo(
                 *common,
             ],
             log,
+            children,
         ),
         "router": _Proc(
             "router",
@@ -180,21 +295,23 @@ def run_demo(
                 base["decode"],
             ],
             log,
+            children,
         ),
     }
     checks: dict[str, bool] = {}
     result: dict[str, Any] = {"transport": transport, "lease_duration_s": lease, "checks": checks}
     t_start = time.monotonic()
     try:
+        pids = ", ".join(f"{k} {p.proc.pid}" for k, p in procs.items())
         log(
             f"starting prefill, decode and router on 127.0.0.1:{ports['prefill']}, "
-            f"{ports['decode']}, {ports['router']} (transport {transport}) ..."
+            f"{ports['decode']}, {ports['router']} (transport {transport}; pids {pids}) ..."
         )
         for p in procs.values():
             p.wait_ready(120)
         log(f"  up in {time.monotonic() - t_start:.1f} s")
 
-        prompts = [encode(_PROMPTS[i % len(_PROMPTS)] + f" [{i}]") for i in range(num_prompts)]
+        prompts = [_prompt(i) for i in range(num_prompts)]
         log(f"phase 1: {num_prompts} prompts through the router, max_tokens={max_tokens}")
         responses = _send_batch(base["router"], prompts, max_tokens, log)
         ok_resps = [r for r in responses if r[0] == 200]
@@ -313,7 +430,10 @@ def _kill_phase(
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(batch))
     futs = [
         pool.submit(
-            post_json, f"{base['router']}/v1/completions", {"prompt": p, "max_tokens": 1000}, 120
+            post_json,
+            f"{base['router']}/v1/completions",
+            {"prompt": p, "max_tokens": PHASE2_MAX_TOKENS},
+            120,
         )
         for p in batch
     ]
@@ -407,13 +527,20 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kvframe demo`` / ``python -m kvframe_refengine.demo``."""
+    """``kvframe demo`` / ``python -m kvframe_refengine.demo``; returns the exit status (2 for
+    a bad option, with a message naming it; nothing was started then)."""
     ap = argparse.ArgumentParser(prog="kvframe demo", description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print the results as JSON only")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--lease", type=float, default=6.0, help="kv_lease_duration in seconds")
-    ap.add_argument("--transport", default="nixl")
+    ap.add_argument(
+        "--prompts", type=int, default=8, help=f"requests per batch, 1..{MAX_PROMPTS} (8)"
+    )
+    ap.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens decoded per phase-1 request (16)"
+    )
+    ap.add_argument("--lease", type=float, default=6.0, help="kv_lease_duration in seconds (6)")
+    ap.add_argument(
+        "--transport", default="nixl", help="a transport that works across processes (nixl)"
+    )
     ap.add_argument("--no-kill", action="store_true", help="skip the D-killed phase")
     args = ap.parse_args(argv)
     quiet = args.json
@@ -422,17 +549,23 @@ def main(argv: list[str] | None = None) -> int:
         if not quiet:
             print(msg, flush=True)
 
-    result = run_demo(
-        num_prompts=args.prompts,
-        max_tokens=args.max_tokens,
-        lease=args.lease,
-        transport=args.transport,
-        kill=not args.no_kill,
-        log=log,
-    )
+    try:
+        result = run_demo(
+            num_prompts=args.prompts,
+            max_tokens=args.max_tokens,
+            lease=args.lease,
+            transport=args.transport,
+            kill=not args.no_kill,
+            log=log,
+        )
+    except ConfigError as exc:
+        print(f"kvframe demo: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=2) if args.json else "\n" + _table(result))
     return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvframe.cli import run_command
+
+    raise SystemExit(run_command("kvframe demo", main))

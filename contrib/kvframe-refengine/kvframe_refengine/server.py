@@ -59,7 +59,15 @@ from kvframe_refengine.model import ModelConfig
 from kvframe_refengine.request import RequestOutput
 from kvframe_refengine.tokenizer import decode
 
-__all__ = ["EngineLoopDied", "EngineService", "Finished", "build_engine", "main", "serve"]
+__all__ = [
+    "EngineLoopDied",
+    "EngineService",
+    "Finished",
+    "build_engine",
+    "kv_transfer_config",
+    "main",
+    "serve",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -397,6 +405,33 @@ def _handler(service: EngineService) -> type[_http.JSONHandler]:
     return Handler
 
 
+def kv_transfer_config(
+    *,
+    engine_id: str,
+    role: str,
+    transport: str = "nixl",
+    side_channel_port: int = 0,
+    lease: float = 30.0,
+    failure_policy: str = "recompute",
+) -> KVTransferConfig:
+    """The P/D connector's configuration :func:`build_engine` uses (the demo checks its
+    options with it before starting anything). Raises
+    :class:`~kvframe.errors.ConfigError` naming the key for a bad value."""
+    return KVTransferConfig.from_dict(
+        {
+            "kv_connector": "PDConnector",
+            "kv_role": role,
+            "engine_id": engine_id,
+            "kv_lease_duration": lease,
+            "kv_load_failure_policy": failure_policy,
+            "kv_connector_extra_config": {
+                "transport": transport,
+                "side_channel_port": side_channel_port,
+            },
+        }
+    )
+
+
 def build_engine(
     *,
     engine_id: str,
@@ -413,18 +448,13 @@ def build_engine(
     """An engine for serving; ``role=None`` builds one without a connector."""
     kv = None
     if role is not None:
-        kv = KVTransferConfig.from_dict(
-            {
-                "kv_connector": "PDConnector",
-                "kv_role": role,
-                "engine_id": engine_id,
-                "kv_lease_duration": lease,
-                "kv_load_failure_policy": failure_policy,
-                "kv_connector_extra_config": {
-                    "transport": transport,
-                    "side_channel_port": side_channel_port,
-                },
-            }
+        kv = kv_transfer_config(
+            engine_id=engine_id,
+            role=role,
+            transport=transport,
+            side_channel_port=side_channel_port,
+            lease=lease,
+            failure_policy=failure_policy,
         )
     return Engine(
         EngineConfig(

@@ -37,7 +37,11 @@ decode engine (D, core 1) start as separate processes on the tiny local Llama, t
          "decode_death": {"reclaimed": bool, "seconds": float | null, "blocks": int}}},
      "ratios": {"ttft_decode": float, "decode_tokens_per_s": float}}
 
-(ratios are kvframe / nixl). Engine logs go to a temporary directory named on stderr.
+(ratios are kvframe / nixl). Progress lines go to stderr, and so does the name of the
+temporary directory that holds the model and the engine logs; it is removed at the end unless
+an engine failed (the error names the log). Each engine is its own process group: SIGINT,
+SIGTERM or SIGHUP stops both engines, removes the directory, prints one line and exits with
+``128 + signal`` (:mod:`kvframe.runtime.procs`).
 """
 
 from __future__ import annotations
@@ -48,16 +52,26 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvframe.bench.progress import Progress
+from kvframe.runtime.procs import ChildProcesses
 from kvframe_vllm.host import EngineError, EngineProcess
 from kvframe_vllm.tiny import build_in_subprocess, prompt_ids
 
-__all__ = ["CONNECTORS", "add_arguments", "kv_config", "main", "measure", "render", "run_pair"]
+__all__ = [
+    "CONNECTORS",
+    "STEPS_PER_CONNECTOR",
+    "add_arguments",
+    "kv_config",
+    "main",
+    "measure",
+    "render",
+    "run_pair",
+]
 
 CONNECTORS = ("nixl", "kvframe")
 """The connectors compared, in run order."""
@@ -109,15 +123,31 @@ def _transfer(reports: list[dict[str, Any]]) -> tuple[float, float, int]:
     return seconds, nbytes, count
 
 
-def run_pair(connector: str, model: Path, logs: Path, args: argparse.Namespace) -> dict[str, Any]:
+#: Progress steps per connector (start, warm-up, TTFT, throughput, decode death).
+STEPS_PER_CONNECTOR = 5
+
+
+def run_pair(
+    connector: str,
+    model: Path,
+    logs: Path,
+    args: argparse.Namespace,
+    *,
+    children: ChildProcesses | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     """Start P and D with ``connector``, run the workload, and return its figures.
 
-    Raises :class:`~kvframe_vllm.host.EngineError` when an engine fails (its log is named);
-    both engines are ended either way.
+    The engines' processes are registered with ``children`` (stopped with it on a signal);
+    ``progress`` gets :data:`STEPS_PER_CONNECTOR` steps. Raises
+    :class:`~kvframe_vllm.host.EngineError` when an engine fails (its log is named); both
+    engines are ended either way.
     """
+    step = progress if progress is not None else Progress("vllm", enabled=False)
     n, plen, dtok, lease = args.requests, args.prompt_tokens, args.decode_tokens, args.lease
     ports = {"nixl": (25601, 25611), "kvframe": (None, None)}[connector]
     t0 = time.perf_counter()
+    step(f"{connector}: starting the prefill and decode engines")
     p = EngineProcess(
         f"{connector}-P",
         model=model,
@@ -134,6 +164,9 @@ def run_pair(connector: str, model: Path, logs: Path, args: argparse.Namespace) 
         core=1,
         side_port=ports[1],
     )
+    if children is not None:
+        children.adopt(p.proc)
+        children.adopt(d.proc)
     try:
         p.wait_ready(300)
         d.wait_ready(300)
@@ -148,10 +181,12 @@ def run_pair(connector: str, model: Path, logs: Path, args: argparse.Namespace) 
             )
             return [o["kv_transfer_params"] for o in out["outputs"]], float(out["seconds"])
 
+        step(f"{connector}: warm-up request")
         warm = [prompt_ids(1000, plen)]
         d.call("generate", prompts=warm, max_tokens=2, params=prefill(warm)[0])
         d.call("take_stats")
 
+        step(f"{connector}: time to first token on decode, {n * args.repeat} requests")
         ttft: list[float] = []
         for i in range(n * args.repeat):
             prompt = [prompt_ids(i, plen)]
@@ -160,6 +195,7 @@ def run_pair(connector: str, model: Path, logs: Path, args: argparse.Namespace) 
             ttft.append(float(out["seconds"]))
         xfer_s, xfer_b, xfer_n = _transfer(d.call("take_stats")["reports"])
 
+        step(f"{connector}: throughput, {args.repeat} batches of {n}")
         matches = True
         p_times: list[float] = []
         d_times: list[float] = []
@@ -181,6 +217,7 @@ def run_pair(connector: str, model: Path, logs: Path, args: argparse.Namespace) 
         p_seconds = statistics.median(p_times)
         d_seconds = statistics.median(d_times)
 
+        step(f"{connector}: decode killed while P holds a lease ({lease:g} s)")
         base = _wait_idle(p)
         victim = [prompt_ids(999, plen)]
         params, _ = prefill(victim)
@@ -244,10 +281,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run every connector and return the report (see the module docstring)."""
-    logs = Path(tempfile.mkdtemp(prefix="kvframe-bench-vllm-"))
-    print(f"kvframe bench vllm: engine logs in {logs}", file=sys.stderr)
-    model = build_in_subprocess(logs / "model", seed=0)
-    results = {c: run_pair(c, model, logs, args) for c in CONNECTORS if args.only in (None, c)}
+    connectors = [c for c in CONNECTORS if args.only in (None, c)]
+    progress = Progress("vllm", total=STEPS_PER_CONNECTOR * len(connectors))
+    with ChildProcesses() as children:
+        logs = children.mkdtemp("kvframe-bench-vllm-")
+        progress.note(f"model and engine logs in {logs} (removed at the end)")
+        model = build_in_subprocess(logs / "model", seed=0)
+        try:
+            results = {
+                c: run_pair(c, model, logs, args, children=children, progress=progress)
+                for c in connectors
+            }
+        except EngineError:
+            children.keep(logs)
+            raise
     ratios: dict[str, float] = {}
     if len(results) == 2:
         k, v = results["kvframe"], results["nixl"]
@@ -333,10 +380,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    report = measure(args)
+    try:
+        report = measure(args)
+    except EngineError as exc:
+        print(f"kvframe bench vllm: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvframe.cli import run_command
+
+    raise SystemExit(run_command("kvframe bench vllm", main))
