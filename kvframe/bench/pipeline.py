@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if impl is None:
         print(
             "kvframe bench pipeline needs the reference engine: "
-            "pip install -e contrib/kvframe-refengine (./dev does)",
+            "install it with: pip install kvframe-refengine (in a source checkout ./dev does)",
             file=sys.stderr,
         )
         return 1
