@@ -9,7 +9,8 @@
   with a drawing.
 
 chromium comes from Debian (``ensure_chromium.sh`` installs it when it is missing and we are
-root). About 8 s per chromium run and 15-20 s for the build on a 2-core machine.
+root). About 8 s per chromium run and 15-20 s for the build on a quiet 2-core machine; with
+``KVFRAME_DOCS_SITE`` naming a site built strict from this tree the build is skipped.
 """
 
 from __future__ import annotations
@@ -189,6 +190,12 @@ window.addEventListener("load", () => setTimeout(check, 250));
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site built strict from this tree; ``KVFRAME_DOCS_SITE`` names one already built so
+    (``./dev test`` builds it just before the tests)."""
+    given = os.environ.get("KVFRAME_DOCS_SITE")
+    if given:
+        assert (Path(given) / "index.html").is_file(), f"KVFRAME_DOCS_SITE={given}: no site there"
+        return Path(given)
     out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "--site-dir", str(out)]
