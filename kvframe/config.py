@@ -2,7 +2,7 @@
 
 The same JSON users give vLLM's ``--kv-transfer-config``::
 
-    {"kv_connector": "pd", "kv_role": "kv_both", "engine_id": "prefill-0",
+    {"kv_connector": "PDConnector", "kv_role": "kv_both", "engine_id": "prefill-0",
      "kv_connector_extra_config": {"transport": "nixl"},
      "kv_load_failure_policy": "recompute", "kv_lease_duration": 30}
 
