@@ -1,33 +1,42 @@
-"""kvframe installed from its wheels, as an operator would (docs/install.md).
+"""kvframe installed from its wheels, as docs/install.md tells an operator.
 
-``./dev dist`` builds every distribution's wheel (and fails on any build-backend warning); a
-fresh venv in a temporary directory gets the CPU torch first, then the wheels, with
-constraints.txt; from a working directory outside the source tree, ``kvframe --version``,
-``kvframe plugins`` and the quickest ``kvframe demo`` run there. About 1.5 minutes on 2 cores
-(most of it unpacking torch), 1.4 GB in the temporary directory while it runs.
+The page's two blocks run as written (read from the page: ``<!-- install: wheels -->`` and
+``<!-- install: check -->``): ``./dev dist`` builds every distribution's wheel into dist/
+(failing on any build-backend warning), a fresh venv in a temporary directory gets the CPU
+torch first and then the wheels with constraints.txt, and from a directory outside the source
+tree ``kvframe --version``, ``kvframe plugins`` and the quickest ``kvframe demo`` run there.
+About 2 minutes on 2 cores (most of it unpacking torch), 1.4 GB in the temporary directory
+while it runs.
 
-The last test checks that constraints.txt pins every package this venv holds, at the version
-it holds: what CI tests is what ``./dev`` installs on a fresh machine.
+The other tests check that constraints.txt pins every package this venv holds, at the version
+it holds (what CI tests is what ``./dev`` installs on a fresh machine), and that the page's
+table of tested versions agrees with the constraints files and the pyproject.toml files.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import re
 import shutil
 import subprocess
-import sys
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINTS = ROOT / "constraints.txt"
+VLLM_CONSTRAINTS = ROOT / "constraints-vllm.txt"
+PAGE = ROOT / "docs" / "install.md"
+_BLOCK = re.compile(r"<!-- install: (\w+) -->\n```bash\n(.*?)```", re.S)
+#: This machine's pip finds the CPU torch on local disk and cannot reach PyTorch's index.
+_TORCH_INDEX = " --extra-index-url https://download.pytorch.org/whl/cpu"
 #: The wheel ./dev dist builds of each distribution.
 DISTRIBUTIONS = (
     "kvframe",
@@ -47,38 +56,39 @@ def _slow(test: _F) -> _F:
     return marked
 
 
-class Venv:
-    """A fresh venv that holds the wheels, and a working directory outside the source tree."""
+def _blocks() -> dict[str, str]:
+    blocks = dict(_BLOCK.findall(PAGE.read_text()))
+    assert set(blocks) == {"wheels", "check"}, f"{PAGE}: install blocks {sorted(blocks)}"
+    return blocks
 
-    def __init__(self, path: Path, cwd: Path, wheels: list[Path]) -> None:
+
+class Venv:
+    """The venv the page's commands made, and where they ran."""
+
+    def __init__(self, path: Path, cwd: Path) -> None:
         self.path = path
         self.cwd = cwd
-        self.wheels = wheels
         self.python = path / "bin" / "python"
+        self.wheels = sorted((ROOT / "dist").glob("kvframe*.whl"))
 
     def env(self) -> dict[str, str]:
+        # Nothing of this session's venv or source tree: only $VENV, as the page has it.
         drop = ("PYTHON", "VIRTUAL_ENV", "KVFRAME_")
         env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-        env["PATH"] = f"{self.path / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        env["VENV"] = str(self.path)
+        env["PATH"] = os.pathsep.join(
+            p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(str(ROOT))
+        )
+        # Quicker, the same install: modules compile on first import instead.
+        env["PIP_COMPILE"] = "0"
+        env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
         return env
 
-    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def bash(self, script: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            list(args),
-            cwd=self.cwd,
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=cwd,
             env=self.env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-
-    def pip(self, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-        # The test venv's own pip (a venv made --without-pip has none): pip --python installs
-        # into it exactly as its own pip would.
-        return subprocess.run(
-            [sys.executable, "-m", "pip", "--python", str(self.python), *args],
-            cwd=self.cwd,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -94,37 +104,20 @@ def _ok(proc: subprocess.CompletedProcess[str], what: str) -> str:
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]:
     tmp = tmp_path_factory.mktemp("dist")
-    wheels_dir, cwd = tmp / "wheels", tmp / "cwd"
-    cwd.mkdir()
-    _ok(
-        subprocess.run(
-            [str(ROOT / "dev"), "dist", str(wheels_dir)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        ),
-        "./dev dist",
-    )
-    wheels = sorted(wheels_dir.glob("*.whl"))
-    v = Venv(tmp / "venv", cwd, wheels)
-    _ok(
-        subprocess.run(
-            [sys.executable, "-m", "venv", "--without-pip", str(v.path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        ),
-        "python -m venv",
-    )
-    quiet = ("-q", "--disable-pip-version-check", "--no-compile", "-c", str(CONSTRAINTS))
-    # docs/install.md's order: the CPU torch first, or nixl-cu12 pulls a CUDA build.
-    _ok(v.pip("install", *quiet, "torch==2.13.0"), "pip install torch")
-    _ok(v.pip("install", *quiet, *map(str, wheels)), "pip install the wheels")
+    v = Venv(tmp / "venv", tmp)
+    wheels = _blocks()["wheels"]
+    assert _TORCH_INDEX in wheels, f"{PAGE}: the torch line changed: {wheels}"
+    _ok(v.bash(wheels.replace(_TORCH_INDEX, ""), ROOT, timeout=500), "docs/install.md (wheels)")
+    v.wheels = sorted((ROOT / "dist").glob("kvframe*.whl"))
     yield v
     # 1.4 GB: not left behind with pytest's last three temporary directories.
     shutil.rmtree(v.path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def checked(venv: Venv) -> str:
+    """The output of the page's check block (--version, plugins, the demo)."""
+    return _ok(venv.bash(_blocks()["check"], venv.cwd, timeout=400), "docs/install.md (check)")
 
 
 @_slow
@@ -136,10 +129,8 @@ def test_dist_builds_every_wheel(venv: Venv) -> None:
 
 @_slow
 def test_the_venv_runs_the_installed_kvframe_not_the_source_tree(venv: Venv) -> None:
-    out = _ok(
-        venv.run(str(venv.python), "-c", "import kvframe, kvframe_nixl; print(kvframe.__file__)"),
-        "import kvframe",
-    )
+    code = "import kvframe, kvframe_nixl, kvframe_refengine; print(kvframe.__file__)"
+    out = _ok(venv.bash(f'"$VENV/bin/python" -c "{code}"', venv.cwd, 120), "import kvframe")
     where = Path(out.strip())
     assert where.is_relative_to(venv.path), where
     assert not where.is_relative_to(ROOT), where
@@ -147,39 +138,37 @@ def test_the_venv_runs_the_installed_kvframe_not_the_source_tree(venv: Venv) -> 
 
 @_slow
 def test_pip_check_is_clean(venv: Venv) -> None:
-    out = _ok(venv.pip("check", "--disable-pip-version-check"), "pip check")
+    out = _ok(venv.bash('"$VENV/bin/pip" check', venv.cwd, 120), "pip check")
     assert "No broken requirements found." in out
 
 
 @_slow
-def test_version_names_every_installed_distribution(venv: Venv) -> None:
-    out = _ok(venv.run("kvframe", "--version"), "kvframe --version")
-    assert out.startswith("kvframe 0.1.0 (Python ")
+def test_version_names_every_installed_distribution(checked: str) -> None:
+    version = re.search(r"^kvframe 0\.1\.0 \(Python [\d.]+\)\n(.*)\n(.*)$", checked, re.MULTILINE)
+    assert version, checked
     for dist in ("kvframe-nixl 0.1.0", "kvframe-ucx 0.1.0", "kvframe-refengine 0.1.0"):
-        assert dist in out
-    assert "torch 2.13.0+cpu" in out  # the CPU build, not a CUDA one
+        assert dist in version[1]
+    assert "torch 2.13.0+cpu" in version[2]  # the CPU build, not a CUDA one
 
 
 @_slow
-def test_plugins_lists_the_nixl_and_ucx_transports(venv: Venv) -> None:
-    out = _ok(venv.run("kvframe", "plugins", timeout=180), "kvframe plugins")
-    transports = out.split("\ntransports:\n", 1)[1]
+def test_plugins_lists_the_nixl_and_ucx_transports(checked: str) -> None:
+    transports = checked.split("\ntransports:\n", 1)[1]
     listed = re.findall(r"^  (\S+)  \(from ", transports, flags=re.MULTILINE)
-    assert {"nixl", "ucx", "inprocess", "example-tcp"} <= set(listed), out
-    assert re.search(r"^  nixl  \[loaded, entry-point\]  kvframe-nixl 0\.1\.0", out, re.MULTILINE)
-    assert re.search(r"^  ucx  \[loaded, entry-point\]  kvframe-ucx 0\.1\.0", out, re.MULTILINE)
+    assert {"nixl", "ucx", "inprocess", "example-tcp"} <= set(listed), checked
+    for name, dist in (("nixl", "kvframe-nixl"), ("ucx", "kvframe-ucx")):
+        loaded = rf"^  {name}  \[loaded, entry-point\]  {dist} 0\.1\.0 "
+        assert re.search(loaded, checked, re.MULTILINE), checked
 
 
 @_slow
-def test_demo_runs_from_the_wheels(venv: Venv) -> None:
-    proc = venv.run("kvframe", "demo", "--json", "--prompts", "1", "--no-kill", timeout=240)
-    _ok(proc, "kvframe demo")
-    result = json.loads(proc.stdout)
-    assert result["ok"] is True, proc.stdout
-    assert result["transport"] == "nixl"
-    assert all(result["checks"].values()), result["checks"]
-    assert result["phase1"]["equal_outputs"] == result["phase1"]["requests"] == 1
-    assert result["phase1"]["kv_bytes_moved"] > 0
+def test_demo_runs_from_the_wheels(checked: str) -> None:
+    demo = checked.split("\nstarting prefill, decode and router on ", 1)[1]
+    assert "(transport nixl;" in demo
+    assert "token-for-token equal: 1/1" in demo
+    assert re.search(r"^\[PASS\] outputs equal single-engine greedy outputs$", demo, re.MULTILINE)
+    assert "[FAIL]" not in demo
+    assert re.search(r"^all checks passed in [\d.]+ s$", demo, re.MULTILINE), demo
 
 
 def _pins(path: Path) -> dict[str, str]:
@@ -210,3 +199,30 @@ def test_constraints_pin_every_package_of_this_venv() -> None:
         "constraints.txt does not pin this venv's packages (installed, pinned): "
         f"{wrong}; after changing a dependency run ./dev constraints and commit the result"
     )
+
+
+def _declared() -> dict[str, list[SpecifierSet]]:
+    """Every requirement of every pyproject.toml (dependencies and extras), by name."""
+    declared: dict[str, list[SpecifierSet]] = {}
+    for path in [ROOT / "pyproject.toml", *ROOT.glob("*/*/pyproject.toml")]:
+        project = tomllib.loads(path.read_text())["project"]
+        lists = [project.get("dependencies", [])]
+        lists += project.get("optional-dependencies", {}).values()
+        for req in (Requirement(r) for deps in lists for r in deps):
+            declared.setdefault(canonicalize_name(req.name), []).append(req.specifier)
+    return declared
+
+
+def test_the_pages_table_of_tested_versions_is_what_ci_tests() -> None:
+    table = PAGE.read_text().split("<!-- versions -->\n", 1)[1].split("\n\n", 1)[0]
+    rows = [
+        [c.strip().strip("`") for c in line.strip("|").split("|")] for line in table.splitlines()
+    ]
+    assert rows[0] == ["package", "declared", "tested (`.venv`)", "tested (`.venv-vllm`)"]
+    declared = _declared()
+    pins = _pins(CONSTRAINTS), _pins(VLLM_CONSTRAINTS)
+    for name, spec, *tested in rows[2:]:
+        key = canonicalize_name(name)
+        assert SpecifierSet(spec) in declared.get(key, []), f"{name}: declared {declared.get(key)}"
+        for pinned, version in zip(pins, tested, strict=True):
+            assert pinned.get(key, "–") == version, f"{name}: pinned {pinned.get(key)}"
