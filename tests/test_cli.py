@@ -140,6 +140,7 @@ def _no_process(*args: Any, **kwargs: Any) -> Any:
         (["--lease", "-3"], "--lease -3: kv_lease_duration"),
         (["--lease", "nan"], "--lease nan: kv_lease_duration"),
         (["--lease", "inf"], "--lease inf: kv_lease_duration"),
+        (["--lease", "0.05"], "--lease 0.05: kv_lease_duration: got 0.05"),  # the floor
         (["--prompts", "0"], "--prompts 0: expected 1..64"),
         (["--prompts", "65"], "--prompts 65: expected 1..64"),
         (["--max-tokens", "0"], "--max-tokens 0: expected 1.."),

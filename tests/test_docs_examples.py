@@ -24,7 +24,7 @@ _EXAMPLE = re.compile(r"<!-- example -->\n```(\w+)\n(.*?)```", re.S)
 _FILE = re.compile(r"# ([A-Za-z_][\w/]*)\.py")
 
 #: Pages whose examples are the contract they document: each must keep at least one.
-PAGES_WITH_EXAMPLES = ("connectors.md", "multi.md", "writing-plugins.md")
+PAGES_WITH_EXAMPLES = ("connectors.md", "embedding.md", "multi.md", "writing-plugins.md")
 
 
 def _examples(page: str) -> list[tuple[str, str]]:

@@ -131,7 +131,7 @@ def check_options(*, num_prompts: int, max_tokens: int, lease: float, transport:
                 engine_id=engine_id, role=role, transport=transport, lease=lease
             )
             LeasePolicy.from_duration(config.kv_lease_duration)
-            PDOptions.from_extra(config.kv_connector_extra_config)
+            PDOptions.from_extra(config.kv_connector_extra_config, config.kv_lease_duration)
     except ConfigError as exc:
         raise ConfigError(f"--lease {lease:g}: {exc}") from exc
 
