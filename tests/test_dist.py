@@ -36,7 +36,7 @@ VLLM_CONSTRAINTS = ROOT / "constraints-vllm.txt"
 PAGE = ROOT / "docs" / "install.md"
 _BLOCK = re.compile(r"<!-- install: (\w+) -->\n```bash\n(.*?)```", re.S)
 #: This machine's pip finds the CPU torch on local disk and cannot reach PyTorch's index.
-_TORCH_INDEX = " --extra-index-url https://download.pytorch.org/whl/cpu"
+_TORCH_INDEX = " --index-url https://download.pytorch.org/whl/cpu"
 #: The wheel ./dev dist builds of each distribution.
 DISTRIBUTIONS = (
     "kvframe",
