@@ -102,6 +102,27 @@ def test_bench_offload_without_torch_says_how_to_install_it(
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in err
 
 
+def test_bench_transfer_without_the_nixl_plugin_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "kvframe_nixl", None)  # find_spec now says: not installed
+    code, out, err = _run(capsys, "bench", "transfer", "--quick")
+    assert (code, out) == (1, "")
+    assert err.startswith("kvframe bench transfer needs the NIXL transport plugin, which is")
+    assert "pip install kvframe-nixl" in err
+
+
+def test_bench_pipeline_names_torch_not_the_reference_engine_when_torch_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("kvframe_refengine", reason="the benchmark is the reference engine's")
+    monkeypatch.delitem(sys.modules, "kvframe_refengine.bench_pipeline", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    code, _, err = _run(capsys, "bench", "pipeline", "--quick")
+    assert code == 1
+    assert err.startswith("kvframe bench pipeline needs torch, which is not installed")
+
+
 def test_a_benchmark_module_that_cannot_import_leaves_the_others_usable(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,19 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
-from types import ModuleType
 
 __all__ = ["add_arguments", "run"]
 
 _IMPL = "kvframe_refengine.bench_pipeline"
-
-
-def _impl() -> ModuleType | None:
-    try:
-        return importlib.import_module(_IMPL)
-    except ImportError:
-        return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,13 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark (needs the reference engine and the NIXL plugin installed)."""
-    impl = _impl()
-    if impl is None:
-        print(
-            "kvframe bench pipeline needs the reference engine: "
-            "install it with: pip install kvframe-refengine (in a source checkout ./dev does)",
-            file=sys.stderr,
-        )
-        return 1
+    """Run the benchmark (needs the reference engine, torch and the NIXL plugin installed).
+
+    Raises ``ModuleNotFoundError`` naming what is missing (``kvframe`` turns it into a line with
+    the install command, :data:`kvframe.cli.OPTIONAL_DEPENDENCIES`).
+    """
+    impl = importlib.import_module(_IMPL)
     return int(impl.run(args))

@@ -801,7 +801,7 @@ def _throughput(
             m.setup(bs, pool_blocks)
         for n in config.blocks:
             if progress is not None:
-                progress(f"throughput, {n} blocks of {_fmt_size(bs)}")
+                progress(f"throughput, {n} × {_fmt_size(bs)} blocks")
             times: dict[str, list[float]] = {m.name: [] for m in methods}
             for order in _rounds(methods, config.repeats):
                 dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
@@ -867,7 +867,7 @@ def _post_cost(
     rows = []
     for n in config.descriptor_counts:
         if progress is not None:
-            progress(f"post cost, {n} descriptors")
+            progress(f"post cost, descriptors per request: {n}")
         samples: dict[str, list[float]] = {
             "kvframe_inline_post_us": [],
             "kvframe_post_thread_us": [],
@@ -1107,17 +1107,13 @@ def run(args: argparse.Namespace) -> int:
          "device": "cuda",  # only with --device other than cpu
          "verify": {"transfers", "bytes", "mismatches": [str]}}  # only with --verify
 
-    Returns 0, or 1 (with a message on stderr) when the NIXL plugin is missing.
+    Returns 0. Raises ``ModuleNotFoundError`` naming ``nixl_cu12`` or ``kvframe_nixl`` when
+    NIXL or its plugin is missing, before starting anything (``kvframe`` turns it into a line
+    with the install command, :data:`kvframe.cli.OPTIONAL_DEPENDENCIES`).
     """
-    missing = [m for m in ("nixl_cu12", "kvframe_nixl") if importlib.util.find_spec(m) is None]
-    if missing:
-        print(
-            f"kvframe bench transfer needs the NIXL plugin ({', '.join(missing)} not "
-            "installed): install it with: pip install kvframe-nixl (it brings nixl-cu12; "
-            "in a source checkout ./dev installs both)",
-            file=sys.stderr,
-        )
-        return 1
+    for module in ("nixl_cu12", "kvframe_nixl"):
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"No module named {module!r}", name=module)
     report = measure(
         QUICK if args.quick else FULL, seed=args.seed, device=args.device, verify=args.verify
     )
