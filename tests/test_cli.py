@@ -304,6 +304,30 @@ def test_a_signal_stops_the_children_first_then_unwinds_as_stopped(
     assert err == "kvframe probe: stopped by SIGTERM; every process it started has been stopped\n"
 
 
+def test_a_signal_while_a_child_starts_waits_until_it_is_registered(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = subprocess.Popen
+    started: list[subprocess.Popen[Any]] = []
+
+    def popen_then_signal(*args: Any, **kwargs: Any) -> Any:
+        proc = real(*args, **kwargs)
+        started.append(proc)
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives before ChildProcesses registered it
+        time.sleep(0.2)  # the handler runs here, and must not unwind yet
+        return proc
+
+    def command() -> int:
+        with procs.ChildProcesses(grace=2.0) as children:
+            monkeypatch.setattr(subprocess, "Popen", popen_then_signal)
+            children.popen(_SLEEPER)
+            return 0  # not reached: the deferred signal stops it as popen returns
+
+    assert procs.run_main("kvframe probe", command) == 128 + signal.SIGTERM
+    assert [p.returncode for p in started] == [-signal.SIGTERM]
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
 def test_adopted_processes_are_stopped_too() -> None:
     proc = subprocess.Popen(_SLEEPER, start_new_session=True)
     with procs.ChildProcesses(grace=2.0) as children:

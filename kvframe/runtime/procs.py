@@ -79,6 +79,10 @@ _lock = threading.RLock()  # the signal handler may run while the main thread ho
 _open: list[ChildProcesses] = []
 _stopping: int | None = None  # the signal being handled, while stop_on_signals is active
 _hurry = threading.Event()  # a second signal: no more grace
+# While the main thread is between starting a child and registering it, a signal waits: the
+# handler would otherwise stop everything but that child and unwind past its registration.
+_starting = 0
+_deferred: int | None = None
 
 
 def _group_alive(pgid: int) -> bool:
@@ -152,11 +156,22 @@ class ChildProcesses:
         """``subprocess.Popen(args, **kwargs)`` in a new session (``start_new_session`` is
         forced on), registered here. Raises what ``Popen`` raises; :class:`RuntimeError` once
         stopping (nothing is started then)."""
+        global _starting, _deferred
         if self._stopped:
             raise RuntimeError("ChildProcesses is stopped; it starts nothing more")
         kwargs["start_new_session"] = True
-        proc: subprocess.Popen[Any] = subprocess.Popen(list(args), **kwargs)
-        self._procs.append(proc)
+        main = threading.current_thread() is threading.main_thread()
+        _starting += main
+        try:
+            proc: subprocess.Popen[Any] = subprocess.Popen(list(args), **kwargs)
+            self._procs.append(proc)
+        finally:
+            _starting -= main
+            if main and not _starting and _deferred is not None:
+                signum, _deferred = _deferred, None
+                _handler(signum, None)  # now the child is registered: stop it with the rest
+        if self.stopping:  # stopped by a signal while another thread was starting this one
+            self.stop()
         return proc
 
     def adopt(self, proc: subprocess.Popen[Any]) -> subprocess.Popen[Any]:
@@ -265,7 +280,10 @@ atexit.register(_stop_all)
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    global _stopping
+    global _stopping, _deferred
+    if _starting:
+        _deferred = signum  # handled as soon as the child being started is registered
+        return
     if _stopping is not None:
         _hurry.set()  # already stopping: SIGKILL what is left, let the unwinding go on
         return
