@@ -1,5 +1,6 @@
-"""The adapter's vLLM-facing values without an engine: stats aggregation and reduction, the
-Prometheus families, and the worker report that carries failures, events and typed records.
+"""The adapter's vLLM-facing values without an engine: stats aggregation and reduction (the
+Prometheus families are in test_metrics.py), and the worker report that carries failures,
+events and typed records.
 
 vLLM is imported inside the tests: its import makes torch emit deprecation warnings that are
 not ours (warnings are errors in this suite), ignored here only.
@@ -33,33 +34,6 @@ def test_stats_add_counters_and_take_the_max_of_gauges() -> None:
     assert agg.as_kvframe().counters["loads_done"] == 5
     agg.reset()
     assert agg.is_empty()
-
-
-def test_prometheus_families_carry_counters_and_gauges() -> None:
-    import prometheus_client
-    from kvframe_vllm.stats import KVFramePromMetrics
-    from prometheus_client import Counter, Gauge, Histogram
-
-    registry = prometheus_client.CollectorRegistry()
-
-    def make(cls: type) -> type:
-        class Registered(cls):  # type: ignore[misc, valid-type]
-            def __init__(self, *args: object, **kwargs: object) -> None:
-                super().__init__(*args, registry=registry, **kwargs)
-
-        return Registered
-
-    prom = KVFramePromMetrics(
-        types.SimpleNamespace(kv_transfer_config=None),
-        {Gauge: make(Gauge), Counter: make(Counter), Histogram: make(Histogram)},
-        ["model_name", "engine"],
-        {0: ["tiny", "0"]},
-    )
-    prom.observe({"counters": {"loads_done": 3}, "gauges": {"leases_held": 2}}, 0)
-    prom.observe({"counters": {"loads_done": 1}, "gauges": {"leases_held": 0}}, 0)
-    text = prometheus_client.generate_latest(registry).decode()
-    assert 'vllm:kvframe_counter_total{engine="0",model_name="tiny",name="loads_done"} 4.0' in text
-    assert 'vllm:kvframe_gauge{engine="0",model_name="tiny",name="leases_held"} 0.0' in text
 
 
 def test_worker_report_round_trips_and_aggregates_across_ranks() -> None:

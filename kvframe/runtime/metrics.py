@@ -1,38 +1,532 @@
-"""Statistics for operators: kvframe :class:`~kvframe.protocol.messages.Stats` in the
-Prometheus text exposition format.
+"""kvframe's metrics for operators: one catalogue, rendered alike by every engine.
 
-Counter names may carry a per-remote-engine suffix (``bytes_read.P0``): it becomes a
-``remote_engine`` label. Names are sanitised to ``[a-zA-Z0-9_]``; counters get ``_total``.
+:data:`CATALOGUE` is the one list of kvframe's Prometheus metrics: name, type, unit, labels,
+meaning and which :class:`~kvframe.protocol.messages.Stats` entries feed it. The reference
+engine's ``/metrics`` renders it with :func:`to_prometheus` (names ``kvframe_*``); inside vLLM
+the adapter registers the same families through vLLM's ``KVConnectorPromMetrics`` (names
+``vllm:kvframe_*``), from the same :func:`collect`. docs/metrics.md lists them; a test keeps
+the page and the catalogue equal.
+
+The rules the catalogue keeps:
+
+- one family per quantity, its unit in its name (``_bytes``, ``_seconds``; counters end in
+  ``_total``), and HELP text for each;
+- the remote prefill engine is a ``remote_engine`` label, never part of a name; a family has
+  either per-engine series or a total, never both, so ``sum()`` never counts twice;
+- every series whose labels are known in advance (no label, a ``reason``, an ``outcome``, the
+  buckets of a histogram) is there from the start, at zero; per-engine series appear with the
+  engine.
+
+How stats become samples. A worker's counter ``name.<engine>`` is ``name`` for remote engine
+``<engine>`` (the counter ``name`` is their total); ``name:le=<bound>`` counts the observations
+of histogram ``name`` in the bucket with upper bound ``<bound>``
+(:data:`~kvframe.connectors.pd.worker.OBSERVATION_BUCKETS`), the counter ``name`` being their
+sum. A MultiConnector child's prefix ``<index>.<connector>.`` is dropped and its children's
+values add up. Stats the catalogue does not name still show, each as its own family
+``kvframe_connector_<name>`` (worker) or ``kvframe_scheduler_<name>`` (scheduler half), without
+per-engine series.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Mapping
+import shutil
+import subprocess
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Literal
 
+import attrs
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from kvframe.connectors.pd.worker import OBSERVATION_BUCKETS
 from kvframe.protocol.messages import Stats
 
-__all__ = ["StatsAccumulator", "to_prometheus"]
+__all__ = [
+    "CATALOGUE",
+    "CONTENT_TYPE",
+    "Family",
+    "HistogramSample",
+    "MetricSpec",
+    "Sample",
+    "StatsAccumulator",
+    "collect",
+    "lint",
+    "metric_families",
+    "replay",
+    "to_prometheus",
+]
+
+#: The ``Content-Type`` of what :func:`to_prometheus` renders (Prometheus text format 0.0.4).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+Side = Literal["worker", "scheduler"]
+Kind = Literal["counter", "gauge", "histogram"]
 
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
-
-
 #: A MultiConnector child's prefix: ``<index>.<connector name>.`` (nested children repeat it).
-_CHILD = re.compile(r"^(\d+\.[A-Za-z_][\w-]*)\.(.+)$")
+_CHILD = re.compile(r"^\d+\.[A-Za-z_][\w-]*\.(.+)$")
+_LE = ":le="
 
 
-def _split(name: str) -> tuple[str, str | None, str | None]:
-    """``[child prefix.]counter[.remote engine]`` → (metric base, child, remote engine)."""
-    child: str | None = None
+@attrs.frozen(kw_only=True)
+class MetricSpec:
+    """One metric family of the catalogue.
+
+    ``name`` is the exposition name without the engine's prefix (``kvframe_`` or
+    ``vllm:kvframe_``); a counter's ends in ``_total``. Samples come from the ``stat`` entry
+    of the ``side``'s stats, or, for a family with a ``label`` (``reason``, ``outcome``), one
+    stat per label value (``by``: value → stat). ``per_engine`` families read the stats'
+    ``<stat>.<engine>`` entries into a ``remote_engine`` label. A histogram's ``buckets`` are
+    its upper bounds (``+Inf`` implied).
+    """
+
+    name: str
+    kind: Kind
+    unit: Literal["bytes", "seconds", ""]
+    help: str
+    stat: str = ""
+    side: Side = "worker"
+    per_engine: bool = False
+    label: str | None = None
+    by: Mapping[str, str] = attrs.field(factory=dict)
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def family(self) -> str:
+        """The family name as ``prometheus_client`` takes it (a counter's without ``_total``)."""
+        return self.name.removesuffix("_total") if self.kind == "counter" else self.name
+
+    @property
+    def labelnames(self) -> tuple[str, ...]:
+        """The labels this family adds to the engine's own (``engine_id``, ``model_name``)."""
+        return (("remote_engine",) if self.per_engine else ()) + (
+            (self.label,) if self.label else ()
+        )
+
+    @property
+    def stats(self) -> tuple[str, ...]:
+        """Every stat name this family reads."""
+        return tuple(self.by.values()) if self.by else (self.stat,)
+
+
+def _counter(
+    name: str,
+    help: str,
+    stat: str = "",
+    *,
+    unit: Literal["bytes", "seconds", ""] = "",
+    side: Side = "worker",
+    per_engine: bool = False,
+    label: str | None = None,
+    by: Mapping[str, str] | None = None,
+) -> MetricSpec:
+    return MetricSpec(
+        name=name, kind="counter", unit=unit, help=help, stat=stat, side=side,
+        per_engine=per_engine, label=label, by=dict(by or {}),
+    )  # fmt: skip
+
+
+def _gauge(name: str, help: str, stat: str, *, side: Side = "worker") -> MetricSpec:
+    return MetricSpec(name=name, kind="gauge", unit="", help=help, stat=stat, side=side)
+
+
+def _histogram(name: str, help: str, stat: str, unit: Literal["bytes", "seconds"]) -> MetricSpec:
+    return MetricSpec(
+        name=name, kind="histogram", unit=unit, help=help, stat=stat,
+        buckets=OBSERVATION_BUCKETS[stat],
+    )  # fmt: skip
+
+
+#: Every kvframe metric, in the order the docs list them.
+CATALOGUE: tuple[MetricSpec, ...] = (
+    # -- decode side: loads ----------------------------------------------------------------
+    _counter(
+        "loads_requested_total",
+        "Loads of remote KV cache the decode engine was asked to carry out.",
+        "loads_requested",
+    ),
+    _counter(
+        "loads_ended_total",
+        "Loads of remote KV cache that ended, by remote prefill engine and outcome "
+        "(done, aborted, failed).",
+        per_engine=True,
+        label="outcome",
+        by={"done": "loads_done", "aborted": "loads_aborted", "failed": "loads_failed"},
+    ),
+    _counter(
+        "kv_read_bytes_total",
+        "Bytes of KV cache the decode engine read, by remote prefill engine.",
+        "bytes_read",
+        per_engine=True,
+        unit="bytes",
+    ),
+    _counter(
+        "read_descriptors_total",
+        "Transfer descriptors in the READs the decode engine posted.",
+        "descriptors",
+    ),
+    _counter(
+        "reconnects_total",
+        "Connections to a remote prefill engine dropped and made again (the engine restarted "
+        "or moved).",
+        "reconnects",
+        per_engine=True,
+    ),
+    _histogram(
+        "transfer_seconds",
+        "Seconds one READ took to move a load's KV cache (the transport's own measure where "
+        "it has one, else from post to completion).",
+        "transfer_seconds",
+        "seconds",
+    ),
+    _histogram(
+        "post_seconds",
+        "Seconds the decode engine spent posting one READ to the transport.",
+        "post_seconds",
+        "seconds",
+    ),
+    _histogram(
+        "load_wait_seconds",
+        "Seconds from posting a load's READ until the decode engine saw it complete.",
+        "load_wait_seconds",
+        "seconds",
+    ),
+    _histogram(
+        "load_bytes",
+        "Bytes of KV cache one load read (per worker rank).",
+        "bytes_read",
+        "bytes",
+    ),
+    _gauge(
+        "loads_in_flight", "Loads whose READ is posted and not yet complete.", "loads_in_flight"
+    ),
+    _gauge(
+        "loads_waiting",
+        "Loads not yet posted (waiting for a connection or a confirmed lease).",
+        "loads_waiting",
+    ),
+    _gauge(
+        "remote_engines",
+        "Remote prefill engines the decode engine has a connection entry for.",
+        "remote_engines",
+    ),
+    # -- heartbeats and failures -----------------------------------------------------------
+    _counter(
+        "heartbeats_sent_total",
+        "Heartbeats the decode engine sent to renew leases, by remote prefill engine.",
+        "heartbeats_sent",
+        per_engine=True,
+    ),
+    _counter(
+        "heartbeats_received_total",
+        "Heartbeats the prefill engine received from decode engines.",
+        "heartbeats_received",
+    ),
+    _counter(
+        "failures_total",
+        "Failures in the connector, by reason: load_failed (a load ended failed), "
+        "notify_failed (a notification could not be sent), notification_unsent (no connection "
+        "to send it on), notification_rejected (one received could not be decoded), "
+        "notification_unroutable (one came from an unknown peer), peer_add_failed (a decode "
+        "engine's connection could not be added), drain_error (reading notifications failed), "
+        "bad_params (a request's kv_transfer_params were refused).",
+        label="reason",
+        by={
+            "load_failed": "loads_failed",
+            "notify_failed": "notify_failures",
+            "notification_unsent": "notifications_unsent",
+            "notification_rejected": "notifications_rejected",
+            "notification_unroutable": "notifications_unroutable",
+            "peer_add_failed": "peer_add_failures",
+            "drain_error": "drain_errors",
+            "bad_params": "scheduler:bad_params",
+        },
+    ),
+    # -- prefill side: leases --------------------------------------------------------------
+    _counter(
+        "leases_granted_total",
+        "Leases the prefill engine granted (one per request kept for a remote decode).",
+        "leases_granted",
+    ),
+    _counter(
+        "leases_renewed_total",
+        "Lease renewals the prefill engine acknowledged.",
+        "leases_renewed",
+    ),
+    _counter(
+        "leases_ended_total",
+        "Leases that ended on the prefill engine, by outcome: consumed (read and done), "
+        "aborted, expired (not renewed in time: its blocks were reclaimed), other.",
+        label="outcome",
+        by={
+            "consumed": "leases_consumed",
+            "aborted": "leases_aborted",
+            "expired": "leases_expired",
+            "other": "leases_ended",
+        },
+    ),
+    _gauge("leases_held", "Leases the prefill engine holds now.", "leases_held"),
+    # -- the scheduler half ----------------------------------------------------------------
+    _counter(
+        "scheduler_remote_requests_total",
+        "Requests the decode scheduler took on with KV cache to load from a prefill engine.",
+        "remote_requests",
+        side="scheduler",
+    ),
+    _counter(
+        "scheduler_full_local_hits_total",
+        "Remote-prefill requests the decode scheduler found entirely in its local prefix "
+        "cache (nothing loaded; the prefill engine told to free).",
+        "full_local_hits",
+        side="scheduler",
+    ),
+    _counter(
+        "scheduler_load_failures_total",
+        "Failed loads the decode scheduler was told of (the same loads as "
+        'failures_total{reason="load_failed"}, counted by the scheduler).',
+        "load_failures",
+        side="scheduler",
+    ),
+    _counter(
+        "scheduler_leases_offered_total",
+        "Finished requests whose blocks the prefill scheduler kept for a remote decode.",
+        "leases_offered",
+        side="scheduler",
+    ),
+    _counter(
+        "scheduler_remote_decode_not_kept_total",
+        "Requests that asked for a remote decode whose blocks the prefill scheduler freed "
+        "instead (abnormal finish, no blocks, refused parameters).",
+        "remote_decode_not_kept",
+        side="scheduler",
+    ),
+    _gauge(
+        "scheduler_leases_held",
+        "Requests the prefill scheduler holds blocks of for a remote decode now.",
+        "scheduler_leases_held",
+        side="scheduler",
+    ),
+    _gauge(
+        "scheduler_remote_requests_open",
+        "Remote-prefill requests the decode scheduler tracks now.",
+        "scheduler_remote_requests",
+        side="scheduler",
+    ),
+)
+
+
+def _key(spec_side: Side, stat: str) -> tuple[Side, str]:
+    # A ``by`` entry may name the other side: ``scheduler:bad_params``.
+    side, colon, name = stat.partition(":")
+    if colon and side in ("worker", "scheduler"):
+        return side, name  # type: ignore[return-value]
+    return spec_side, stat
+
+
+_CATALOGUED: frozenset[tuple[Side, str]] = frozenset(
+    _key(s.side, stat) for s in CATALOGUE for stat in s.stats
+)
+
+
+@attrs.frozen
+class Sample:
+    """One series of a counter or gauge: its labels (the family's, in order) and value."""
+
+    labels: tuple[str, ...]
+    value: float
+
+
+@attrs.frozen
+class HistogramSample:
+    """One series of a histogram: per bucket (upper bound, ``inf`` last) the observations in
+    it (not cumulative), and their sum."""
+
+    labels: tuple[str, ...]
+    buckets: tuple[tuple[float, float], ...]
+    sum: float
+
+    @property
+    def count(self) -> float:
+        """How many observations."""
+        return sum(n for _, n in self.buckets)
+
+
+@attrs.frozen
+class Family:
+    """A family and its series, as :func:`collect` reads them from stats."""
+
+    spec: MetricSpec
+    samples: tuple[Sample | HistogramSample, ...]
+
+
+@attrs.define
+class _Index:
+    totals: dict[tuple[Side, str], float] = attrs.Factory(dict)
+    engines: dict[tuple[Side, str], dict[str, float]] = attrs.Factory(dict)
+    buckets: dict[tuple[Side, str], dict[float, float]] = attrs.Factory(dict)
+    gauges: dict[tuple[Side, str], float] = attrs.Factory(dict)
+
+    def read(self, side: Side, stats: Stats) -> None:
+        for raw, value in stats.counters.items():
+            name = _strip_children(raw)
+            base, le, bound = name.partition(_LE)
+            if le:
+                counts = self.buckets.setdefault((side, base), {})
+                b = _bound(bound)
+                if b is not None:
+                    counts[b] = counts.get(b, 0.0) + float(value)
+                continue
+            base, dot, engine = name.partition(".")
+            if dot:
+                per = self.engines.setdefault((side, base), {})
+                per[engine] = per.get(engine, 0.0) + float(value)
+            else:
+                self.totals[(side, base)] = self.totals.get((side, base), 0.0) + float(value)
+        for raw, value in stats.gauges.items():
+            name = _strip_children(raw)
+            self.gauges[(side, name)] = self.gauges.get((side, name), 0.0) + float(value)
+
+
+def _strip_children(name: str) -> str:
     while (m := _CHILD.match(name)) is not None:
-        child = m.group(1) if child is None else f"{child}/{m.group(1)}"
-        name = m.group(2)
-    base, dot, engine = name.partition(".")
-    return _BAD.sub("_", base), child, (engine if dot else None)
+        name = m.group(1)
+    return name
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _bound(text: str) -> float | None:
+    try:
+        b = float(text)
+    except ValueError:
+        return None
+    return None if math.isnan(b) else b
+
+
+def collect(worker: Stats, scheduler: Stats | None = None, *, zeros: bool = True) -> list[Family]:
+    """The catalogue's families read from a worker's and a scheduler half's stats (totals for
+    a scrape, or one report's increments), then one family for each stat the catalogue does
+    not name. With ``zeros`` every family is there and every series whose labels are known,
+    at zero if nothing was counted (per-engine series only for engines the stats name);
+    without, only the families and series the stats have."""
+    idx = _Index()
+    idx.read("worker", worker)
+    if scheduler is not None:
+        idx.read("scheduler", scheduler)
+    out = [_family(spec, idx, zeros) for spec in CATALOGUE]
+    out.extend(_uncatalogued(idx, {s.family for s in CATALOGUE}))
+    return out if zeros else [f for f in out if f.samples]
+
+
+def _family(spec: MetricSpec, idx: _Index, zeros: bool) -> Family:
+    samples: list[Sample | HistogramSample] = []
+    if spec.kind == "histogram":
+        key = (spec.side, spec.stat)
+        counted = idx.buckets.get(key, {})
+        bounds = (*spec.buckets, math.inf)
+        # A bound the catalogue lacks (stats from another kvframe version) counts in the
+        # next bucket up, so the count stays right.
+        per = dict.fromkeys(bounds, 0.0)
+        for b, n in counted.items():
+            per[next(x for x in bounds if x >= b)] += n
+        if zeros or counted:
+            samples.append(HistogramSample((), tuple(per.items()), idx.totals.get(key, 0.0)))
+        return Family(spec, tuple(samples))
+    values = spec.by if spec.by else {"": spec.stat}
+    for label_value, stat in values.items():
+        key = _key(spec.side, stat)
+        lab = (label_value,) if spec.by else ()
+        if spec.per_engine:
+            for engine, v in sorted(idx.engines.get(key, {}).items()):
+                samples.append(Sample((engine, *lab), v))
+            if zeros and spec.by:
+                # Every outcome of an engine seen in any of them.
+                seen = {
+                    e for s in spec.by.values() for e in idx.engines.get(_key(spec.side, s), {})
+                }
+                have = set(idx.engines.get(key, {}))
+                samples.extend(Sample((e, *lab), 0.0) for e in sorted(seen - have))
+            continue
+        source = idx.gauges if spec.kind == "gauge" else idx.totals
+        if key in source:
+            samples.append(Sample(lab, source[key]))
+        elif zeros:
+            samples.append(Sample(lab, 0.0))
+    return Family(spec, tuple(samples))
+
+
+def _uncatalogued(idx: _Index, taken: set[str]) -> Iterator[Family]:
+    for kind, source in (("counter", idx.totals), ("gauge", idx.gauges)):
+        for (side, stat), value in sorted(source.items()):
+            if (side, stat) in _CATALOGUED:
+                continue
+            base = _BAD.sub("_", stat)
+            name = f"connector_{base}" if side == "worker" else f"scheduler_{base}"
+            family = name
+            if kind == "counter":
+                name += "_total"
+            if family in taken:
+                continue  # a clash (a counter and a gauge of one name): the first wins
+            taken.add(family)
+            spec = MetricSpec(
+                name=name,
+                kind=kind,  # type: ignore[arg-type]
+                unit="",
+                help=f"kvframe {side} {kind} {stat!r} (not in kvframe's metric catalogue; "
+                "see the connector's documentation).",
+                stat=stat,
+                side=side,
+            )
+            yield Family(spec, (Sample((), value),))
+
+
+def replay(buckets: Sequence[tuple[float, float]], total: float) -> list[float]:
+    """Values whose observation gives exactly these bucket counts (``buckets`` as in
+    :class:`HistogramSample`) and, as far as they allow, the sum ``total``.
+
+    For a metrics library that only has ``observe()`` (vLLM's histogram classes): a
+    Prometheus histogram keeps only the bucket counts, their sum and their count, so these
+    values are as good as the ones observed. Each finite bucket's values lie at the same
+    fraction of the way from its lower to its upper bound; ``+Inf``'s take the rest of the sum.
+    """
+    spans: list[tuple[float, float, int]] = []  # (lower, upper, count)
+    lower = 0.0
+    n_inf = 0
+    for upper, n in buckets:
+        k = round(n)
+        if math.isinf(upper):
+            n_inf += k
+        elif k > 0:
+            spans.append((lower, upper, k))
+        if not math.isinf(upper):
+            lower = upper
+    base = sum(lo * k for lo, _, k in spans)
+    width = sum((hi - lo) * k for lo, hi, k in spans)
+    last = lower
+    if n_inf:
+        room = total - base - n_inf * last  # what the finite values may take above their floors
+        t = 1.0 if width == 0 else min(1.0, max(0.0, room * (1 - 1e-9)) / width)
+        rest = (total - base - t * width) / n_inf
+        inf_value = rest if rest > last else math.nextafter(last, math.inf)
+    else:
+        t = 1.0 if width == 0 else min(1.0, max(0.0, (total - base) / width))
+        inf_value = math.inf
+    values: list[float] = []
+    for lo, hi, k in spans:
+        v = min(hi, lo + t * (hi - lo))
+        if lo > 0 and v <= lo:
+            v = math.nextafter(lo, math.inf)
+        values.extend([v] * k)
+    values.extend([inf_value] * n_inf)
+    return values
 
 
 class StatsAccumulator:
@@ -53,31 +547,150 @@ class StatsAccumulator:
         return Stats(counters=dict(self.counters), gauges=dict(self.gauges))
 
 
-def to_prometheus(
-    stats: Stats, *, prefix: str = "kvframe_", labels: Mapping[str, str] | None = None
-) -> str:
-    """Render ``stats`` (usually a :meth:`StatsAccumulator.snapshot`) as Prometheus text.
+def _le(bound: float) -> str:
+    # As prometheus_client's own Histogram writes it, so both engines' ``le`` values match.
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]
 
-    ``labels`` are added to every sample (for example ``{"engine_id": "P0"}``). A name
-    ``counter.<engine>`` becomes ``counter{remote_engine="<engine>"}``; a MultiConnector
-    child's ``<index>.<connector>.counter`` becomes ``counter{child="<index>.<connector>"}``.
+
+def metric_families(
+    families: Iterable[Family], *, prefix: str = "kvframe_", labels: Mapping[str, str] | None = None
+) -> Iterator[Metric]:
+    """``prometheus_client`` metric families (for a custom collector) of ``families``, every
+    series labelled with ``labels`` first."""
+    names = list(labels or {})
+    values = [str(v) for v in (labels or {}).values()]
+    for fam in families:
+        spec = fam.spec
+        labelnames = [*names, *spec.labelnames]
+        name = prefix + spec.family
+        metric: CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily
+        if spec.kind == "histogram":
+            metric = HistogramMetricFamily(name, spec.help, labels=labelnames)
+            for s in fam.samples:
+                assert isinstance(s, HistogramSample)
+                running = 0.0
+                cumulative: list[tuple[str, float]] = []
+                for b, n in s.buckets:
+                    running += n
+                    cumulative.append((_le(b), running))
+                metric.add_metric([*values, *s.labels], cumulative, s.sum)
+        else:
+            cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+            metric = cls(name, spec.help, labels=labelnames)
+            for s in fam.samples:
+                assert isinstance(s, Sample)
+                metric.add_metric([*values, *s.labels], s.value)
+        yield metric
+
+
+class _Collector(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._metrics
+
+
+def to_prometheus(
+    stats: Stats,
+    scheduler: Stats | None = None,
+    *,
+    prefix: str = "kvframe_",
+    labels: Mapping[str, str] | None = None,
+) -> str:
+    """The catalogue's families (and the stats it does not name) as Prometheus text.
+
+    ``stats`` are a connector worker's (usually a :meth:`StatsAccumulator.snapshot`),
+    ``scheduler`` its scheduler half's, both summed since start; ``labels`` go on every
+    series (for example ``{"engine_id": "P0"}``).
     """
-    base_labels = dict(labels or {})
-    lines: list[str] = []
-    for kind, values in (("counter", stats.counters), ("gauge", stats.gauges)):
-        families: dict[str, list[tuple[str | None, str | None, float]]] = {}
-        for name, value in values.items():
-            base, child, engine = _split(name)
-            families.setdefault(base, []).append((child, engine, value))
-        for base in sorted(families):
-            metric = f"{prefix}{base}" + ("_total" if kind == "counter" else "")
-            lines.append(f"# TYPE {metric} {kind}")
-            for child, engine, value in families[base]:
-                lab = dict(base_labels)
-                if child is not None:
-                    lab["child"] = child
-                if engine is not None:
-                    lab["remote_engine"] = engine
-                text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(lab.items()))
-                lines.append(f"{metric}{{{text}}} {value:g}" if text else f"{metric} {value:g}")
-    return "\n".join(lines) + ("\n" if lines else "")
+    registry = CollectorRegistry(auto_describe=False)
+    metrics = list(metric_families(collect(stats, scheduler), prefix=prefix, labels=labels))
+    registry.register(_Collector(metrics))
+    return generate_latest(registry).decode()
+
+
+_UNITS = ("bytes", "seconds")
+
+
+def lint(text: str, *, promtool: bool = True, promtool_ignore: Iterable[str] = ()) -> list[str]:
+    """What is wrong with Prometheus text ``text`` for a dashboard (empty: nothing).
+
+    The text must parse (``prometheus_client``'s own parser); every family needs HELP and a
+    TYPE; a counter's series end in ``_total``; a family whose name speaks of bytes or seconds
+    ends in that unit; a histogram's buckets are cumulative, end at ``+Inf`` and agree with its
+    ``_count``; no family has series both with and without ``remote_engine`` (a total beside
+    per-engine series) and no family name contains a ``remote_engine`` value. With
+    ``promtool`` and ``promtool`` on ``PATH``, ``promtool check metrics`` is run too and its
+    complaints are added, but for those containing one of ``promtool_ignore`` (vLLM names
+    every metric ``vllm:*``, which promtool's rule "metric names should not contain ':'"
+    flags).
+    """
+    problems: list[str] = []
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as exc:
+        return [f"does not parse: {exc}"]
+    engines: set[str] = set()
+    for fam in families:
+        for sample in fam.samples:
+            if "remote_engine" in sample.labels:
+                engines.add(sample.labels["remote_engine"])
+    for fam in families:
+        name = fam.name
+        if not fam.documentation:
+            problems.append(f"{name}: no HELP")
+        if fam.type in ("unknown", "untyped"):
+            problems.append(f"{name}: no TYPE")
+        if fam.type == "counter":
+            bad = {s.name for s in fam.samples if not s.name.endswith(("_total", "_created"))}
+            if bad:
+                problems.append(f"{name}: counter series not ending in _total: {sorted(bad)}")
+        base = name.removesuffix("_created")
+        for unit in _UNITS:
+            if unit in base.split("_") and not base.endswith(f"_{unit}"):
+                problems.append(f"{name}: speaks of {unit} but does not end in _{unit}")
+        if any(e and e in name for e in engines):
+            problems.append(f"{name}: a remote engine's id is part of the name")
+        with_engine = {"remote_engine" in s.labels for s in fam.samples}
+        if len(with_engine) > 1:
+            problems.append(f"{name}: series with and without remote_engine (sum() counts twice)")
+        if fam.type == "histogram":
+            problems.extend(_lint_histogram(fam.name, fam.samples))
+    if promtool and (exe := shutil.which("promtool")) is not None:
+        run = subprocess.run(
+            [exe, "check", "metrics"], input=text, capture_output=True, text=True, check=False
+        )
+        ignore = tuple(promtool_ignore)
+        said = [
+            line
+            for line in (run.stdout + run.stderr).splitlines()
+            if line.strip() and not any(i in line for i in ignore)
+        ]
+        if run.returncode != 0 and (said or not ignore):
+            problems.append("promtool check metrics: " + "; ".join(said or ["failed"]))
+    return problems
+
+
+def _lint_histogram(name: str, samples: Sequence[object]) -> list[str]:
+    series: dict[tuple[tuple[str, str], ...], list[tuple[float, float]]] = {}
+    counts: dict[tuple[tuple[str, str], ...], float] = {}
+    for s in samples:
+        labels = dict(getattr(s, "labels", {}))
+        le = labels.pop("le", None)
+        key = tuple(sorted(labels.items()))
+        sname, value = getattr(s, "name", ""), float(getattr(s, "value", 0.0))
+        if sname.endswith("_bucket") and le is not None:
+            series.setdefault(key, []).append((float(le), value))
+        elif sname.endswith("_count"):
+            counts[key] = value
+    out: list[str] = []
+    for key, buckets in series.items():
+        values = [v for _, v in sorted(buckets)]
+        if not math.isinf(max(b for b, _ in buckets)):
+            out.append(f"{name}{dict(key)}: no +Inf bucket")
+        if any(b > a for a, b in zip(values[1:], values, strict=False)):
+            out.append(f"{name}{dict(key)}: buckets not cumulative")
+        if counts.get(key) != values[-1]:
+            out.append(f"{name}{dict(key)}: _count differs from the +Inf bucket")
+    return out

@@ -320,6 +320,7 @@ def test_scheduler_side_connector_counters_show_in_stats_and_metrics() -> None:
                 assert "scheduler_leases_held" in stats["connector_scheduler"]["gauges"]
                 code, text = request(d, "GET", "/metrics")
                 assert code == 200
-                line = f'kvframe_scheduler_bad_params_total{{engine_id="{stats["engine_id"]}"}} {n}'
+                eid = stats["engine_id"]
+                line = f'kvframe_failures_total{{engine_id="{eid}",reason="bad_params"}} {n}.0'
                 assert line in text.splitlines(), text
         assert "connector" in stats  # the worker's, as before

@@ -16,6 +16,10 @@ either engine is asked); what only an engine can check (a token outside the voca
 request longer than ``max_model_len``) comes back with the engine's own 400. A prefill or
 decode engine that cannot be reached or that fails the request gives a 502, one that does not
 answer in time a 504, each ``{"error": {"message", "type"}}`` naming which side failed.
+
+``GET /metrics`` gives the router's own Prometheus metrics (``kvframe_router_*``: requests by
+outcome, requests, failures and answer times per backend, the time per routed request; listed
+in docs/metrics.md); ``GET /health`` the routed and failed counts.
 """
 
 from __future__ import annotations
@@ -26,13 +30,19 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from kvframe.runtime.metrics import CONTENT_TYPE
 from kvframe_refengine import _http
 from kvframe_refengine._http import HTTPError
 
-__all__ = ["Router", "main", "post_json", "serve"]
+__all__ = ["Router", "RouterMetrics", "main", "post_json", "serve"]
 
 _PASSED_THROUGH = frozenset({400, 413})
 """An engine's answers that are about the request itself: the client gets them as they are."""
@@ -61,6 +71,81 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[i
         raise
 
 
+_BACKENDS = ("prefill", "decode")
+_BACKEND_FAILURES = ("unreachable", "timeout", "failed")
+_OUTCOMES = ("routed", "refused", "failed")
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics, in a registry of their own (one per :class:`Router`);
+    every series whose labels are known exists from the start, at zero."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvframe_router_requests",
+            "Completion requests the router answered, by outcome: routed (200), refused (the "
+            "request itself was wrong: 4xx), failed (an engine failed it: 502, 504).",
+            ["outcome"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "kvframe_router_request_seconds",
+            "Seconds from a completion request's arrival to its answer, for routed requests "
+            "(prefill and decode together).",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.backend_requests = Counter(
+            "kvframe_router_backend_requests",
+            "Requests the router sent to an engine, by backend (prefill, decode).",
+            ["backend"],
+            registry=r,
+        )
+        self.backend_failures = Counter(
+            "kvframe_router_backend_failures",
+            "Requests to an engine that failed, by backend and reason: unreachable, timeout, "
+            "failed (an error answer other than 400/413, or a 200 that is not JSON).",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.backend_seconds = Histogram(
+            "kvframe_router_backend_seconds",
+            "Seconds an engine took to answer the router, by backend (every answer, errors "
+            "included; not the requests it could not be reached for).",
+            ["backend"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        for outcome in _OUTCOMES:
+            self.requests.labels(outcome)
+        for backend in _BACKENDS:
+            self.backend_requests.labels(backend)
+            self.backend_seconds.labels(backend)
+            for reason in _BACKEND_FAILURES:
+                self.backend_failures.labels(backend, reason)
+
+        self._out = CollectorRegistry(auto_describe=False)
+        self._out.register(_WithoutCreated(r))
+
+    def render(self) -> str:
+        """Prometheus text (format 0.0.4), without ``prometheus_client``'s ``*_created``
+        series (a second family per metric that dashboards do not use)."""
+        return generate_latest(self._out).decode()
+
+
+class _WithoutCreated(Collector):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
+
+
 def _error(message: str, kind: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind}}
 
@@ -73,10 +158,20 @@ class Router:
         self.decode = decode.rstrip("/")
         self.routed = 0
         self.failed = 0
+        self.metrics = RouterMetrics()
         self._lock = threading.Lock()
 
     def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Run one request through P and D; returns (HTTP status, answer)."""
+        t0 = time.monotonic()
+        code, answer = self._complete(body)
+        outcome = "routed" if code == 200 else "refused" if code < 500 else "failed"
+        self.metrics.requests.labels(outcome).inc()
+        if code == 200:
+            self.metrics.request_seconds.observe(time.monotonic() - t0)
+        return code, answer
+
+    def _complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         try:
             checked = _http.parse_completion(body)
         except HTTPError as exc:
@@ -107,21 +202,25 @@ class Router:
         self, side: str, base: str, body: dict[str, Any], timeout: float
     ) -> tuple[int, dict[str, Any]]:
         """(200, the engine's answer), or the (status, error) to give the client."""
+        self.metrics.backend_requests.labels(side).inc()
+        t0 = time.monotonic()
         try:
             code, resp = post_json(f"{base}/v1/completions", body, timeout=timeout)
         except TimeoutError:
             return self._fail(
-                504, f"the {side} engine did not answer within {timeout:g} s", f"{side}_timeout"
+                504, f"the {side} engine did not answer within {timeout:g} s", side, "timeout"
             )
         except OSError as exc:
             return self._fail(
-                502, f"the {side} engine at {base} cannot be reached: {exc}", f"{side}_unreachable"
+                502, f"the {side} engine at {base} cannot be reached: {exc}", side, "unreachable"
             )
         except ValueError as exc:
+            self.metrics.backend_seconds.labels(side).observe(time.monotonic() - t0)
             return self._fail(
                 502, f"the {side} engine answered 200 with a body that is not JSON: {exc}",
-                f"{side}_failed",
+                side, "failed",
             )  # fmt: skip
+        self.metrics.backend_seconds.labels(side).observe(time.monotonic() - t0)
         if code == 200:
             return code, resp
         err = resp.get("error")
@@ -131,17 +230,23 @@ class Router:
         if code in _PASSED_THROUGH:
             kind = str(err.get("type", "invalid_request"))
             return code, _error(f"the {side} engine refused the request: {message}", kind)
-        return self._fail(502, f"the {side} engine answered {code}: {message}", f"{side}_failed")
+        return self._fail(502, f"the {side} engine answered {code}: {message}", side, "failed")
 
-    def _fail(self, status: int, message: str, kind: str) -> tuple[int, dict[str, Any]]:
+    def _fail(
+        self, status: int, message: str, side: str, reason: str
+    ) -> tuple[int, dict[str, Any]]:
+        self.metrics.backend_failures.labels(side, reason).inc()
         with self._lock:
             self.failed += 1
-        return status, _error(message, kind)
+        return status, _error(message, f"{side}_{reason}")
 
 
 def _handler(router: Router) -> type[_http.JSONHandler]:
     class Handler(_http.JSONHandler):
         def get(self) -> None:
+            if self.path == "/metrics":
+                self.send_json(200, router.metrics.render(), CONTENT_TYPE)
+                return
             if self.path != "/health":
                 super().get()
                 return

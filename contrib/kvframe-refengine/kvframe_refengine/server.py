@@ -19,8 +19,9 @@ Endpoints (JSON in and out; the limits and error codes are in the docs' HTTP API
 - ``GET /stats`` — the engine's counters; the connector's worker statistics (``connector``:
   counters summed over steps, latest gauges) and its scheduler half's (``connector_scheduler``:
   counters summed over the process's life, gauges of now).
-- ``GET /metrics`` — the same connector statistics in the Prometheus text format (the scheduler
-  half's under the ``kvframe_scheduler_`` prefix).
+- ``GET /metrics`` — the same connector statistics as Prometheus metrics (text format 0.0.4):
+  kvframe's metric catalogue (:data:`kvframe.runtime.metrics.CATALOGUE`, docs/metrics.md),
+  every series labelled ``engine_id``.
 - ``GET /leaks`` — the leak oracle: ``{"clean": bool, "problems": str}``.
 
 The engine runs on its own thread, stepping while it has work — including when the connector
@@ -51,7 +52,7 @@ import attrs
 
 from kvframe.config import KVTransferConfig
 from kvframe.protocol.messages import ConnectorOutput, Stats
-from kvframe.runtime.metrics import StatsAccumulator, to_prometheus
+from kvframe.runtime.metrics import CONTENT_TYPE, StatsAccumulator, to_prometheus
 from kvframe_refengine import _http
 from kvframe_refengine._http import Completion, HTTPError
 from kvframe_refengine.engine import Engine, EngineConfig, LeakError
@@ -285,14 +286,14 @@ class EngineService:
         return out
 
     def metrics(self) -> str:
-        """The connector's statistics as Prometheus text: the worker's as ``kvframe_*``, the
-        scheduler half's as ``kvframe_scheduler_*``, each sample labelled with the engine id."""
+        """The connector's statistics as Prometheus text: the families of kvframe's metric
+        catalogue (``kvframe_*``, from the worker's and the scheduler half's stats), each
+        series labelled with the engine id."""
         labels = {"engine_id": self.engine_id}
 
         def render() -> str:
-            worker = to_prometheus(self.worker_stats.snapshot(), labels=labels)
-            sched = self.engine.connector_scheduler_stats()
-            return worker + to_prometheus(sched, prefix="kvframe_scheduler_", labels=labels)
+            worker = self.worker_stats.snapshot()
+            return to_prometheus(worker, self.engine.connector_scheduler_stats(), labels=labels)
 
         text: str = self.call(render)
         return text
@@ -389,7 +390,7 @@ def _handler(service: EngineService) -> type[_http.JSONHandler]:
                 elif self.path == "/stats":
                     self.send_json(200, service.stats())
                 elif self.path == "/metrics":
-                    self.send_json(200, service.metrics(), "text/plain; version=0.0.4")
+                    self.send_json(200, service.metrics(), CONTENT_TYPE)
                 elif self.path == "/leaks":
                     self.send_json(200, service.leaks())
                 else:

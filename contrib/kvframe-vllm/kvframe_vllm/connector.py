@@ -59,6 +59,7 @@ from kvframe.errors import CodecError
 from kvframe.protocol.aggregate import OutputAggregator
 from kvframe.protocol.codec import Codec
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
+from kvframe.runtime.metrics import StatsAccumulator
 from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.connector import (
     BuildContext,
@@ -233,6 +234,8 @@ class KVFrameConnector(KVConnectorBase_V1):
         # asks the connector again; without this the same dead source would be tried again.
         self._failed_loads: set[str] = set()
         self._block_pool: Any = None
+        # The scheduler half's stats not yet handed to vLLM (get_kv_connector_stats).
+        self._sched_stats = StatsAccumulator()
         # worker side
         self._split: dict[str, tuple[str, str]] = {}
         self._pending: ConnectorOutput | None = None
@@ -400,7 +403,9 @@ class KVFrameConnector(KVConnectorBase_V1):
             stats=stats,
         )
         self._sched().update_connector_output(out)
-        self._absorb(self._sched().get_stats())
+        sched_stats = self._sched().get_stats()
+        self._absorb(sched_stats)
+        self._sched_stats.add(sched_stats)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -522,7 +527,11 @@ class KVFrameConnector(KVConnectorBase_V1):
         return set(self._pending.invalid_block_ids)
 
     def get_kv_connector_stats(self) -> KVFrameStats | None:
-        """This step's kvframe stats, or ``None`` when empty."""
+        """This step's kvframe stats, or ``None`` when empty (scheduler role: the scheduler
+        half's since the last call, which vLLM adds to the workers')."""
+        if self._scheduler is not None:
+            taken, self._sched_stats = self._sched_stats.snapshot(), StatsAccumulator()
+            return None if taken.is_empty else KVFrameStats.from_kvframe(Stats(), taken)
         if self._pending is None or self._pending.stats.is_empty:
             return None
         return KVFrameStats.from_kvframe(self._pending.stats)

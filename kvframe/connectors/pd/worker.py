@@ -46,6 +46,7 @@ Everything else, the transport included, is used from the engine thread only.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import queue
@@ -100,7 +101,31 @@ from kvframe.spi.transport import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PDConnectorWorker"]
+__all__ = ["OBSERVATION_BUCKETS", "PDConnectorWorker", "observation_key"]
+
+_SECONDS = (5e-05, 1e-04, 2.5e-04, 5e-04, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_SECONDS_LONG = (*_SECONDS, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+#: The per-read observations D reports as histogram counts, and their buckets' upper bounds.
+#: Each observation adds its value to the counter ``<name>`` (the sum, as before) and 1 to
+#: ``<name>:le=<bound>`` for the first bound that holds it (``+Inf`` above the last): counts
+#: that add across steps and ranks like every counter. ``kvframe.runtime.metrics`` renders
+#: them as Prometheus histograms.
+OBSERVATION_BUCKETS: Mapping[str, tuple[float, ...]] = {
+    "transfer_seconds": _SECONDS_LONG,
+    "post_seconds": _SECONDS_LONG,
+    "load_wait_seconds": _SECONDS_LONG,
+    "bytes_read": tuple(float(4**i) for i in range(6, 18)),  # 4 KiB .. 16 GiB
+}
+
+
+def observation_key(name: str, value: float) -> str:
+    """The counter that one observation ``value`` of ``name`` adds 1 to:
+    ``<name>:le=<bound>`` (see :data:`OBSERVATION_BUCKETS`)."""
+    bounds = OBSERVATION_BUCKETS[name]
+    i = bisect.bisect_left(bounds, value)
+    return f"{name}:le={bounds[i]!r}" if i < len(bounds) else f"{name}:le=+Inf"
+
 
 _ENDED_COUNTER = {
     LeaseState.CONSUMED: "leases_consumed",
@@ -342,6 +367,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if engine is not None:
             key = f"{name}.{engine}"
             self._counters[key] = self._counters.get(key, 0) + n
+
+    def _observe(self, name: str, value: float, engine: str | None = None) -> None:
+        self._count(name, value, engine)
+        self._count(observation_key(name, value))
 
     def _event(self, kind: str, **data: Any) -> None:
         self._events.append(KVEvent(kind=kind, data=dict(data)))
@@ -624,7 +653,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             return out
         rd.posted_at = now
         self._posted_now.append(action.request_id)
-        self._count("post_seconds", time.perf_counter() - t0)
+        self._observe("post_seconds", time.perf_counter() - t0)
         self._count("descriptors", rd.handle.num_descriptors)
         assert self._engines is not None
         self._engines.touch(entry, now)
@@ -646,10 +675,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._run(actions, now)
             return
         engine = rd.spec.remote.engine_id
-        self._count("bytes_read", status.nbytes, engine=engine)
+        self._observe("bytes_read", status.nbytes, engine=engine)
         moved = status.transfer_seconds
-        self._count("transfer_seconds", moved if moved is not None else now - rd.posted_at)
-        self._count("load_wait_seconds", now - rd.posted_at)
+        self._observe("transfer_seconds", moved if moved is not None else now - rd.posted_at)
+        self._observe("load_wait_seconds", now - rd.posted_at)
         self._run(self._reader.transfer_done(rid, now), now)
 
     def _stop(self, request_id: str) -> None:
