@@ -79,7 +79,7 @@ OPTIONAL_DEPENDENCIES: dict[str, tuple[str, str]] = {
     ),
     "nixl": (
         "NIXL's `nixl` module (vLLM's NixlConnector imports it)",
-        "pip install --no-deps nixl==1.5.2 beside nixl-cu12 1.5.2 (./dev vllm-setup does)",
+        "pip install --no-deps nixl==1.5.1 beside nixl-cu12 1.5.1 (./dev vllm-setup does)",
     ),
     "ucxx": ("ucxx (the UCX transport's library)", "pip install ucxx-cu12"),
     "kvframe_nixl": (

@@ -54,6 +54,7 @@ from typing import Any
 import msgspec
 
 from kvframe.bench._stats import p90
+from kvframe.bench.progress import Progress
 from kvframe.config import KVTransferConfig
 from kvframe.connectors.pd import PDConnector
 from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, RemoteEngineAddr
@@ -215,6 +216,18 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     """Run the measurements; returns the JSON object described in the module docstring."""
     codec = codec_for(PDConnector, KVTransferConfig(kv_connector="PDConnector", kv_role="kv_both"))
     empty, full = _messages(args.loads, args.blocks)
+    progress = Progress("codec", total=2)
+    progress(f"empty step, {args.samples} samples of {args.batch}")
+    empty_step = _compare(codec, empty, args.samples, args.batch, _BAR_EMPTY_S, _BAR_RATIO_EMPTY)
+    progress(f"step of {args.loads} loads × {args.blocks} blocks")
+    loads_step = _compare(
+        codec,
+        full,
+        max(5, args.samples // 10),
+        args.batch,
+        _BAR_64_LOADS_S * args.loads / 64,
+        _BAR_RATIO_LOADS,
+    )
     return {
         "benchmark": "codec",
         "params": {
@@ -223,19 +236,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             "samples": args.samples,
             "batch": args.batch,
         },
-        "results": {
-            "empty_step": _compare(
-                codec, empty, args.samples, args.batch, _BAR_EMPTY_S, _BAR_RATIO_EMPTY
-            ),
-            "loads_step": _compare(
-                codec,
-                full,
-                max(5, args.samples // 10),
-                args.batch,
-                _BAR_64_LOADS_S * args.loads / 64,
-                _BAR_RATIO_LOADS,
-            ),
-        },
+        "results": {"empty_step": empty_step, "loads_step": loads_step},
     }
 
 

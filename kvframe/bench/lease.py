@@ -56,12 +56,13 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 
 import msgpack
 import numpy as np
 
 from kvframe.bench._stats import p90
+from kvframe.bench.progress import Progress
 from kvframe.core import wire
 from kvframe.core.lease import LeasePolicy, LeaseTable, lease_handle
 
@@ -196,6 +197,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     length = args.id_length
     results: dict[str, dict[str, float]] = {}
 
+    progress = Progress("lease", total=4)
+    progress(f"renew {renew} among {leases} live leases, {repeat} runs")
     # Renew: one table, renewed `repeat` times at slightly later times (each call extends);
     # the sides alternate run by run. Each run gets a fresh batch of the same size.
     table, naive = _build(leases, expire, length)
@@ -225,6 +228,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     results["renew"]["ratio_handle"] = statistics.median(n_handle) / results["renew"]["kvframe_s"]
     results["renew_by_id"] = _pair(k_by_id, n_renew)
 
+    progress(f"expire with nothing due among {leases}")
     # Expire with nothing due: cheap for the table, so time many calls and divide.
     calls = 1000
     n_calls = max(1, min(calls, 2_000_000 // leases))
@@ -239,21 +243,30 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         ]
     results["expire_none_due"] = _pair(k_quiet, n_quiet)
 
-    # Expire `expire` due leases: each run needs a fresh table (setup not timed).
+    progress(f"expire {expire} due among {leases}, {repeat} runs")
+    # Expire `expire` due leases: each run needs a fresh table (setup not timed). Each side
+    # starts from a collected heap (the build's garbage would otherwise fall to whichever
+    # side runs first), and the order alternates.
     k_due: list[float] = []
     n_due: list[float] = []
-    for _ in range(repeat):
+    for i in range(repeat):
         table, naive = _build(leases, expire, length)
-        t0 = time.perf_counter()
-        got = table.expire(_T_REAP)
-        k_due.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        got_naive = naive.expire(_T_REAP)
-        n_due.append(time.perf_counter() - t0)
-        if len(got) != expire or len(got_naive) != expire:
-            raise AssertionError(f"expected {expire} due, got {len(got)} and {len(got_naive)}")
+        reaps: dict[str, Callable[[], Sized]] = {
+            "kvframe": lambda: table.expire(_T_REAP),  # noqa: B023
+            "naive": lambda: naive.expire(_T_REAP),  # noqa: B023
+        }
+        got: dict[str, int] = {}
+        for name in list(reaps) if i % 2 == 0 else list(reaps)[::-1]:
+            gc.collect()
+            t0 = time.perf_counter()
+            reaped = reaps[name]()
+            (k_due if name == "kvframe" else n_due).append(time.perf_counter() - t0)
+            got[name] = len(reaped)
+        if got["kvframe"] != expire or got["naive"] != expire:
+            raise AssertionError(f"expected {expire} due, got {got}")
     results["expire_due"] = _pair(k_due, n_due)
 
+    progress("heartbeat bytes per lease")
     # One message's worth: more leases than fit are cut off by split() (the first part kept).
     ids = _ids(args.heartbeat_ids, length, "cmpl-")
     first = wire.split(wire.Heartbeat(seq=0, sent_at=0.0, handles=[lease_handle(r) for r in ids]))[

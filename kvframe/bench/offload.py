@@ -84,6 +84,7 @@ from typing import Any
 import numpy as np
 
 from kvframe.bench._stats import p90
+from kvframe.bench.progress import Progress
 from kvframe.config import KVTransferConfig
 from kvframe.connectors.offload.manager import TieredOffloadManager
 from kvframe.connectors.offload.metadata import LoadJob, OffloadMetadata, StoreJob
@@ -546,8 +547,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     entries = 5000 if quick else args.entries
     repeat = 1 if quick else args.repeat
     args = argparse.Namespace(**{**vars(args), "repeat": repeat})
+    progress = Progress("offload", total=4)
+    progress(f"cpu tier store and load, {blocks} blocks of {layers} × {lb} bytes")
     cpu = _cpu(args, blocks, layers, lb)
+    progress(f"disk tier write and read, {blocks} blocks of {layers * lb} bytes")
     disk = _disk(args, blocks, layers * lb)
+    progress(f"lookup among {entries} indexed blocks")
+    lookup = _lookup_cost(args, entries)
+    progress("hit rates of LRU and ARC on a multi-turn trace")
     trace = _trace(quick)
     distinct = len({k for req in trace for k in req})
     capacity = max(16, distinct // 6)
@@ -587,7 +594,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "store_engine_thread_us": cpu["store_engine_thread_us"],
             "store_copy_out_ms": cpu["store_copy_out_ms"],
             "step_store_engine_thread_us": cpu["step_store_engine_thread_us"],
-            "lookup_us_per_block": _lookup_cost(args, entries),
+            "lookup_us_per_block": lookup,
             "hit_rates": {
                 "lru": _hit_rate("lru", trace, capacity),
                 "arc": _hit_rate("arc", trace, capacity),
