@@ -547,6 +547,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     entries = 5000 if quick else args.entries
     repeat = 1 if quick else args.repeat
     args = argparse.Namespace(**{**vars(args), "repeat": repeat})
+    import torch  # noqa: F401  (the cpu rows need it: a missing torch is named before any line)
+
     progress = Progress("offload", total=4)
     progress(f"cpu tier store and load, {blocks} blocks of {layers} × {lb} bytes")
     cpu = _cpu(args, blocks, layers, lb)
