@@ -225,6 +225,37 @@ def test_completions_through_the_router_equal_one_server_alone(pair: Recipe) -> 
     assert pulled >= len(prompts) * 32, metrics[-3000:]
 
 
+def _kvframe_families(text: str) -> str:
+    """The ``vllm:kvframe_*`` families of a vLLM server's ``/metrics`` (HELP, TYPE, samples)."""
+    keep = []
+    for line in text.splitlines():
+        name = line.split(" ", 3)[2] if line.startswith("# ") else line
+        if name.startswith("vllm:kvframe_"):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def _samples(text: str, name: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)", text, re.M))
+
+
+def test_the_servers_metrics_pass_a_prometheus_checker(pair: Recipe) -> None:
+    # After the completions above (pytest runs this module's tests in file order).
+    from kvframe.runtime.metrics import lint
+
+    texts = {name: _get(pair.url(name) + "/metrics") for name in SERVERS}
+    assert {name: status for name, (status, _) in texts.items()} == dict.fromkeys(SERVERS, 200)
+    prefill, decode = (_kvframe_families(texts[n][1]) for n in ("prefill", "decode"))
+    # vLLM names every metric vllm:*, which promtool's naming rule flags (vLLM's own too).
+    ignore = ("should not contain ':'",)
+    assert lint(prefill, promtool_ignore=ignore) == []
+    assert lint(decode, promtool_ignore=ignore) == []
+    assert lint(texts["router"][1]) == []
+    assert _samples(prefill, "vllm:kvframe_leases_granted_total") >= 3, prefill[-3000:]
+    assert _samples(decode, "vllm:kvframe_transfer_seconds_count") >= 3, decode[-3000:]
+    assert _samples(texts["router"][1], "kvframe_router_requests_total") >= 3
+
+
 def test_the_pages_request_gets_an_answer(pair: Recipe) -> None:
     words = shlex.split(pair.blocks["request"].replace("\\\n", " "))
     url = words[words.index("curl") + 2].replace("$ROUTER_PORT", pair.values["ROUTER_PORT"])
