@@ -21,38 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from kvframe.runtime.procs import descendants, still_running
+
 pytestmark = pytest.mark.timeout(300)
-
-
-def _stat(pid: int) -> tuple[str, int, str] | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[1]), fields[19]
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """Every live descendant of ``root``: pid -> start time."""
-    table = {
-        int(e): st
-        for e in os.listdir("/proc")
-        if e.isdigit() and (st := _stat(int(e))) is not None and st[0] not in "ZX"
-    }
-    out: dict[int, str] = {}
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (_, ppid, start) in table.items():
-            if ppid == parent and pid not in out:
-                out[pid] = start
-                frontier.append(pid)
-    return out
-
-
-def _alive(pid: int, start: str) -> bool:
-    st = _stat(pid)
-    return st is not None and st[2] == start and st[0] not in "ZX"
 
 
 def test_sigterm_stops_both_engines_and_removes_the_temporary_directory() -> None:
@@ -95,15 +66,15 @@ def test_sigterm_stops_both_engines_and_removes_the_temporary_directory() -> Non
             pytest.fail(f"the benchmark ended before {marker!r}:\n{''.join(seen)[-3000:]}")
         assert tmp is not None
         assert tmp.is_dir()
-        engines = _descendants(bench.pid)
+        engines = descendants(bench.pid)
         assert len(engines) >= 2, engines  # prefill and decode (and what they started)
         bench.send_signal(sig)
         _, err = bench.communicate(timeout=60)
         deadline = time.monotonic() + 5
-        survivors = [p for p, s in engines.items() if _alive(p, s)]
+        survivors = [p for p, s in engines.items() if still_running(p, s)]
         while survivors and time.monotonic() < deadline:  # reparented ones are reaped by init
             time.sleep(0.1)
-            survivors = [p for p, s in engines.items() if _alive(p, s)]
+            survivors = [p for p, s in engines.items() if still_running(p, s)]
         assert survivors == []
         assert not tmp.exists()
         assert bench.returncode == 128 + sig
@@ -117,5 +88,5 @@ def test_sigterm_stops_both_engines_and_removes_the_temporary_directory() -> Non
             bench.kill()
             bench.wait()
         for pid, start in engines.items():
-            if _alive(pid, start):
+            if still_running(pid, start):
                 os.kill(pid, signal.SIGKILL)

@@ -39,9 +39,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["SIGNALS", "ChildProcesses", "Stopped", "run_main", "stop_on_signals"]
+__all__ = [
+    "SIGNALS",
+    "ChildProcesses",
+    "ProcStat",
+    "Stopped",
+    "descendants",
+    "live_processes",
+    "proc_stat",
+    "run_main",
+    "still_running",
+    "stop_on_signals",
+]
 
 #: The signals :func:`stop_on_signals` turns into :class:`Stopped`.
 SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -85,32 +96,79 @@ _starting = 0
 _deferred: int | None = None
 
 
+class ProcStat(NamedTuple):
+    """What ``/proc/PID/stat`` says of a process (Linux)."""
+
+    state: str
+    """``R``, ``S``, ... ``Z`` (a zombie), ``X`` (dead)."""
+    ppid: int
+    pgrp: int
+    start: str
+    """Its start time in clock ticks since boot: with the pid, names one process for good."""
+
+    @property
+    def live(self) -> bool:
+        """Neither a zombie nor dead."""
+        return self.state not in ("Z", "X")
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """``pid``'s :class:`ProcStat`, or ``None`` when there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command, which may hold ")"
+        return ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]), fields[19].decode())
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def live_processes() -> dict[int, ProcStat]:
+    """Every live process in ``/proc`` (empty without /proc)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    out = {}
+    for entry in entries:
+        if entry.isdigit() and (st := proc_stat(int(entry))) is not None and st.live:
+            out[int(entry)] = st
+    return out
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live descendant of ``root`` (children, theirs, ...): pid -> start time, so that a
+    later check (:func:`still_running`) cannot mistake a reused pid for one of them."""
+    table = live_processes()
+    out: dict[int, str] = {}
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, st in table.items():
+            if st.ppid == parent and pid not in out:
+                out[pid] = st.start
+                frontier.append(pid)
+    return out
+
+
+def still_running(pid: int, start: str) -> bool:
+    """Whether the process ``pid`` that started at ``start`` (see :func:`descendants`) is
+    alive and not a zombie."""
+    st = proc_stat(pid)
+    return st is not None and st.start == start and st.live
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process other than a zombie is in group ``pgid``. On Linux from /proc: a
     leader that exited but is not reaped yet (its ``Popen`` may be locked by the thread a
     signal interrupted) is a zombie, and ``killpg(pgid, 0)`` would still find it."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        entries = []
-    if not entries:
+    table = live_processes()
+    if not table:
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
             return False
         return True
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        # After the command: state, ppid, pgrp.
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
+    return any(st.pgrp == pgid for st in table.values())
 
 
 def _exited(proc: subprocess.Popen[Any]) -> bool:

@@ -17,45 +17,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+
+from kvframe.runtime.procs import descendants, still_running
 
 pytest.importorskip("nixl_cu12", reason="the demo runs over NIXL")
 pytest.importorskip("kvframe_refengine", reason="the demo needs contrib/kvframe-refengine")
 
 pytestmark = pytest.mark.slow
-
-
-def _stat(pid: int) -> tuple[str, int, str] | None:
-    """(state, ppid, start time) of ``pid``, or ``None`` when there is no such process."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[1]), fields[19]
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """Every live descendant of ``root``: pid -> start time."""
-    parents: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _stat(int(entry))) is not None and st[0] not in "ZX":
-            parents[int(entry)] = (st[1], st[2])
-    out: dict[int, str] = {}
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, start) in parents.items():
-            if ppid == parent and pid not in out:
-                out[pid] = start
-                frontier.append(pid)
-    return out
-
-
-def _alive(pid: int, start: str) -> bool:
-    st = _stat(pid)
-    return st is not None and st[2] == start and st[0] not in "ZX"
 
 
 @pytest.mark.parametrize(
@@ -89,7 +59,7 @@ def test_a_signal_stops_the_demo_and_every_process_it_started(
                 break
         else:
             pytest.fail(f"the demo ended before {marker!r}: {demo.wait()}, {demo.stderr}")
-        children = _descendants(demo.pid)
+        children = descendants(demo.pid)
         assert len(printed) == 3
         assert set(printed) <= set(children), (printed, children)
         if to_group:
@@ -97,11 +67,11 @@ def test_a_signal_stops_the_demo_and_every_process_it_started(
         else:
             demo.send_signal(sig)
         out, err = demo.communicate(timeout=40)
-        survivors = [p for p, start in children.items() if _alive(p, start)]
+        survivors = [p for p, start in children.items() if still_running(p, start)]
         deadline = time.monotonic() + 5
         while survivors and time.monotonic() < deadline:  # reparented ones are reaped by init
             time.sleep(0.1)
-            survivors = [p for p, start in children.items() if _alive(p, start)]
+            survivors = [p for p, start in children.items() if still_running(p, start)]
         assert survivors == []
         assert demo.returncode == 128 + sig
         assert "Traceback" not in err
@@ -115,5 +85,5 @@ def test_a_signal_stops_the_demo_and_every_process_it_started(
             demo.kill()
             demo.wait()
         for pid, start in children.items():
-            if _alive(pid, start):
+            if still_running(pid, start):
                 os.kill(pid, signal.SIGKILL)
