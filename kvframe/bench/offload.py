@@ -10,8 +10,10 @@ quieter mid-run moves both):
   ``start_load_kv`` to the last ``wait_for_layer_load``) of ``--blocks`` blocks, against one
   ``np.copyto`` of the same bytes;
 - **disk tier**: :class:`~kvframe.connectors.offload.tiers.DiskTier` ``write`` and ``read``
-  of the same blocks (checksummed files under temporary names renamed into place, through the
-  page cache) against plain ``os.pwrite`` / ``os.pread`` of the same bytes, one file per block,
+  of the same blocks (checksummed files written in place, the trailer last, through the page
+  cache; the tier keeps the files it wrote last open and reads them through a ``dup`` of the
+  descriptor) against plain ``os.pwrite`` / ``os.pread`` of the same bytes, one file per block
+  (each opened and closed, as a plain writer and reader do),
   in the same directory (``--dir``, default the system's temporary directory; its filesystem is
   printed), with the tier's file names and sub-directories on both sides. Blocks are written
   from the slots of one CPU tier and read into those of another (page-aligned, the fastest
@@ -610,7 +612,7 @@ _LABELS = {
     "cpu_store": ("cpu tier store (KV -> CPU)", "memcpy (np.copyto)"),
     "cpu_load": ("cpu tier load (CPU -> KV)", "memcpy (np.copyto)"),
     "disk_write": ("disk tier write", "os.pwrite, file per block"),
-    "disk_read": ("disk tier read (verified)", "os.pread, file per block"),
+    "disk_read": ("disk tier read (verified)", "os.pread, opening each file"),
     "disk_read_2t": ("disk tier read, 2 threads", "os.pread, 2 threads"),
 }
 

@@ -24,20 +24,21 @@ from kvframe.connectors.offload.tiers import (
     CPUTier,
     DiskTier,
 )
+from kvframe.errors import ConfigError
 from kvframe.spi.offload import CorruptEntryError, TierConfig
 
 BLOCK = 4096
 KEY = bytes(range(32))
 
 
-def _tier(root: Path, block: int = BLOCK) -> DiskTier:
+def _tier(root: Path, block: int = BLOCK, **options: object) -> DiskTier:
     tier = DiskTier(
         TierConfig(
             name="disk",
             index=1,
             capacity_bytes=1 << 20,
             block_bytes=block,
-            options={"path": str(root)},
+            options={"path": str(root), **options},
         )
     )
     tier.open()
@@ -161,6 +162,71 @@ def test_a_rewrite_in_place_replaces_the_block_and_a_mixed_file_is_refused(
     with pytest.raises(CorruptEntryError, match="checksum mismatch"):
         tier.read(KEY, 0, out)
     assert not path.exists()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def test_written_files_stay_open_up_to_open_files_and_reads_use_them(tmp_path: Path) -> None:
+    before = _open_fds()
+    tier = _tier(tmp_path, open_files=2)
+    blocks = {_key(i): _data()[::-1].copy() if i % 2 else _data() for i in range(5)}
+    for i, (key, data) in enumerate(blocks.items()):
+        tier.write(key, i, data)
+    assert list(tier._fds) == [_key(3), _key(4)]  # the last two written, oldest first
+    assert _open_fds() == before + 2
+    for i, (key, data) in enumerate(blocks.items()):  # kept or not, every block reads back
+        out = np.zeros(BLOCK, dtype=np.uint8)
+        tier.read(key, i, out)
+        assert np.array_equal(out, data)
+    assert _open_fds() == before + 2  # a read's dup is closed again
+    tier.remove(_key(4), 4)
+    assert list(tier._fds) == [_key(3)]
+    assert _open_fds() == before + 1
+    tier.close()
+    assert _open_fds() == before
+
+
+def test_a_kept_file_damaged_in_place_is_still_refused_and_closed(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.write(KEY, 0, _data())
+    assert KEY in tier._fds
+    path = tier.file_of(KEY)
+    raw = bytearray(path.read_bytes())
+    raw[7] ^= 1
+    path.write_bytes(bytes(raw))  # the same inode: the kept descriptor sees the damage
+    with pytest.raises(CorruptEntryError, match="checksum mismatch"):
+        tier.read(KEY, 0, np.zeros(BLOCK, dtype=np.uint8))
+    assert KEY not in tier._fds
+    assert not path.exists()
+
+
+def test_a_kept_file_unlinked_by_another_engine_still_reads_its_block(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.write(KEY, 0, _data())
+    tier.file_of(KEY).unlink()  # another engine sharing the directory removed it
+    out = np.zeros(BLOCK, dtype=np.uint8)
+    tier.read(KEY, 0, out)  # the kept descriptor: the block that file held, checked
+    assert np.array_equal(out, _data())
+    tier.remove(KEY, 0)
+    with pytest.raises(CorruptEntryError, match="gone"):
+        tier.read(KEY, 0, out)
+
+
+def test_open_files_zero_keeps_none_and_bad_values_are_refused(tmp_path: Path) -> None:
+    before = _open_fds()
+    tier = _tier(tmp_path, open_files=0)
+    tier.write(KEY, 0, _data())
+    assert not tier._fds
+    assert _open_fds() == before
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ConfigError, match=r"open_files: got .*expected an int >= 0"):
+            _tier(tmp_path, open_files=bad)
 
 
 def _version_1_file(data: np.ndarray) -> bytes:
