@@ -68,6 +68,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 _TORCH_CPU = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# kvframe's own distributions are not on a package index yet.
+_WHEELS = (
+    "(not on an index yet: install the wheel `./dev dist` builds, as the docs' Install page says)"
+)
 
 #: Optional dependencies by top-level module: (what it is, how to install it). A command that
 #: fails to import one of these says so and names the install command, instead of a traceback.
@@ -84,16 +88,15 @@ OPTIONAL_DEPENDENCIES: dict[str, tuple[str, str]] = {
     "ucxx": ("ucxx (the UCX transport's library)", "pip install ucxx-cu12"),
     "kvframe_nixl": (
         "the NIXL transport plugin",
-        "pip install kvframe-nixl (in a source checkout: pip install -e plugins/kvframe-nixl)",
+        f"pip install kvframe-nixl {_WHEELS}",
     ),
     "kvframe_ucx": (
         "the UCX transport plugin",
-        "pip install kvframe-ucx (in a source checkout: pip install -e plugins/kvframe-ucx)",
+        f"pip install kvframe-ucx {_WHEELS}",
     ),
     "kvframe_refengine": (
         "the reference engine",
-        "pip install kvframe-refengine "
-        "(in a source checkout: pip install -e contrib/kvframe-refengine)",
+        f"pip install kvframe-refengine {_WHEELS}",
     ),
     "vllm": (
         "vLLM",
@@ -102,8 +105,7 @@ OPTIONAL_DEPENDENCIES: dict[str, tuple[str, str]] = {
     ),
     "kvframe_vllm": (
         "the vLLM adapter",
-        "pip install kvframe-vllm in vLLM's virtualenv "
-        "(in a source checkout: pip install -e contrib/kvframe-vllm)",
+        f"pip install kvframe-vllm in vLLM's virtualenv {_WHEELS}",
     ),
 }
 
