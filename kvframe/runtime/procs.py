@@ -157,18 +157,25 @@ def still_running(pid: int, start: str) -> bool:
     return st is not None and st.start == start and st.live
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process other than a zombie is in group ``pgid``. On Linux from /proc: a
+def _group_alive(pgid: int, groups: set[int] | None) -> bool:
+    """Whether a process other than a zombie is in group ``pgid``, given ``groups``, the
+    process groups of every live process (:func:`_live_groups`). On Linux from /proc: a
     leader that exited but is not reaped yet (its ``Popen`` may be locked by the thread a
-    signal interrupted) is a zombie, and ``killpg(pgid, 0)`` would still find it."""
+    signal interrupted) is a zombie, and ``killpg(pgid, 0)`` would still find it; without
+    /proc (``groups`` is ``None``) that is what it asks."""
+    if groups is not None:
+        return pgid in groups
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _live_groups() -> set[int] | None:
+    """The process groups of every live process, ``None`` without /proc."""
     table = live_processes()
-    if not table:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    return any(st.pgrp == pgid for st in table.values())
+    return {st.pgrp for st in table.values()} if table else None
 
 
 def _exited(proc: subprocess.Popen[Any]) -> bool:
@@ -268,10 +275,16 @@ class ChildProcesses:
         return out
 
     def _alive(self, groups: list[tuple[subprocess.Popen[Any], int | None]]) -> bool:
+        live: set[int] | None = None  # one scan of /proc for all the groups
+        scanned = False
         alive = False
         for p, pgid in groups:
-            if not _exited(p) or (pgid is not None and _group_alive(pgid)):
+            if not _exited(p):
                 alive = True
+            elif pgid is not None:
+                if not scanned:
+                    live, scanned = _live_groups(), True
+                alive = alive or _group_alive(pgid, live)
         return alive
 
     def _send(self, groups: list[tuple[subprocess.Popen[Any], int | None]], sig: int) -> None:
