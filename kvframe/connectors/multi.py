@@ -219,6 +219,11 @@ class MultiConnectorScheduler(KVConnectorScheduler):
     def _count(self, name: str, n: int = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + n
 
+    def check_request(self, request: RequestView) -> None:
+        """Every child checks the request; the first refusal is raised."""
+        for child in self._children:
+            child.check_request(request)
+
     def on_new_request(self, request: RequestView) -> None:
         for child in self._children:
             child.on_new_request(request)

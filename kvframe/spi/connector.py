@@ -311,6 +311,18 @@ class KVConnectorScheduler(abc.ABC):
     path of every step. Built by :meth:`KVConnector.build_scheduler`.
     """
 
+    def check_request(self, request: RequestView) -> None:  # noqa: B027 - optional hook
+        """Refuse a request whose ``kv_transfer_params`` this connector cannot honour.
+
+        Called by an engine when it admits a request, before anything is allocated for it, so
+        the engine can answer the client with an error (HTTP 400) instead of serving it. Raises
+        :class:`~kvframe.errors.ConfigError` naming the bad field and what to do; returns
+        ``None`` for a request it accepts or does not handle. Must not change any state. An
+        engine that does not call it still gets safe behaviour: a connector refuses the same
+        parameters later and the request is served without them (for P/D: prefilled locally).
+        Default: accept everything.
+        """
+
     def on_new_request(self, request: RequestView) -> None:  # noqa: B027 - optional hook
         """Called once when the engine accepts a request, before it is first scheduled.
 
