@@ -234,12 +234,23 @@ class BlockLayout:
 
 @attrs.frozen(kw_only=True)
 class TransportCapabilities:
-    """What a transport supports; checked by connectors before they rely on it."""
+    """What a transport supports; checked by connectors before they rely on it.
+
+    Every transport sets one as its ``capabilities`` attribute (the same card for every
+    instance built with the same options) and registers it with its factory. The conformance
+    kit checks that the card is one of these, with consistent values, and holds the transport
+    to every promise on it.
+    """
 
     memory_kinds: frozenset[MemoryKind] = attrs.field(converter=_kinds_frozenset)
+    """The kinds of memory :meth:`Transport.register_memory` accepts (at least ``HOST`` for
+    the conformance kit); any other kind raises :class:`~kvframe.errors.CapabilityError`."""
     read: bool
+    """``Op.READ`` (pull) is supported; else ``post(READ, ...)`` raises ``CapabilityError``."""
     write: bool
+    """``Op.WRITE`` (push) is supported; else ``post(WRITE, ...)`` raises ``CapabilityError``."""
     notifications: bool
+    """Notifications (standalone and attached to a post) are supported."""
     max_notification_bytes: int = attrs.field(validator=attrs.validators.ge(0))
     """Largest payload :meth:`Transport.send_notification` (and ``post(..., notification=)``)
     accepts; 0 when notifications are unsupported."""
@@ -248,6 +259,17 @@ class TransportCapabilities:
     ordered_notifications: bool = True
     """Notifications between one pair of peers arrive in the order they were sent (they may
     still be delayed or lost)."""
+    notification_after_data: bool = True
+    """A post's notification is delivered to the peer only after every byte of the transfer
+    landed in the destination: when the peer drains it, a WRITE's bytes are in the peer's
+    memory and a READ's are in the poster's, so the peer may reuse its blocks at once.
+
+    A transport that cannot promise this (a backend that notifies when the transfer was
+    *issued*, or whose notification can overtake its data on another lane) declares
+    ``False``; then a caller that needs the guarantee posts without a notification and sends
+    it with :meth:`Transport.send_notification` after :meth:`Transport.poll` answered
+    ``DONE`` (the P/D connector does). The conformance kit checks a ``True`` card by bytes,
+    under load, for READ and WRITE."""
 
 
 @attrs.frozen(kw_only=True)
@@ -292,12 +314,16 @@ class XferHandle:
     """
 
     op: Op
+    """The direction it was posted with (``READ`` or ``WRITE``)."""
     peer: str
-    """The name of the peer the transfer moves blocks from (``READ``) or to (``WRITE``)."""
+    """The name of the peer the transfer moves blocks from (``READ``) or to (``WRITE``): the
+    name :meth:`Transport.add_peer` returned."""
     nbytes: int
-    """Bytes the transfer moves when it completes."""
+    """Bytes the transfer moves when it completes: for each selected region, its block
+    length times the number of blocks (0 for an empty transfer)."""
     num_descriptors: int
-    """Descriptors (region × block pairs) the transfer was posted with."""
+    """Descriptors (region × block pairs) the transfer was posted with: the number of
+    selected regions times the number of blocks, before any coalescing the backend does."""
     native: Any = attrs.field(default=None, repr=False)
     """The transport's own record of the transfer (a :class:`~kvframe.spi.transport_kit.Transfer`
     for the shipped transports); callers never touch it."""
@@ -460,7 +486,9 @@ class Transport(abc.ABC):
         ``local_blocks[i]`` pairs with ``remote_blocks[i]``; both lists have the same length.
         ``regions`` selects region indices of the layouts (default: all), so a connector can
         move one layer at a time; both layouts must have the same block length in each selected
-        region. ``notification`` is delivered to the peer after every byte landed.
+        region. ``notification`` is delivered to the peer after every byte landed (when
+        ``capabilities.notification_after_data``; else it may arrive earlier, but only for a
+        transfer that succeeds).
 
         Raises ``ValueError`` for mismatched lists, out-of-range indices or a notification
         that is not bytes, :class:`~kvframe.errors.CapabilityError` for an unsupported op or
