@@ -141,6 +141,9 @@ class _Read:
     spec: PDLoad
     handle: XferHandle | None = None
     posted_at: float = 0.0
+    notice: bytes | None = None
+    """The encoded done notice, when the transport does not promise a post's notification
+    only after the data (``notification_after_data`` False): sent once the READ is DONE."""
 
 
 class PDConnectorWorker(WorkerReports, KVConnectorWorker):
@@ -633,6 +636,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if not local:
             return self._reader.transfer_done(action.request_id, now)
         t0 = time.perf_counter()  # a statistic, not a decision: not the step's clock
+        notice: bytes | None = wire.encode(action.notification)
+        if not self._transport.capabilities.notification_after_data:
+            # The transport may deliver a post's notification before the bytes land, and the
+            # prefill engine reuses the blocks on receipt: send it ourselves once DONE.
+            rd.notice, notice = notice, None
         try:
             rd.handle = self._transport.post(
                 Op.READ,
@@ -640,7 +648,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 local,
                 entry.remote,
                 remote,
-                notification=wire.encode(action.notification),
+                notification=notice,
             )
         except (TransportError, ValueError) as exc:
             broken = isinstance(exc, PeerUnreachableError)
@@ -675,6 +683,14 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._run(actions, now)
             return
         engine = rd.spec.remote.engine_id
+        if rd.notice is not None:
+            # notification_after_data is False: the done notice goes only now, after DONE
+            notice, rd.notice = rd.notice, None
+            try:
+                self._transport.send_notification(handle.peer, notice)
+            except TransportError as exc:  # the lease then ends by expiry on the holder
+                self._count("notify_failures", engine=engine)
+                self._event("pd.notify_failed", engine=engine, error=str(exc))
         self._observe("bytes_read", status.nbytes, engine=engine)
         moved = status.transfer_seconds
         self._observe("transfer_seconds", moved if moved is not None else now - rd.posted_at)
