@@ -48,7 +48,7 @@ LAYOUT = BlockLayout(
 )
 
 
-def _respond(req: HandshakeRequest) -> HandshakeResponse:
+def _respond(req: HandshakeRequest, session: bytes | None = None) -> HandshakeResponse:
     if req.transport != "inprocess":
         raise ValueError(f"transport {req.transport!r} is not the one this engine uses")
     return HandshakeResponse(
@@ -190,7 +190,7 @@ def test_malformed_frames_are_refused_precisely_and_the_server_keeps_serving(
 
 
 def test_clock_pings_are_answered_with_the_server_clock(server: HandshakeServer) -> None:
-    pong = decode_frame(server._answer(encode_frame(ClockPing(), CHASH)), CHASH)
+    pong = decode_frame(server._answer(b"test", encode_frame(ClockPing(), CHASH)), CHASH)
     assert isinstance(pong, ClockPong)
     assert abs(pong.now - time.monotonic()) < 5
 

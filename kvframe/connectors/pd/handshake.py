@@ -12,6 +12,29 @@ cache and gives P what it needs to talk back (heartbeat acknowledgements and fai
 - Later exchanges of the same handshake: :class:`ClockPing` → :class:`ClockPong` (a clock
   reading only).
 
+**Authentication.** With a fleet key (:class:`~kvframe.connectors.pd.auth.KeyRing`) on both
+sides, the request is preceded by one more exchange, and P reveals nothing before D proved it
+holds the key:
+
+- D → P: :class:`AuthHello` — D's engine id, rank and a fresh nonce.
+- P → D: :class:`AuthChallenge` — P's key id, engine id, rank, a fresh nonce, P's clock, and
+  P's proof (an HMAC over both nonces and P's identity): D refuses a P that cannot prove it
+  holds the key, or that is not the engine the ticket named.
+- D → P: the :class:`HandshakeRequest` with D's proof over both nonces, D's identity and its
+  transport metadata; P answers with the accept only when the proof matches the challenge it
+  sent on that connection.
+
+Both sides then hold the same session key (:func:`kvframe.connectors.pd.auth.session_key`),
+which tags the connection's notifications. A P without a key refuses a hello, a P with a key
+refuses a request without a proof (code ``"unauthenticated"``): both sides must be configured
+alike. A challenge is one HMAC; P keeps at most :data:`MAX_PENDING` unanswered challenges
+(the oldest is forgotten first) for at most ``challenge_ttl`` seconds.
+
+**Bounds.** P answers at most ``rate`` messages per second per source address (with a burst
+of ``burst``); the rest are dropped unanswered and counted in
+:attr:`HandshakeServer.rate_limited`, so a flood costs its sender, not P's engine. Frames are at
+most ``MAX_PAYLOAD`` bytes, refused by ZeroMQ before they are read.
+
 **Frame.** Every message is ``header + payload``. The header is fixed-size and checked *before*
 the payload is decoded, so an incompatible or hostile peer never reaches the decoder::
 
@@ -41,8 +64,10 @@ returns all of them so the estimator can keep the lowest round trip.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
+import secrets
 import struct
 import threading
 import time
@@ -52,6 +77,7 @@ from typing import Any
 import attrs
 import zmq
 
+from kvframe.connectors.pd.auth import NONCE_BYTES, KeyRing
 from kvframe.errors import (
     CodecError,
     HandshakeError,
@@ -65,7 +91,10 @@ __all__ = [
     "HANDSHAKE_CODEC",
     "HANDSHAKE_VERSION",
     "MAX_PAYLOAD",
+    "MAX_PENDING",
     "REFUSAL_CODES",
+    "AuthChallenge",
+    "AuthHello",
     "ClockPing",
     "ClockPong",
     "ClockSample",
@@ -75,6 +104,7 @@ __all__ = [
     "HandshakeResponse",
     "HandshakeResult",
     "HandshakeServer",
+    "RateLimiter",
     "compat_hash",
     "decode_frame",
     "encode_frame",
@@ -82,16 +112,22 @@ __all__ = [
 ]
 
 #: The side-channel protocol version; a peer speaking another one is refused before its
-#: payload is decoded. (2: the payload is a codec message; 1 was a bare msgpack map.)
-HANDSHAKE_VERSION = 2
+#: payload is decoded. (3: authentication; 2: the payload is a codec message; 1 was a bare
+#: msgpack map.)
+HANDSHAKE_VERSION = 3
+#: The most unanswered challenges P keeps (the oldest is forgotten first).
+MAX_PENDING = 1024
+#: The longest engine id either side accepts in a handshake message.
+_MAX_ID = 255
 #: The largest payload (bytes) either side accepts.
 MAX_PAYLOAD = 1 << 20
 _MAGIC = b"KVFH"
 _HEADER = struct.Struct("!4sB16s")
 _MAX_REASON = 2000  # characters of a refusal's message: a refusal always fits in a frame
-REFUSAL_CODES = frozenset({"malformed", "incompatible", "refused"})
+REFUSAL_CODES = frozenset({"malformed", "incompatible", "refused", "unauthenticated"})
 """Why a server refused: the request was not a valid frame, the peer speaks another version
-or has another compatibility hash, or the responder refused it (wrong transport, ...)."""
+or has another compatibility hash, the responder refused it (wrong transport, busy, ...), or
+authentication failed or is configured on one side only."""
 
 
 def compat_hash(**facts: Any) -> bytes:
@@ -103,8 +139,21 @@ def compat_hash(**facts: Any) -> bytes:
 
 
 def _non_empty(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{attribute.name} = {value!r}; it must be a non-empty str")
+    if not isinstance(value, str) or not value or len(value) > _MAX_ID:
+        raise ValueError(
+            f"{attribute.name} = {str(value)[:40]!r}; it must be a non-empty str of at most "
+            f"{_MAX_ID} characters"
+        )
+
+
+def _nonce(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bytes) or len(value) != NONCE_BYTES:
+        raise ValueError(f"{attribute.name} must be {NONCE_BYTES} bytes")
+
+
+def _proof(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bytes) or len(value) not in (0, 32):
+        raise ValueError(f"{attribute.name} must be 32 bytes (or empty: no proof)")
 
 
 def _rank(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -138,6 +187,29 @@ def _refusal_code(instance: object, attribute: attrs.Attribute[Any], value: obje
 
 
 @attrs.frozen(kw_only=True)
+class AuthHello:
+    """D opens an authenticated handshake (tag ``pd.handshake.hello``)."""
+
+    engine_id: str = attrs.field(validator=_non_empty)
+    rank: int = attrs.field(validator=_rank)
+    nonce: bytes = attrs.field(validator=_nonce)
+
+
+@attrs.frozen(kw_only=True)
+class AuthChallenge:
+    """P's answer to an :class:`AuthHello` (tag ``pd.handshake.challenge``)."""
+
+    key_id: str = attrs.field(validator=_non_empty)
+    engine_id: str = attrs.field(validator=_non_empty)
+    rank: int = attrs.field(validator=_rank)
+    nonce: bytes = attrs.field(validator=_nonce)
+    proof: bytes = attrs.field(validator=_proof)
+    """P's proof: HMAC over D's nonce, P's nonce, P's engine id and rank."""
+    now: float = attrs.field(validator=_finite)
+    """P's clock when it answered (a clock sample, as :class:`ClockPong`)."""
+
+
+@attrs.frozen(kw_only=True)
 class HandshakeRequest:
     """What D sends (tag ``pd.handshake.request``)."""
 
@@ -145,6 +217,9 @@ class HandshakeRequest:
     rank: int = attrs.field(validator=_rank)
     transport: str
     transport_metadata: bytes
+    proof: bytes = attrs.field(default=b"", validator=_proof)
+    """D's proof (authenticated handshakes; empty otherwise): HMAC over P's nonce, D's nonce,
+    D's engine id, rank, transport and transport metadata."""
 
 
 @attrs.frozen(kw_only=True)
@@ -197,6 +272,8 @@ class HandshakeRefusal:
 
 HANDSHAKE_CODEC = Codec(max_message_bytes=MAX_PAYLOAD).with_types(
     {
+        "pd.handshake.hello": AuthHello,
+        "pd.handshake.challenge": AuthChallenge,
         "pd.handshake.request": HandshakeRequest,
         "pd.handshake.accept": HandshakeAccept,
         "pd.handshake.ping": ClockPing,
@@ -235,6 +312,8 @@ class HandshakeResult:
 
     response: HandshakeResponse
     samples: tuple[ClockSample, ...]
+    session_key: bytes | None = attrs.field(default=None, repr=False)
+    """The connection's session key (authenticated handshakes), ``None`` otherwise."""
 
 
 def encode_frame(message: object, chash: bytes) -> bytes:
@@ -286,6 +365,16 @@ def decode_frame(data: bytes, chash: bytes) -> object:
         raise HandshakeError(f"undecodable handshake payload: {exc}") from exc
 
 
+def _p_binds(d_nonce: bytes, p_nonce: bytes, engine_id: str, rank: int) -> tuple[bytes, ...]:
+    return (d_nonce, p_nonce, engine_id.encode(), str(rank).encode())
+
+
+def _d_binds(p_nonce: bytes, d_nonce: bytes, request: HandshakeRequest) -> tuple[bytes, ...]:
+    meta = hashlib.sha256(request.transport_metadata).digest()
+    fields = (request.engine_id, str(request.rank), request.transport)
+    return (p_nonce, d_nonce, *(f.encode() for f in fields), meta)
+
+
 def handshake(
     host: str,
     port: int,
@@ -296,29 +385,43 @@ def handshake(
     samples: int = 3,
     clock: Callable[[], float] = time.monotonic,
     context: zmq.Context[Any] | None = None,
+    keys: KeyRing | None = None,
+    expect_engine: str | None = None,
 ) -> HandshakeResult:
     """Ask the P worker listening at ``host:port``; blocks up to ``timeout`` seconds in all.
 
-    Makes ``samples`` exchanges (the first carries the request; all give clock samples).
+    Makes ``samples`` exchanges (the first carries the request; all give clock samples); with
+    ``keys``, an authenticated one (see the module docs) whose challenge is one of them, and P
+    must prove it holds the fleet key and, with ``expect_engine``, that it is that engine.
     Raises :class:`HandshakeTimeoutError`, :class:`IncompatiblePeerError` or
     :class:`HandshakeError`. Nothing is left open after it returns or raises.
     """
+    d_nonce = secrets.token_bytes(NONCE_BYTES)
     try:
-        first = encode_frame(request, chash)
+        if keys is None:
+            first = encode_frame(request, chash)
+        else:
+            first = encode_frame(
+                AuthHello(engine_id=request.engine_id, rank=request.rank, nonce=d_nonce), chash
+            )
     except (TypeError, ValueError) as exc:
         raise HandshakeError(f"cannot send the handshake request to {host}:{port}: {exc}") from exc
     ping = encode_frame(ClockPing(), chash)
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, _HEADER.size + MAX_PAYLOAD)
     deadline = clock() + timeout
     got: list[ClockSample] = []
     response: HandshakeResponse | None = None
+    session: bytes | None = None
+    exchanges = max(2 if keys is not None else 1, samples)
     try:
         sock.connect(f"tcp://{host}:{port}")
-        for i in range(max(1, samples)):
+        nxt = first
+        for i in range(exchanges):
             t_send = clock()
-            sock.send(first if i == 0 else ping)
+            sock.send(nxt)
             remaining = deadline - clock()
             if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                 raise HandshakeTimeoutError(
@@ -338,7 +441,31 @@ def handshake(
             if isinstance(answer, HandshakeRefusal):
                 error = IncompatiblePeerError if answer.code == "incompatible" else HandshakeError
                 raise error(f"{host}:{port} refused the handshake: {answer.message}")
-            expected = HandshakeAccept if i == 0 else ClockPong
+            if keys is not None and i == 0:
+                if not isinstance(answer, AuthChallenge):
+                    raise HandshakeError(
+                        f"{host}:{port} answered a {type(answer).__name__}; expected an "
+                        "AuthChallenge (is the prefill engine configured without a fleet key?)"
+                    )
+                binds = _p_binds(d_nonce, answer.nonce, answer.engine_id, answer.rank)
+                if not keys.check_proof(answer.key_id, b"P", answer.proof, *binds):
+                    raise HandshakeError(
+                        f"{host}:{port} failed to prove it holds the fleet key (key id "
+                        f"{answer.key_id[:16]!r}); it is not an engine of this fleet, or the "
+                        "engines have different auth_key_file contents"
+                    )
+                if expect_engine is not None and answer.engine_id != expect_engine:
+                    raise HandshakeError(
+                        f"{host}:{port} is engine {answer.engine_id[:64]!r}, not "
+                        f"{expect_engine[:64]!r} named in the ticket"
+                    )
+                proof = keys.proof(answer.key_id, b"D", *_d_binds(answer.nonce, d_nonce, request))
+                session = keys.session(answer.key_id, d_nonce, answer.nonce)
+                assert proof is not None
+                nxt = encode_frame(attrs.evolve(request, proof=proof), chash)
+                got.append(ClockSample(t_send=t_send, t_recv=t_recv, remote_now=answer.now))
+                continue
+            expected = HandshakeAccept if response is None else ClockPong
             if not isinstance(answer, expected):
                 raise HandshakeError(
                     f"{host}:{port} answered a {type(answer).__name__}; expected a "
@@ -347,24 +474,52 @@ def handshake(
             got.append(ClockSample(t_send=t_send, t_recv=t_recv, remote_now=answer.now))
             if isinstance(answer, HandshakeAccept):
                 response = answer.response
+            nxt = ping
     except zmq.ZMQError as exc:
         raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from exc
     finally:
         sock.close(linger=0)
     assert response is not None
-    return HandshakeResult(response=response, samples=tuple(got))
+    return HandshakeResult(response=response, samples=tuple(got), session_key=session)
+
+
+@attrs.define
+class RateLimiter:
+    """Token buckets per source: ``rate`` per second, at most ``burst`` at once, for at most
+    ``max_sources`` sources (the least recently seen is forgotten first). Sans-I/O: every call
+    takes ``now``."""
+
+    rate: float
+    burst: float
+    max_sources: int = 4096
+    _buckets: collections.OrderedDict[str, tuple[float, float]] = attrs.field(
+        factory=collections.OrderedDict, init=False
+    )
+
+    def allow(self, source: str, now: float) -> bool:
+        """Take one token of ``source``'s bucket; False when it is empty."""
+        tokens, last = self._buckets.pop(source, (self.burst, now))
+        tokens = min(self.burst, tokens + max(0.0, now - last) * self.rate)
+        ok = tokens >= 1.0
+        self._buckets[source] = (tokens - 1.0 if ok else tokens, now)
+        if len(self._buckets) > self.max_sources:
+            self._buckets.popitem(last=False)
+        return ok
 
 
 class HandshakeServer:
     """P's side: answers handshakes on ``tcp://host:port`` from a background thread.
 
-    ``respond(request) -> HandshakeResponse`` builds the answer (it must be thread-safe: it runs
-    on the server thread; typically it returns a prepared value and queues the requester's
-    transport metadata for the engine thread). ``port=0`` binds an ephemeral port; read
-    :attr:`port` after construction. Malformed, incompatible or oversized requests are answered
-    with a :class:`HandshakeRefusal` when possible and counted in :attr:`rejected` (the reason
-    in :attr:`last_error`); the server keeps serving. :meth:`close` stops the thread and
-    releases the socket; safe twice.
+    ``respond(request, session_key) -> HandshakeResponse`` builds the answer (it must be
+    thread-safe: it runs on the server thread; typically it returns a prepared value and queues
+    the requester's transport metadata and session key for the engine thread); ``session_key``
+    is ``None`` unless the handshake was authenticated. With ``keys`` every request must be
+    authenticated (see the module docs); without, none can be. ``port=0`` binds an ephemeral
+    port; read :attr:`port` after construction. Malformed, incompatible, unauthenticated or
+    oversized requests are answered with a :class:`HandshakeRefusal` when possible and counted
+    in :attr:`rejected` (the reason in :attr:`last_error`); messages over the per-source rate
+    are dropped unanswered and counted in :attr:`rate_limited`; the server keeps serving.
+    :meth:`close` stops the thread and releases the socket; safe twice.
     """
 
     def __init__(
@@ -373,14 +528,31 @@ class HandshakeServer:
         port: int,
         *,
         chash: bytes,
-        respond: Callable[[HandshakeRequest], HandshakeResponse],
+        respond: Callable[[HandshakeRequest, bytes | None], HandshakeResponse],
+        engine_id: str = "",
+        rank: int = 0,
+        keys: KeyRing | None = None,
+        rate: float = 200.0,
+        burst: float = 400.0,
+        challenge_ttl: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context[Any] | None = None,
     ) -> None:
+        if keys is not None and not engine_id:
+            raise ValueError("an authenticating HandshakeServer needs its engine_id")
         self._ctx = context or zmq.Context.instance()
         self._chash = chash
         self._respond = respond
         self._clock = clock
+        self._keys = keys
+        self._engine_id = engine_id
+        self._rank = rank
+        self._limiter = RateLimiter(rate=rate, burst=burst)
+        self._challenge_ttl = challenge_ttl
+        # ROUTER identity -> (D's nonce, P's nonce, key id, D engine, D rank, sent at)
+        self._pending: collections.OrderedDict[bytes, tuple[bytes, bytes, str, str, int, float]] = (
+            collections.OrderedDict()
+        )
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, _HEADER.size + MAX_PAYLOAD)
@@ -399,6 +571,7 @@ class HandshakeServer:
         self.host = host
         self.served = 0
         self.rejected = 0
+        self.rate_limited = 0
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -407,6 +580,11 @@ class HandshakeServer:
         )
         self._thread.start()
 
+    @property
+    def authenticated(self) -> bool:
+        """True when every handshake must prove the fleet key."""
+        return self._keys is not None
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
@@ -414,10 +592,21 @@ class HandshakeServer:
             if not poller.poll(50):
                 continue
             try:
-                ident, data = self._sock.recv_multipart()
-            except (zmq.ZMQError, ValueError):
+                frames = self._sock.recv_multipart(copy=False)
+            except zmq.ZMQError:
                 continue
-            reply = self._answer(data)
+            if len(frames) != 2:
+                continue
+            ident, frame = frames[0].bytes, frames[1]
+            try:
+                source = str(frame.get("Peer-Address"))
+            except zmq.ZMQError:
+                source = "?"
+            if not self._limiter.allow(source, self._clock()):
+                with self._lock:
+                    self.rate_limited += 1
+                continue
+            reply = self._answer(ident, frame.bytes)
             try:
                 self._sock.send_multipart([ident, reply])
             except zmq.ZMQError:
@@ -430,7 +619,59 @@ class HandshakeServer:
         refusal = HandshakeRefusal(code=code, message=message[:_MAX_REASON])
         return encode_frame(refusal, self._chash)
 
-    def _answer(self, data: bytes) -> bytes:
+    def _challenge(self, ident: bytes, hello: AuthHello) -> bytes:
+        if self._keys is None:
+            return self._reject(
+                "unauthenticated",
+                "this engine has no fleet key (auth_key_file) but the requester authenticates; "
+                "give both engines the same auth_key_file, or neither",
+            )
+        now = self._clock()
+        p_nonce = secrets.token_bytes(NONCE_BYTES)
+        kid = self._keys.signing_id
+        proof = self._keys.proof(
+            kid, b"P", *_p_binds(hello.nonce, p_nonce, self._engine_id, self._rank)
+        )
+        assert proof is not None
+        self._pending.pop(ident, None)
+        self._pending[ident] = (hello.nonce, p_nonce, kid, hello.engine_id, hello.rank, now)
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popitem(last=False)
+        challenge = AuthChallenge(
+            key_id=kid,
+            engine_id=self._engine_id,
+            rank=self._rank,
+            nonce=p_nonce,
+            proof=proof,
+            now=now,
+        )
+        return encode_frame(challenge, self._chash)
+
+    def _authenticate(self, ident: bytes, request: HandshakeRequest) -> tuple[bytes | None, str]:
+        """The session key of an authenticated request, or ``None`` and why not."""
+        assert self._keys is not None
+        pending = self._pending.pop(ident, None)
+        if pending is None:
+            return None, (
+                "this engine requires an authenticated handshake (it has a fleet key, "
+                "auth_key_file) and got a request without a challenge; give both engines the "
+                "same auth_key_file"
+            )
+        d_nonce, p_nonce, kid, engine_id, rank, sent = pending
+        if self._clock() - sent > self._challenge_ttl:
+            return None, "the challenge expired before the request came; handshake again"
+        if (request.engine_id, request.rank) != (engine_id, rank):
+            return None, "the request names another engine than its hello"
+        if not self._keys.check_proof(
+            kid, b"D", request.proof, *_d_binds(p_nonce, d_nonce, request)
+        ):
+            return None, (
+                "the requester failed to prove it holds the fleet key; it is not an engine of "
+                "this fleet, or the engines have different auth_key_file contents"
+            )
+        return self._keys.session(kid, d_nonce, p_nonce), ""
+
+    def _answer(self, ident: bytes, data: bytes) -> bytes:
         # The version and the compatibility hash are checked before the payload is decoded.
         try:
             message = decode_frame(data, self._chash)
@@ -440,14 +681,26 @@ class HandshakeServer:
             return self._reject("malformed", str(exc))
         if isinstance(message, ClockPing):
             return encode_frame(ClockPong(now=self._clock()), self._chash)
+        if isinstance(message, AuthHello):
+            return self._challenge(ident, message)
         if not isinstance(message, HandshakeRequest):
             return self._reject(
                 "malformed",
-                f"unexpected handshake message {type(message).__name__}; expected a "
-                "HandshakeRequest or a ClockPing",
+                f"unexpected handshake message {type(message).__name__}; expected an AuthHello, "
+                "a HandshakeRequest or a ClockPing",
+            )
+        session: bytes | None = None
+        if self._keys is not None:
+            session, why = self._authenticate(ident, message)
+            if session is None:
+                return self._reject("unauthenticated", why)
+        elif message.proof:
+            return self._reject(
+                "unauthenticated",
+                "this engine has no fleet key (auth_key_file) but the request carries a proof",
             )
         try:
-            response = self._respond(message)
+            response = self._respond(message, session)
             reply = encode_frame(HandshakeAccept(response=response, now=self._clock()), self._chash)
         except HandshakeError as exc:
             return self._reject("malformed", str(exc))

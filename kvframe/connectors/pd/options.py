@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from kvframe.connectors.pd.auth import KeyRing
 from kvframe.core.lease import LeasePolicy
 from kvframe.errors import ConfigError
 
@@ -28,6 +29,10 @@ class PDOptions:
     handshake_timeout: float = 5.0
     read_margin: float | None = None
     peer_idle_ttl: float = 600.0
+    auth_key_file: str | None = None
+    """The fleet key file (see :mod:`kvframe.connectors.pd.auth`); ``None``: unauthenticated."""
+    keys: KeyRing | None = attrs.field(default=None, repr=False)
+    """The keys read from :attr:`auth_key_file` when the options were parsed."""
 
     def margin(self, policy: LeasePolicy) -> float:
         """Seconds of confirmed lease D requires before it posts a read."""
@@ -41,7 +46,7 @@ class PDOptions:
         the value and what is allowed (and the closest known key for a typo); with
         ``kv_lease_duration``, also a ``read_margin`` at or above the lease extension (D could
         never post a read: a heartbeat confirms at most one extension ahead)."""
-        known = {f.name for f in attrs.fields(cls)}
+        known = {f.name for f in attrs.fields(cls)} - {"keys"}
         for key in extra:
             if key not in known:
                 close = difflib.get_close_matches(str(key), sorted(known), n=1)
@@ -91,7 +96,15 @@ class PDOptions:
                     f"read): leave it out (default extension / 4 = {policy.extension / 4:g} s) "
                     "or raise kv_lease_duration"
                 )
+        key_file = extra.get("auth_key_file")
+        if key_file is not None and (not isinstance(key_file, str) or not key_file):
+            raise ConfigError(
+                f"{_PATH}.auth_key_file = {key_file!r}; expected the path of a key file "
+                "(`kvframe keygen PATH` writes one)"
+            )
         return cls(
+            auth_key_file=key_file,
+            keys=KeyRing.from_file(key_file) if key_file else None,
             transport=text("transport", "nixl"),
             transport_options=dict(topts),
             side_channel_host=text("side_channel_host", "127.0.0.1"),

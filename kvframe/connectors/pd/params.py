@@ -13,11 +13,16 @@ from typing import Any
 
 import attrs
 
+from kvframe.connectors.pd.auth import TICKET_FIELD, KeyRing, ticket_body
 from kvframe.errors import ConfigError
 
 __all__ = [
+    "MAX_BLOCKS_PER_GROUP",
+    "MAX_GROUPS",
     "MAX_LEASE_ID_BYTES",
+    "MAX_NAME_CHARS",
     "MAX_RANKS",
+    "MAX_TOKENS",
     "MAX_TOKEN_CHARS",
     "RemotePrefillParams",
     "wants_remote_decode",
@@ -30,6 +35,15 @@ MAX_LEASE_ID_BYTES = 255
 MAX_RANKS = 1024
 #: The longest incarnation token D accepts.
 MAX_TOKEN_CHARS = 64
+#: The most KV groups (``remote_block_ids`` entries) D accepts.
+MAX_GROUPS = 64
+#: The most block ids in one group D accepts (the engine's own limit, the blocks its prompt
+#: needs, is checked by the scheduler too).
+MAX_BLOCKS_PER_GROUP = 1 << 17
+#: The largest ``remote_num_tokens`` D accepts.
+MAX_TOKENS = 1 << 24
+#: The longest engine id, host or transport name D accepts.
+MAX_NAME_CHARS = 255
 
 
 def _short(value: Any) -> str:
@@ -68,6 +82,9 @@ class RemotePrefillParams:
     remote_incarnations: tuple[str, ...] = ()
     """Per rank, a random token naming the P worker instance that granted the lease (empty
     when P's workers did not report theirs). D reconnects to a restarted P before reading."""
+    ticket: str = ""
+    """``kvframe_ticket``: P's signature over every other field (see
+    :mod:`kvframe.connectors.pd.auth`); empty when P has no fleet key."""
 
     def port_for(self, rank: int) -> int:
         """The side-channel port of P's worker ``rank``."""
@@ -96,7 +113,26 @@ class RemotePrefillParams:
                 if self.remote_incarnations
                 else {}
             ),
+            **({TICKET_FIELD: self.ticket} if self.ticket else {}),
         }
+
+    def signed(self, ring: KeyRing) -> RemotePrefillParams:
+        """These parameters with a ticket signed by ``ring``'s signing key."""
+        unsigned = attrs.evolve(self, ticket="")
+        return attrs.evolve(self, ticket=ring.sign(ticket_body(unsigned.to_dict())))
+
+    def verify(self, ring: KeyRing) -> None:
+        """Raise :class:`~kvframe.errors.ConfigError` unless the ticket is a valid signature,
+        by a key of ``ring``, of exactly these (parsed) fields."""
+        if not self.ticket:
+            raise ConfigError(
+                f"kv_transfer_params.{TICKET_FIELD} is missing but this engine has a fleet key "
+                "(auth_key_file): the prefill engine must have the same key file, and the "
+                "router must pass P's kv_transfer_params through unchanged"
+            )
+        why = ring.verify(ticket_body(attrs.evolve(self, ticket="").to_dict()), self.ticket)
+        if why is not None:
+            raise ConfigError(f"kv_transfer_params.{TICKET_FIELD} refused: {why}")
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> RemotePrefillParams:
@@ -117,16 +153,27 @@ class RemotePrefillParams:
                 raise ConfigError(f"kv_transfer_params.{key} = {value!r}; expected {what}")
             return value
 
-        def non_empty(key: str) -> str:
+        def non_empty(key: str, limit: int = MAX_NAME_CHARS) -> str:
             value: str = get(key, str, "a non-empty string")
             if not value:
                 raise ConfigError(f"kv_transfer_params.{key} is empty; expected a non-empty string")
+            if len(value) > limit:
+                raise ConfigError(
+                    f"kv_transfer_params.{key} has {len(value)} characters; at most {limit}"
+                )
             return value
 
-        def count(key: str, lo: int) -> int:
+        def bounded(key: str, value: Any, limit: int, what: str) -> None:
+            if len(value) > limit:
+                raise ConfigError(
+                    f"kv_transfer_params.{key} has {len(value)} {what}; at most {limit} are "
+                    "accepted (pass P's kv_transfer_params through unchanged)"
+                )
+
+        def count(key: str, lo: int, hi: int) -> int:
             value: int = get(key, int, f"an integer >= {lo}")
-            if value < lo:
-                raise ConfigError(f"kv_transfer_params.{key} = {value!r}; expected >= {lo}")
+            if not lo <= value <= hi:
+                raise ConfigError(f"kv_transfer_params.{key} = {value!r}; expected {lo}..{hi}")
             return value
 
         def seconds(key: str) -> float:
@@ -136,8 +183,11 @@ class RemotePrefillParams:
             return value
 
         groups_raw = get("remote_block_ids", (list, tuple), "a list of lists of block ids")
+        bounded("remote_block_ids", groups_raw, MAX_GROUPS, "KV groups")
         groups: list[tuple[int, ...]] = []
         for g, group in enumerate(groups_raw):
+            if isinstance(group, (list, tuple)):
+                bounded(f"remote_block_ids[{g}]", group, MAX_BLOCKS_PER_GROUP, "block ids")
             if not isinstance(group, (list, tuple)) or not all(
                 type(b) is int and b >= 0 for b in group
             ):
@@ -148,13 +198,13 @@ class RemotePrefillParams:
             groups.append(tuple(group))
         if not groups:
             raise ConfigError("kv_transfer_params.remote_block_ids is empty; expected >= 1 group")
-        port = count("remote_port", 1)
-        if port > 65535:
-            raise ConfigError(f"kv_transfer_params.remote_port = {port}; expected 1..65535")
+        port = count("remote_port", 1, 65535)
         duration = seconds("lease_duration")
         if duration <= 0:
             raise ConfigError(f"kv_transfer_params.lease_duration = {duration}; expected > 0")
         ports_raw = params.get("remote_ports", [])
+        if isinstance(ports_raw, (list, tuple)):
+            bounded("remote_ports", ports_raw, MAX_RANKS, "ports")
         if not isinstance(ports_raw, (list, tuple)) or not all(
             type(p) is int and 1 <= p <= 65535 for p in ports_raw
         ):
@@ -162,6 +212,12 @@ class RemotePrefillParams:
                 f"kv_transfer_params.remote_ports = {ports_raw!r}; expected a list of ports"
             )
         inc_raw = params.get("remote_incarnations", [])
+        ticket = params.get(TICKET_FIELD, "")
+        if not isinstance(ticket, str) or len(ticket) > 80:
+            raise ConfigError(
+                f"kv_transfer_params.{TICKET_FIELD} = {_short(ticket)}; expected the string P "
+                "returned (at most 80 characters)"
+            )
         if (
             not isinstance(inc_raw, (list, tuple))
             or len(inc_raw) > MAX_RANKS
@@ -185,9 +241,10 @@ class RemotePrefillParams:
             remote_host=non_empty("remote_host"),
             remote_port=port,
             remote_block_ids=tuple(groups),
-            remote_num_tokens=count("remote_num_tokens", 0),
-            tp_size=count("tp_size", 1),
-            transport=non_empty("transport"),
+            remote_num_tokens=count("remote_num_tokens", 0, MAX_TOKENS),
+            tp_size=count("tp_size", 1, MAX_RANKS),
+            transport=non_empty("transport", 64),
             lease_duration=duration,
             lease_expires_at=seconds("lease_expires_at"),
+            ticket=ticket,
         )

@@ -28,6 +28,7 @@ from typing import Any
 
 import attrs
 
+from kvframe.connectors.pd.auth import KeyRing
 from kvframe.connectors.pd.handshake import (
     HandshakeRequest,
     HandshakeResponse,
@@ -73,6 +74,9 @@ class RemoteEngine:
     """Consecutive failed handshakes (the retry backoff grows with it)."""
     retry_at: float = 0.0
     """When a failed entry may handshake again."""
+    session_key: bytes | None = attrs.field(default=None, repr=False)
+    """The session key of the authenticated handshake (tags notifications); ``None`` when
+    unauthenticated."""
 
 
 _Key = tuple[str, int]
@@ -102,8 +106,10 @@ class RemoteEngines:
         clock: Callable[[], float],
         local_metadata: bytes | None = None,
         rng: random.Random | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self._transport = transport
+        self._keys = keys
         self._request = HandshakeRequest(
             engine_id=engine_id,
             rank=rank,
@@ -147,6 +153,8 @@ class RemoteEngines:
                     chash=self._chash,
                     timeout=self._timeout,
                     clock=self._clock,
+                    keys=self._keys,
+                    expect_engine=job.engine_id,
                 )
             except KVFrameError as exc:
                 result = exc
@@ -275,6 +283,7 @@ class RemoteEngines:
         for s in result.samples:
             entry.clock.add(s.t_send, s.remote_now, s.t_recv)
         entry.response = resp
+        entry.session_key = result.session_key
         entry.incarnation = resp.incarnation or None
         entry.state = PeerState.READY
         entry.error = None
@@ -303,6 +312,7 @@ class RemoteEngines:
                 self._transport.remove_peer(entry.peer)
         entry.peer = None
         entry.remote = None
+        entry.session_key = None
 
     def __len__(self) -> int:
         return len(self._engines)

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from kvframe.config import KVTransferConfig
+from kvframe.connectors.pd.auth import warn_unauthenticated
 from kvframe.connectors.pd.metadata import (
     PDGrant,
     PDLoad,
@@ -80,6 +81,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._codec = codec
         self._engine = engine
         self._options = options
+        if options.keys is None:
+            warn_unauthenticated("scheduler")
         self._engine_id: str = config.engine_id
         self._policy = LeasePolicy.from_duration(config.kv_lease_duration)
         self._tracker = HeartbeatTracker.from_policy(self._policy)
@@ -115,30 +118,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return None  # refused once already (and counted then): prefilled locally
         assert request.kv_transfer_params is not None
         try:
-            params = RemotePrefillParams.from_dict(request.kv_transfer_params)
-            if params.transport != self._options.transport:
-                raise ConfigError(
-                    f"kv_transfer_params.transport = {params.transport!r} but this engine "
-                    f"uses {self._options.transport!r}; both engines must use one transport"
-                )
-            if params.tp_size != self._engine.world_size:
-                raise ConfigError(
-                    f"kv_transfer_params.tp_size = {params.tp_size} but this engine has "
-                    f"{self._engine.world_size} workers; heterogeneous tensor parallelism is "
-                    "not supported"
-                )
-            if len(params.remote_block_ids) != self._engine.num_kv_groups:
-                raise ConfigError(
-                    f"kv_transfer_params.remote_block_ids has {len(params.remote_block_ids)} "
-                    f"KV groups; this engine has {self._engine.num_kv_groups}"
-                )
-            need = math.ceil(self._loadable(request, params) / self._engine.block_size)
-            for g, group in enumerate(params.remote_block_ids):
-                if len(group) < need:
-                    raise ConfigError(
-                        f"kv_transfer_params.remote_block_ids[{g}] has {len(group)} blocks; "
-                        f"{need} are needed for {params.remote_num_tokens} tokens"
-                    )
+            params = self._validated(request)
         except ConfigError as exc:
             # The request is still served, by local prefill: correct, only slower.
             self._rejected[request.request_id] = None
@@ -162,6 +142,57 @@ class PDConnectorScheduler(KVConnectorScheduler):
         inc = _Incoming(params=params, addr=addr)
         self._incoming[request.request_id] = inc
         return inc
+
+    def _validated(self, request: RequestView) -> RemotePrefillParams:
+        # Every check before anything is allocated or any peer contacted: the ticket first (a
+        # forged or altered one names nothing), then the fields against this engine's limits.
+        assert request.kv_transfer_params is not None
+        params = RemotePrefillParams.from_dict(request.kv_transfer_params)
+        if self._options.keys is not None:
+            params.verify(self._options.keys)
+        if params.transport != self._options.transport:
+            raise ConfigError(
+                f"kv_transfer_params.transport = {params.transport!r} but this engine "
+                f"uses {self._options.transport!r}; both engines must use one transport"
+            )
+        if params.tp_size != self._engine.world_size:
+            raise ConfigError(
+                f"kv_transfer_params.tp_size = {params.tp_size} but this engine has "
+                f"{self._engine.world_size} workers; heterogeneous tensor parallelism is "
+                "not supported"
+            )
+        if params.remote_ports and len(params.remote_ports) != params.tp_size:
+            raise ConfigError(
+                f"kv_transfer_params.remote_ports has {len(params.remote_ports)} ports for "
+                f"tp_size {params.tp_size}; expected one per rank"
+            )
+        if len(params.remote_block_ids) != self._engine.num_kv_groups:
+            raise ConfigError(
+                f"kv_transfer_params.remote_block_ids has {len(params.remote_block_ids)} "
+                f"KV groups; this engine has {self._engine.num_kv_groups}"
+            )
+        if params.remote_num_tokens > request.num_prompt_tokens:
+            raise ConfigError(
+                f"kv_transfer_params.remote_num_tokens = {params.remote_num_tokens} but the "
+                f"prompt has {request.num_prompt_tokens} tokens; P computed another prompt"
+            )
+        need = math.ceil(self._loadable(request, params) / self._engine.block_size)
+        most = math.ceil(params.remote_num_tokens / self._engine.block_size) + 1
+        for g, group in enumerate(params.remote_block_ids):
+            if not need <= len(group) <= most:
+                raise ConfigError(
+                    f"kv_transfer_params.remote_block_ids[{g}] has {len(group)} blocks; "
+                    f"{need} to {most} are expected for {params.remote_num_tokens} tokens"
+                )
+        return params
+
+    def check_request(self, request: RequestView) -> None:
+        """Raise :class:`~kvframe.errors.ConfigError` for a remote-prefill request whose
+        ``kv_transfer_params`` this engine refuses (a missing, forged or altered ticket when a
+        fleet key is configured, a field out of bounds, another transport or tensor-parallel
+        size, block lists that do not fit the prompt). Changes nothing."""
+        if self._config.is_consumer and wants_remote_prefill(request.kv_transfer_params):
+            self._validated(request)
 
     def _time(self, request: RequestView) -> float:
         # The latest step's clock; before the first step, the request's arrival time (both on
@@ -379,6 +410,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             # An estimate (the worker grants as of its own clock reading); D never reads on it.
             lease_expires_at=self._now + self._policy.duration,
         )
+        if self._options.keys is not None:
+            params = params.signed(self._options.keys)
         return params.to_dict()
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, bytes]) -> None:

@@ -36,7 +36,8 @@ Two background threads exist, and each shares only queues with the engine thread
 - P's handshake server thread (:class:`~.handshake.HandshakeServer`) answers with values the
   engine thread prepared before the server started (the transport metadata, the layout, the
   incarnation token: immutable after ``register_kv_caches``) and puts each requester's
-  ``(engine id, rank, transport metadata)`` on ``_pending_peers`` (a :class:`queue.Queue`). It
+  ``(engine id, rank, transport metadata, session key)`` on ``_pending_peers`` (a bounded
+  :class:`queue.Queue`: when full, the handshake is refused as busy). It
   never calls the transport; the engine thread adds the peers in its next progress point.
 - D's handshake client thread (:class:`~.peers.RemoteEngines`) takes jobs from one queue and
   puts results on another; results are applied to the transport on the engine thread.
@@ -59,6 +60,7 @@ import attrs
 
 from kvframe.config import KVTransferConfig
 from kvframe.connectors._reports import WorkerReports
+from kvframe.connectors.pd.auth import TAG_BYTES, tag, untag, warn_unauthenticated
 from kvframe.connectors.pd.handshake import (
     HandshakeRequest,
     HandshakeResponse,
@@ -127,6 +129,8 @@ def observation_key(name: str, value: float) -> str:
     return f"{name}:le={bounds[i]!r}" if i < len(bounds) else f"{name}:le=+Inf"
 
 
+#: Handshakes whose peers wait for the engine thread at most (more are refused as busy).
+_MAX_PENDING_PEERS = 256
 _ENDED_COUNTER = {
     LeaseState.CONSUMED: "leases_consumed",
     LeaseState.ABORTED: "leases_aborted",
@@ -183,6 +187,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 "needs both"
             )
         self._max_notif = caps.max_notification_bytes
+        self._tag_bytes = TAG_BYTES if options.keys is not None else 0
         self._local: LayoutHandle | None = None
         self._layout: BlockLayout | None = None
         self._chash = b""
@@ -193,9 +198,17 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._holder: LeaseHolder[tuple[str, tuple[tuple[int, ...], ...]]] = LeaseHolder(
             self._policy
         )
-        self._pending_peers: queue.Queue[tuple[str, int, bytes]] = queue.Queue()
+        # (D engine, rank, transport metadata, session key) from the handshake thread; bounded,
+        # so a flood of handshakes cannot queue unbounded work for the engine thread.
+        self._pending_peers: queue.Queue[tuple[str, int, bytes, bytes | None]] = queue.Queue(
+            maxsize=_MAX_PENDING_PEERS
+        )
         self._reader_peers: dict[tuple[str, int], str] = {}  # (D engine, rank) -> peer
         self._readers: dict[str, str] = {}  # transport peer -> D engine id
+        self._peer_keys: dict[str, bytes] = {}  # transport peer (a reader) -> session key
+        self._keys = options.keys
+        if self._keys is None:
+            warn_unauthenticated("worker")
         # D
         self._reader = LeaseReader(
             self._policy,
@@ -279,6 +292,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 port + self._rank if port else 0,
                 chash=self._chash,
                 respond=self._respond,
+                engine_id=self._engine_id,
+                rank=self._rank,
+                keys=self._keys,
                 clock=self._clock,
             )
         if self._config.is_consumer:
@@ -292,6 +308,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 idle_ttl=self._options.peer_idle_ttl,
                 clock=self._clock,
                 local_metadata=self._local_meta,
+                keys=self._keys,
             )
 
     def get_handshake_metadata(self) -> bytes | None:
@@ -303,14 +320,22 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             )
         )
 
-    def _respond(self, request: HandshakeRequest) -> HandshakeResponse:
+    def _respond(self, request: HandshakeRequest, session: bytes | None) -> HandshakeResponse:
         # Runs on the handshake server thread: immutable values and one queue put only.
         if request.transport != self._options.transport:
             raise ValueError(
                 f"this engine uses transport {self._options.transport!r}, not {request.transport!r}"
             )
         assert self._layout is not None
-        self._pending_peers.put((request.engine_id, request.rank, request.transport_metadata))
+        try:
+            self._pending_peers.put_nowait(
+                (request.engine_id, request.rank, request.transport_metadata, session)
+            )
+        except queue.Full:
+            raise ValueError(
+                f"busy: {_MAX_PENDING_PEERS} handshakes wait for this engine to add their "
+                "peers; try again shortly"
+            ) from None
         return HandshakeResponse(
             engine_id=self._engine_id,
             rank=self._rank,
@@ -471,7 +496,34 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._run(self._reader.release(engine_id, lids, now), now)
 
     # -- notifications -------------------------------------------------------------------
-    def _on_notification(self, sender: str, payload: bytes, now: float) -> None:
+    def _seal(self, key: bytes | None, payload: bytes) -> bytes | None:
+        # With a fleet key every notification carries a tag under the connection's session
+        # key; a connection without one (cannot happen when authenticated) sends nothing.
+        if self._keys is None:
+            return payload
+        return None if key is None else tag(key, payload)
+
+    def _open(self, sender: str, data: bytes) -> bytes | None:
+        if self._keys is None:
+            return data
+        # A worker may be both holder (sender is a reader) and reader (sender is a holder).
+        for key in (self._peer_keys.get(sender), self._engine_key(sender)):
+            if key is not None:
+                payload = untag(key, data)
+                if payload is not None:
+                    return payload
+        return None
+
+    def _engine_key(self, sender: str) -> bytes | None:
+        entry = self._engines.by_peer(sender) if self._engines is not None else None
+        return None if entry is None else entry.session_key
+
+    def _on_notification(self, sender: str, data: bytes, now: float) -> None:
+        payload = self._open(sender, data)
+        if payload is None:
+            self._count("notifications_unauthenticated")
+            self._event("pd.unauthenticated_notification", sender=sender[:64])
+            return
         try:
             msg = wire.decode(payload)
         except CodecError as exc:
@@ -507,9 +559,14 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._count("leases_renewed", len(msg.handles))
             elif isinstance(msg, wire.LeaseLost):
                 self._count("heartbeat_ids_ignored", len(msg.handles))
-            for part in wire.split(msg, self._max_notif):
+            key = self._peer_keys.get(peer)
+            for part in wire.split(msg, self._max_notif - self._tag_bytes):
+                sealed = self._seal(key, wire.encode(part))
+                if sealed is None:
+                    self._count("notifications_unsent")
+                    return
                 try:
-                    self._transport.send_notification(peer, wire.encode(part))
+                    self._transport.send_notification(peer, sealed)
                 except TransportError as exc:
                     self._count("notify_failures")
                     self._event("pd.notify_failed", peer=peer, error=str(exc))
@@ -518,7 +575,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _add_pending_peers(self) -> None:
         while True:
             try:
-                engine_id, rank, meta = self._pending_peers.get_nowait()
+                engine_id, rank, meta, session = self._pending_peers.get_nowait()
             except queue.Empty:
                 return
             # A reader that handshakes again saw its connection fail, or restarted: rebuild
@@ -528,6 +585,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 with contextlib.suppress(TransportError):
                     self._transport.remove_peer(old)
                 self._readers.pop(old, None)
+                self._peer_keys.pop(old, None)
                 self._count("peers_rebuilt")
             try:
                 peer = self._transport.add_peer(meta)
@@ -537,6 +595,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 continue
             self._reader_peers[(engine_id, rank)] = peer
             self._readers[peer] = engine_id
+            if session is not None:
+                self._peer_keys[peer] = session
             self._holder.connected(peer)
 
     # -- D: peers ------------------------------------------------------------------------
@@ -602,9 +662,13 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count("notifications_unsent")
             return []
         msg = action.message
-        for part in wire.split(msg, self._max_notif):
+        for part in wire.split(msg, self._max_notif - self._tag_bytes):
+            sealed = self._seal(entry.session_key, wire.encode(part))
+            if sealed is None:
+                self._count("notifications_unsent")
+                return []
             try:
-                self._transport.send_notification(entry.peer, wire.encode(part))
+                self._transport.send_notification(entry.peer, sealed)
             except TransportError as exc:
                 self._count("notify_failures", engine=entry.engine_id)
                 self._event("pd.notify_failed", engine=entry.engine_id, error=str(exc))
@@ -636,7 +700,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if not local:
             return self._reader.transfer_done(action.request_id, now)
         t0 = time.perf_counter()  # a statistic, not a decision: not the step's clock
-        notice: bytes | None = wire.encode(action.notification)
+        notice = self._seal(entry.session_key, wire.encode(action.notification))
+        if notice is None:
+            return self._reader.transfer_failed(
+                action.request_id, "the connection to the prefill engine is not authenticated", now
+            )
         if not self._transport.capabilities.notification_after_data:
             # The transport may deliver a post's notification before the bytes land, and the
             # prefill engine reuses the blocks on receipt: send it ourselves once DONE.
