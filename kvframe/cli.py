@@ -210,6 +210,11 @@ def _build_parser() -> argparse.ArgumentParser:
     plugin_report.add_arguments(
         sub.add_parser("plugins", help="list installed plugins, what they register, load errors")
     )
+    keygen = sub.add_parser(
+        "keygen", help="write a new fleet key file (auth_key_file; see the Security page)"
+    )
+    keygen.add_argument("path", help="the file to create (never overwritten); mode 0600")
+    keygen.add_argument("--key-id", default="k1", help="the key's id (default k1)")
     bench = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in sorted(BENCHMARKS.items()):
@@ -240,6 +245,23 @@ def _dispatch(argv: list[str]) -> int:
     if args.command == "bench":
         module = importlib.import_module(BENCHMARKS[args.bench][0])
         return int(module.run(args))
+    if args.command == "keygen":
+        from kvframe.connectors.pd.auth import KeyRing
+
+        try:
+            KeyRing.generate_file(args.path, args.key_id)
+        except FileExistsError:
+            raise ConfigError(
+                f"{args.path} exists; kvframe keygen never overwrites a key file (to rotate, "
+                "append the new key's line to the existing file: see the Security page)"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"cannot write {args.path}: {exc}") from exc
+        print(
+            f"wrote a new fleet key (id {args.key_id}) to {args.path}; give every engine "
+            "the same file as kv_connector_extra_config.auth_key_file"
+        )
+        return 0
     if args.command == "plugins":
         from kvframe.runtime import plugin_report
 

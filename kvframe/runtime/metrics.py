@@ -237,7 +237,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Failures in the connector, by reason: load_failed (a load ended failed), "
         "notify_failed (a notification could not be sent), notification_unsent (no connection "
         "to send it on), notification_rejected (one received could not be decoded), "
-        "notification_unroutable (one came from an unknown peer), peer_add_failed (a decode "
+        "notification_unroutable (one came from an unknown peer), notification_unauthenticated "
+        "(one whose tag did not verify under the connection's session key: dropped), "
+        "peer_add_failed (a decode "
         "engine's connection could not be added), drain_error (reading notifications failed), "
         "bad_params (a request's kv_transfer_params were refused).",
         label="reason",
@@ -247,9 +249,23 @@ CATALOGUE: tuple[MetricSpec, ...] = (
             "notification_unsent": "notifications_unsent",
             "notification_rejected": "notifications_rejected",
             "notification_unroutable": "notifications_unroutable",
+            "notification_unauthenticated": "notifications_unauthenticated",
             "peer_add_failed": "peer_add_failures",
             "drain_error": "drain_errors",
             "bad_params": "scheduler:bad_params",
+        },
+    ),
+    _counter(
+        "handshakes_total",
+        "Side-channel messages the prefill engine's handshake server handled, by outcome: "
+        "served (a handshake accepted), refused (malformed, incompatible, unauthenticated or "
+        "busy: answered with a refusal), rate_limited (over the per-address rate: dropped "
+        "unanswered).",
+        label="outcome",
+        by={
+            "served": "handshakes_served",
+            "refused": "handshakes_refused",
+            "rate_limited": "handshakes_rate_limited",
         },
     ),
     # -- prefill side: leases --------------------------------------------------------------

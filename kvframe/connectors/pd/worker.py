@@ -131,6 +131,7 @@ def observation_key(name: str, value: float) -> str:
 
 #: Handshakes whose peers wait for the engine thread at most (more are refused as busy).
 _MAX_PENDING_PEERS = 256
+_SERVER_COUNTERS = ("handshakes_served", "handshakes_refused", "handshakes_rate_limited")
 _ENDED_COUNTER = {
     LeaseState.CONSUMED: "leases_consumed",
     LeaseState.ABORTED: "leases_aborted",
@@ -193,6 +194,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._chash = b""
         self._local_meta = b""
         self._server: HandshakeServer | None = None
+        self._server_seen = (0, 0, 0)
         self._engines: RemoteEngines | None = None
         # P
         self._holder: LeaseHolder[tuple[str, tuple[tuple[int, ...], ...]]] = LeaseHolder(
@@ -379,6 +381,13 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count(name, n)
         for name, n in self._holder.take_counts().items():
             self._count(name, n)
+        if self._server is not None:
+            # The server thread's totals, as counts since the last report.
+            srv = self._server
+            totals = (srv.served, srv.rejected, srv.rate_limited)
+            for name, total, seen in zip(_SERVER_COUNTERS, totals, self._server_seen, strict=True):
+                self._count(name, total - seen)
+            self._server_seen = totals
         counters = {k: v for k, v in self._counters.items() if v}
         self._counters.clear()
         in_flight = len(self._reader.loads(ReadState.POSTED))
