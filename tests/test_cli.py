@@ -357,3 +357,24 @@ def test_progress_lines_count_and_can_be_silenced(monkeypatch: pytest.MonkeyPatc
     unknown = io.StringIO()
     Progress("probe", stream=unknown, enabled=True)("a step")
     assert unknown.getvalue().startswith("kvframe bench probe [1, ")
+
+
+# -- keygen ---------------------------------------------------------------------------------
+
+
+def test_keygen_writes_a_private_key_file_and_never_overwrites_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from kvframe.connectors.pd.auth import KeyRing
+
+    path = tmp_path / "fleet.key"
+    code, out, _ = _run(capsys, "keygen", str(path), "--key-id", "2026a")
+    assert code == 0
+    assert "auth_key_file" in out
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert KeyRing.from_file(path).signing_id == "2026a"
+    before = path.read_bytes()
+    code, _, err = _run(capsys, "keygen", str(path))
+    assert code == 2
+    assert "never overwrites" in err
+    assert path.read_bytes() == before
