@@ -57,6 +57,10 @@ __all__ = [
     "Register",
     "Release",
     "RemovePeer",
+    "Sighted",
+    "Sighting",
+    "Sightings",
+    "Watch",
     "Write",
     "recv",
     "send",
@@ -187,6 +191,21 @@ class Close:
     """Close the transport (the endpoint's buffers stay)."""
 
 
+@attrs.frozen(kw_only=True)
+class Watch:
+    """On draining a notification with ``payload``: digest ``digest``, then invert ``invert``
+    (see :meth:`~kvframe.testing.endpoint.LocalEndpoint.watch`)."""
+
+    payload: bytes
+    digest: tuple[MemoryRegion, ...] = ()
+    invert: tuple[MemoryRegion, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Sightings:
+    """Hand over what the watches saw so far."""
+
+
 # -- answers (child → parent) -------------------------------------------------------------------
 
 
@@ -231,6 +250,19 @@ class Drained:
     notifications: tuple[Notification, ...] = ()
 
 
+@attrs.frozen(kw_only=True)
+class Sighting:
+    """A watch that fired: its payload and the sha256 hex digest of each watched range."""
+
+    payload: bytes
+    digests: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Sighted:
+    sightings: tuple[Sighting, ...] = ()
+
+
 CODEC = Codec(max_message_bytes=MAX_FRAME).with_types(
     {
         f"endpoint.{tag}": cls
@@ -253,12 +285,16 @@ CODEC = Codec(max_message_bytes=MAX_FRAME).with_types(
             "notify": Notify,
             "drain": Drain,
             "close": Close,
+            "watch": Watch,
+            "sightings": Sightings,
             "failure": Failure,
             "created": Created,
             "done": Done,
             "allocated": Allocated,
             "polled": Polled,
             "drained": Drained,
+            "sighting": Sighting,
+            "sighted": Sighted,
         }.items()
     }
 )

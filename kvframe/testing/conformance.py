@@ -19,12 +19,25 @@ Every test runs on a :class:`~kvframe.testing.pair.Pair` (see :mod:`kvframe.test
 endpoint ``a`` in the test process (its transport is ``pair.a.transport``) and endpoint ``b`` —
 in a child process when the transport's capabilities say ``cross_process``, else in this
 process, where the pair waits on a fake clock instead of real time.
+
+**Ordering.** For a card that says ``notification_after_data`` (the default), the kit checks
+that a post's notification reaches the peer only after every byte landed, at the moment the
+peer drains it (:meth:`~kvframe.testing.endpoint.Endpoint.watch`): for a WRITE the peer
+digests its own destination blocks right then; for a READ it inverts the transfer's source
+blocks right then — a byte read after the notification arrived lands inverted and the final
+byte check fails — and, when both endpoints are in this process, digests the poster's
+destination too. It does so for transfers of a few MiB and hundreds of descriptors
+(:data:`ORDER_BLOCK_LENS`), for eight concurrent posts mixed with standalone notifications,
+and with the poster held still after posting. For a card that says
+``notification_after_data=False`` those tests are *skipped* as not applicable (a skip is never
+counted as a pass).
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -38,6 +51,7 @@ from kvframe.errors import (
     TransportError,
 )
 from kvframe.spi.transport import (
+    BlockLayout,
     LayoutHandle,
     MemoryKind,
     MemoryRegion,
@@ -48,11 +62,25 @@ from kvframe.spi.transport import (
     XferState,
     XferStatus,
 )
-from kvframe.testing.endpoint import ChildEndpoint
-from kvframe.testing.pair import BLOCK_LENS, NUM_BLOCKS, Pair, PairFactory, expected_after
+from kvframe.testing.endpoint import ChildEndpoint, LocalEndpoint
+from kvframe.testing.pair import (
+    BLOCK_LENS,
+    NUM_BLOCKS,
+    POLL_INTERVAL,
+    Pair,
+    PairFactory,
+    expected_after,
+)
 from kvframe.testing.stateful import run_transport_state_machine
 
-__all__ = ["TransportConformance"]
+__all__ = ["ORDER_BLOCK_LENS", "ORDER_NUM_BLOCKS", "TransportConformance"]
+
+#: Block lengths of the layout the ordering and release checks use (40 KiB per block id).
+ORDER_BLOCK_LENS = (16384, 4096, 12288, 8192)
+#: Blocks per region of that layout: 6.25 MiB per endpoint, 640 descriptors for every block.
+ORDER_NUM_BLOCKS = 160
+#: Rounds of progress of the peer alone while the poster is held still after posting.
+_HOLD_ROUNDS = 50
 
 
 def _random_blocks(rng: random.Random, count: int) -> list[int]:
@@ -78,18 +106,38 @@ class TransportConformance:
 
     # -- identity, registration, metadata ---------------------------------------------------
     def test_capability_card_is_consistent(self, kvframe_pair: Pair) -> None:
-        """The card is a TransportCapabilities with HOST memory; the notification limit is 0
-        exactly when notifications are off.
+        """The transport's ``capabilities`` is a TransportCapabilities with values of the
+        declared types and HOST memory; the notification limit is 0 exactly when notifications
+        are off; both endpoints (built with the same options, one of them in a child for a
+        cross-process card) report the same card, and using the transport does not change it.
         """
-        caps = kvframe_pair.caps
-        assert isinstance(caps, TransportCapabilities)
+        p = kvframe_pair
+        caps = p.caps
+        assert isinstance(caps, TransportCapabilities), (
+            f"Transport.capabilities must be a kvframe.spi.transport.TransportCapabilities, "
+            f"not {type(caps).__name__}"
+        )
+        assert isinstance(caps.memory_kinds, frozenset)
+        assert all(isinstance(k, MemoryKind) for k in caps.memory_kinds), caps.memory_kinds
         assert MemoryKind.HOST in caps.memory_kinds, "the kit needs HOST memory support"
+        flags = ("read", "write", "notifications", "cross_process", "ordered_notifications",
+                 "notification_after_data")  # fmt: skip
+        for flag in flags:
+            value = getattr(caps, flag)
+            assert isinstance(value, bool), f"capabilities.{flag} = {value!r}, not a bool"
+        limit = caps.max_notification_bytes
+        assert type(limit) is int, f"capabilities.max_notification_bytes = {limit!r}"
         assert caps.read or caps.write, "a transport that can neither READ nor WRITE"
         if caps.notifications:
-            assert caps.max_notification_bytes > 0
+            assert limit > 0, "notifications on, but max_notification_bytes is 0"
         else:
-            assert caps.max_notification_bytes == 0
-        assert kvframe_pair.a.transport.name == kvframe_pair.a.name
+            assert limit == 0, "notifications off, but max_notification_bytes is not 0"
+        assert p.a.transport.name == p.a.name
+        assert p.b.capabilities == caps, "two endpoints built alike report different cards"
+        assert p.cross_process is caps.cross_process
+        op = Op.READ if caps.read else Op.WRITE
+        self._check_transfer(p, op, [0], [1], None)
+        assert p.a.transport.capabilities == caps, "the card changed while the transport ran"
 
     def test_metadata_names_the_peer_and_add_peer_again_rebuilds(self, kvframe_pair: Pair) -> None:
         """add_peer returns the peer's endpoint name; adding a known peer again is a rebuild: a
@@ -198,6 +246,50 @@ class TransportConformance:
             want = expected_after(before_a, before_b, p.a_layout, [9, 1], [7, 8], [2, 0])
             np.testing.assert_array_equal(p.read_a(), want)
 
+    def test_xfer_handle_fields_describe_the_post(self, kvframe_pair: Pair) -> None:
+        """The frozen :class:`XferHandle` ``post`` returns says what was posted: ``op``;
+        ``peer`` (the name ``add_peer`` returned); ``nbytes``, the sum over the selected
+        regions of block length times block count; ``num_descriptors``, selected regions times
+        blocks. Zero blocks: 0 and 0. Two posts of the same blocks are two handles (they
+        compare by identity), and a DONE status counts the handle's ``nbytes``.
+        """
+        p = kvframe_pair
+        cases: list[tuple[list[int], list[int], list[int] | None]] = [
+            ([0, 5, 9], [2, 3, 15], None),
+            ([4, 1], [7, 8], [2, 0]),
+            ([], [], [1]),
+        ]
+        for op in (Op.READ, Op.WRITE):
+            if not self._supported(p, op):
+                continue
+            for local_blocks, remote_blocks, regions in cases:
+                sel = range(len(BLOCK_LENS)) if regions is None else regions
+                xid = p.a.post(op, p.a_local, local_blocks, p.a_remote, remote_blocks,
+                               regions=regions)  # fmt: skip
+                handle = p.a.handle(xid)
+                what = f"{op.name} of blocks {local_blocks} in regions {regions}"
+                assert isinstance(handle, XferHandle), what
+                assert handle.op is op, what
+                assert handle.peer == p.peer_b, what
+                want = len(local_blocks) * sum(BLOCK_LENS[r] for r in sel)
+                assert handle.nbytes == want, f"{what}: nbytes {handle.nbytes}, want {want}"
+                ndesc = len(local_blocks) * len(sel)
+                assert handle.num_descriptors == ndesc, (
+                    f"{what}: num_descriptors {handle.num_descriptors}, want {ndesc}"
+                )
+                assert p.wait(p.a, xid) is XferState.DONE, what
+                assert p.a.poll(xid).nbytes == want, what
+                p.a.release(xid)
+            one = p.a.post(op, p.a_local, [3], p.a_remote, [3])
+            two = p.a.post(op, p.a_local, [3], p.a_remote, [3])
+            first, second = p.a.handle(one), p.a.handle(two)
+            assert first is not second
+            assert first != second, "two posts must be two handles (compared by identity)"
+            assert len({first, second}) == 2
+            for xid in (one, two):
+                assert p.wait(p.a, xid) is XferState.DONE
+                p.a.release(xid)
+
     def test_poll_states_and_release_twice(self, kvframe_pair: Pair) -> None:
         """PENDING then DONE, DONE stays DONE with an equal frozen status (bytes landed, no
         error), the handle is frozen with the right fields, release twice, poll after release
@@ -229,16 +321,44 @@ class TransportConformance:
         with pytest.raises(TransportClosedError):
             p.a.poll(xid)
 
-    def test_release_while_pending_stops_the_transfer(self, kvframe_pair: Pair) -> None:
-        """Releasing a pending transfer works and leaves the transport usable."""
-        p = kvframe_pair
-        op = Op.READ if p.caps.read else Op.WRITE
-        xid = p.a.post(op, p.a_local, list(range(NUM_BLOCKS)), p.a_remote, list(range(16)))
+    def test_release_while_pending_stops_the_transfer(
+        self, kvframe_pair_factory: PairFactory
+    ) -> None:
+        """Releasing a just-posted READ, then WRITE (6.25 MiB, 640 descriptors, shuffled): when
+        ``release`` returns no byte of it lands any more, checked by bytes — the destination is
+        overwritten at once with the complement of what the transfer would write, and after
+        more progress on both sides every byte still holds it. ``poll`` then raises
+        TransportClosedError, and the same blocks can be transferred again at once.
+        """
+        p = kvframe_pair_factory(block_lens=ORDER_BLOCK_LENS, num_blocks=ORDER_NUM_BLOCKS)
+        for op in (Op.READ, Op.WRITE):
+            if self._supported(p, op):
+                self._release_round(p, op)
+
+    def _release_round(self, p: Pair, op: Op) -> None:
+        n = ORDER_NUM_BLOCKS
+        src_blocks = random.Random(7).sample(range(n), n)
+        dst_blocks = list(range(n))
+        dst_ep, dst_buf = (p.a, p.a_buffer) if op is Op.READ else (p.b, p.b_buffer)
+        before_a, before_b = p.read_a(), p.read_b()
+        src, dst = (before_b, before_a) if op is Op.READ else (before_a, before_b)
+        landed = expected_after(dst, src, p.a_layout, dst_blocks, src_blocks, None)
+        local, remote = (dst_blocks, src_blocks) if op is Op.READ else (src_blocks, dst_blocks)
+        xid = p.a.post(op, p.a_local, local, p.a_remote, remote)
         p.a.release(xid)
+        fence = np.bitwise_not(landed)  # differs from every byte the transfer would write
+        dst_ep.write(dst_buf.addr, fence.tobytes())
         with pytest.raises(TransportClosedError):
             p.a.poll(xid)
+        p.settle(100)
+        after = np.frombuffer(dst_ep.read(dst_buf.addr, dst_buf.length), np.uint8)
+        late = np.flatnonzero(after != fence)
+        assert late.size == 0, (
+            f"{late.size} bytes of a released {op.name} landed after release() returned "
+            f"(the first at offset {int(late[0])} of the destination buffer)"
+        )
         # the transport stays usable, and the released transfer's blocks may be reused at once
-        self._check_transfer(p, op, [3, 4], [5, 6], None)
+        self._check_transfer(p, op, dst_blocks[:8], src_blocks[:8], None)
 
     @pytest.mark.parametrize(
         ("local_blocks", "remote_blocks", "regions", "why"),
@@ -345,6 +465,111 @@ class TransportConformance:
         self._check_transfer(p, op, [1, 2], [3, 4], [0, 2], notification=b"blocks-ready")
         got = p.wait_notifications(p.b, 1)
         assert got == [Notification(sender=p.peer_a, payload=b"blocks-ready")]
+
+    @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+    def test_post_notification_arrives_only_after_every_byte(
+        self, kvframe_pair_factory: PairFactory, op: Op
+    ) -> None:
+        """When the card says ``notification_after_data``: at the moment the peer drains a
+        post's notification, every byte of that transfer is in the destination. Three rounds
+        on a 6.25 MiB layout: one transfer of every block (640 descriptors) with the poster
+        held still after posting; eight concurrent transfers mixed with standalone
+        notifications; the same, held. The peer digests a WRITE's destination when it drains
+        the notification, and inverts a READ's source blocks then (a byte read later lands
+        inverted); in one process it also digests the READ's destination. Not applicable
+        (skipped, never passed) for a card that says ``notification_after_data=False``.
+        """
+        p = kvframe_pair_factory(block_lens=ORDER_BLOCK_LENS, num_blocks=ORDER_NUM_BLOCKS)
+        self._require_op(p, op)
+        self._require_notifications(p)
+        if not p.caps.notification_after_data:
+            pytest.skip(
+                "not applicable: the card says notification_after_data=False (a post's "
+                "notification may reach the peer before its bytes), so there is no ordering "
+                "to check; callers send their own notice after DONE"
+            )
+        rng = random.Random(f"order-{op.value}")
+        for round_no, (groups, hold) in enumerate([(1, True), (8, False), (8, True)]):
+            self._ordering_round(p, op, rng, round_no, groups=groups, hold=hold)
+
+    def _ordering_round(
+        self, p: Pair, op: Op, rng: random.Random, round_no: int, *, groups: int, hold: bool
+    ) -> None:
+        n = ORDER_NUM_BLOCKS
+        per = n // groups
+        src_all = rng.sample(range(n), n)  # shuffled pairing: no two neighbours coalesce
+        before_a, before_b = p.read_a(), p.read_b()
+        if op is Op.READ:
+            dst_layout, src_layout, dst, src = p.a_layout, p.b_layout, before_a, before_b
+        else:
+            dst_layout, src_layout, dst, src = p.b_layout, p.a_layout, before_b, before_a
+        want = expected_after(dst, src, p.a_layout, list(range(n)), src_all, None)
+        want_src = src.copy()  # a READ's source, as the peer's watches leave it
+        # a READ's destination is visible to the peer only when both are in this process
+        see_dst = op is Op.WRITE or isinstance(p.b, LocalEndpoint)
+        base = dst_layout.regions[0].addr
+        plan = []
+        for g in range(groups):
+            dst_blocks = list(range(g * per, (g + 1) * per))
+            src_blocks = src_all[g * per : (g + 1) * per]
+            payload = f"kit-order-{op.value}-{round_no}-{g}".encode()
+            ranges = _block_ranges(dst_layout, dst_blocks, contiguous=True)
+            invert = [] if op is Op.WRITE else _block_ranges(src_layout, src_blocks)
+            p.b.watch(payload, digest=ranges if see_dst else (), invert=invert)
+            digests = [_digest(want[r.addr - base : r.addr - base + r.length]) for r in ranges]
+            for r in invert:
+                off = r.addr - src_layout.regions[0].addr
+                want_src[off : off + r.length] = np.bitwise_not(want_src[off : off + r.length])
+            plan.append((payload, dst_blocks, src_blocks, digests if see_dst else []))
+        xids, fillers = [], 0
+        for payload, dst_blocks, src_blocks, _ in plan:
+            local, remote = (dst_blocks, src_blocks) if op is Op.READ else (src_blocks, dst_blocks)
+            xids.append(p.a.post(op, p.a_local, local, p.a_remote, remote, notification=payload))
+            if groups > 1:
+                p.a.notify(p.peer_b, f"kit-filler-{round_no}-{fillers}".encode())
+                fillers += 1
+        if hold:  # the poster does nothing for a while; the peer drains
+            for _ in range(_HOLD_ROUNDS):
+                p.b.pump()
+                p.sleep(POLL_INTERVAL)
+        for xid in xids:
+            state = p.wait(p.a, xid)
+            assert state is XferState.DONE, f"{op.name} ended {state}: {p.a.poll(xid).error!r}"
+            p.a.release(xid)
+        got = p.wait_notifications(p.b, groups + fillers)
+        payloads = sorted(note.payload for note in got)
+        assert payloads == sorted([x[0] for x in plan] + [
+            f"kit-filler-{round_no}-{i}".encode() for i in range(fillers)
+        ]), "the notifications that arrived are not the ones sent"  # fmt: skip
+        seen = p.b.sightings()
+        nbytes = per * sum(ORDER_BLOCK_LENS)
+        for g, (payload, _, _, digests) in enumerate(plan):
+            assert payload in seen, f"the peer never drained {payload!r}"
+            for i, (got_digest, want_digest) in enumerate(zip(seen[payload], digests,
+                                                              strict=True)):  # fmt: skip
+                assert got_digest == want_digest, (
+                    f"{op.name} round {round_no}, transfer {g} of {groups} ({nbytes} bytes, "
+                    f"{per * len(ORDER_BLOCK_LENS)} descriptors): its notification reached the "
+                    f"peer before every byte landed (region {i} of the destination was not "
+                    "complete when the peer drained it), yet the card says "
+                    "notification_after_data"
+                )
+        after_dst = p.read_a() if op is Op.READ else p.read_b()
+        late = np.flatnonzero(after_dst != want)
+        assert late.size == 0, (
+            f"{op.name} round {round_no}: {late.size} destination bytes differ after DONE"
+            + (
+                " (read after the peer had drained the notification and inverted the source: "
+                "the notification came before the bytes, yet the card says "
+                "notification_after_data)"
+                if op is Op.READ
+                else ""
+            )
+        )
+        if op is Op.READ:  # the peer's watches really fired: its source blocks are inverted
+            np.testing.assert_array_equal(
+                p.read_b(), want_src, err_msg="the peer's watches did not invert the source"
+            )
 
     # -- peers ------------------------------------------------------------------------------
     def test_remove_peer_stops_transfers_and_readd_works(self, kvframe_pair: Pair) -> None:
@@ -453,3 +678,21 @@ class TransportConformance:
     def _require_op(self, p: Pair, op: Op) -> None:
         if not self._supported(p, op):
             pytest.skip(f"the transport does not support {op.name}")
+
+
+def _block_ranges(
+    layout: BlockLayout, blocks: Sequence[int], *, contiguous: bool = False
+) -> list[MemoryRegion]:
+    """The byte ranges of ``blocks`` in every region of ``layout``: one range per region for
+    consecutive blocks (``contiguous``), else one per block and region."""
+    out = []
+    for region, blen in zip(layout.regions, layout.block_lens, strict=True):
+        if contiguous:
+            out.append(MemoryRegion(addr=region.addr + blocks[0] * blen, length=len(blocks) * blen))
+        else:
+            out.extend(MemoryRegion(addr=region.addr + b * blen, length=blen) for b in blocks)
+    return out
+
+
+def _digest(data: np.ndarray[Any, Any]) -> str:
+    return hashlib.sha256(data.tobytes()).hexdigest()

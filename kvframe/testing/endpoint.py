@@ -8,6 +8,12 @@ one frozen message per command and per answer, encoded by the one codec and leng
 (:mod:`kvframe.testing._wire`; never pickle), and the child runs them on a
 :class:`LocalEndpoint` of its own.
 
+Watches: :meth:`Endpoint.watch` makes the endpoint act *the moment* it drains a given
+notification — take digests of memory ranges, then invert ranges — before anything else
+happens on it; :meth:`Endpoint.sightings` answers what the watches saw. In a child process the
+watch runs in the child's own drain loop, so the conformance kit sees what the receiving side
+held at receipt without a round trip to the parent in between.
+
 Progress: the child calls ``drain_notifications()`` at least every millisecond between
 commands and keeps what it drained until the parent asks, so transports that progress only
 when called (NIXL without its progress thread) can accept connections and serve one-sided
@@ -30,6 +36,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -262,12 +269,32 @@ class Endpoint(abc.ABC):
         """Make progress (drain and keep notifications for :meth:`drain`)."""
 
     @abc.abstractmethod
+    def watch(
+        self,
+        payload: bytes,
+        *,
+        digest: Sequence[MemoryRegion] = (),
+        invert: Sequence[MemoryRegion] = (),
+    ) -> None:
+        """Arm a watch: when a notification with exactly ``payload`` is drained, take the sha256
+        of each ``digest`` range, then invert every byte of each ``invert`` range (see
+        :meth:`LocalEndpoint.watch`). Fires once."""
+
+    @abc.abstractmethod
+    def sightings(self) -> dict[bytes, tuple[str, ...]]:
+        """The watches that fired so far: payload -> the hex digests of its ranges, in order."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """``transport.close()``; buffers stay allocated until :meth:`shutdown`."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Close the transport (if open) and free everything. Idempotent."""
+
+
+_LIVE: weakref.WeakSet[LocalEndpoint] = weakref.WeakSet()
+"""The local endpoints of this process (whose buffers a watch may digest)."""
 
 
 class LocalEndpoint(Endpoint):
@@ -288,6 +315,9 @@ class LocalEndpoint(Endpoint):
         self._inbox: list[Notification] = []
         self._ids = itertools.count(1)
         self._closed = False
+        self._watches: dict[bytes, wire.Watch] = {}
+        self._seen: dict[bytes, tuple[str, ...]] = {}
+        _LIVE.add(self)
 
     def alloc(self, nbytes: int) -> MemoryRegion:
         """See :meth:`Endpoint.alloc`; runs on the wrapped transport in this process."""
@@ -299,12 +329,18 @@ class LocalEndpoint(Endpoint):
         self._buffers.append(buf)
         return MemoryRegion(addr=int(buf.ctypes.data), length=nbytes)
 
-    def _check_range(self, addr: int, length: int) -> None:
+    def _owns(self, addr: int, length: int) -> bool:
         for buf in self._buffers:
             start = int(buf.ctypes.data)
             if start <= addr and addr + length <= start + buf.nbytes:
-                return
-        raise ValueError(f"[{addr:#x}, +{length}) is not inside a buffer of endpoint {self.name}")
+                return True
+        return False
+
+    def _check_range(self, addr: int, length: int) -> None:
+        if not self._owns(addr, length):
+            raise ValueError(
+                f"[{addr:#x}, +{length}) is not inside a buffer of endpoint {self.name}"
+            )
 
     def write(self, addr: int, data: bytes) -> None:
         """See :meth:`Endpoint.write`; runs on the wrapped transport in this process."""
@@ -395,15 +431,60 @@ class LocalEndpoint(Endpoint):
 
     def drain(self) -> list[Notification]:
         """See :meth:`Endpoint.drain`; runs on the wrapped transport in this process."""
-        if not self._closed:
-            self._inbox.extend(self.transport.drain_notifications())
+        self.pump()
         out, self._inbox = self._inbox, []
         return out
 
     def pump(self) -> None:
         """See :meth:`Endpoint.pump`; runs on the wrapped transport in this process."""
         if not self._closed:
-            self._inbox.extend(self.transport.drain_notifications())
+            notes = self.transport.drain_notifications()
+            if self._watches:
+                self._fire(notes)
+            self._inbox.extend(notes)
+
+    def watch(
+        self,
+        payload: bytes,
+        *,
+        digest: Sequence[MemoryRegion] = (),
+        invert: Sequence[MemoryRegion] = (),
+    ) -> None:
+        """See :meth:`Endpoint.watch`. Runs right after the ``drain_notifications()`` call that
+        returned the notification, before this endpoint does anything else.
+
+        ``digest`` ranges may lie in a buffer of any :class:`LocalEndpoint` of this process
+        (so a receiver can look at the poster's memory when both are here); ``invert`` ranges
+        must be this endpoint's own. A second watch of the same payload replaces the first.
+        Raises ``ValueError`` for a range outside those buffers; then nothing was armed.
+        """
+        for r in digest:
+            if not any(ep._owns(r.addr, r.length) for ep in list(_LIVE)):
+                raise ValueError(
+                    f"digest range [{r.addr:#x}, +{r.length}) is not inside a buffer of an "
+                    "endpoint of this process"
+                )
+        for r in invert:
+            self._check_range(r.addr, r.length)
+        self._watches[bytes(payload)] = wire.Watch(
+            payload=bytes(payload), digest=tuple(digest), invert=tuple(invert)
+        )
+
+    def sightings(self) -> dict[bytes, tuple[str, ...]]:
+        """See :meth:`Endpoint.sightings`; runs on the wrapped transport in this process."""
+        return dict(self._seen)
+
+    def _fire(self, notes: Sequence[Notification]) -> None:
+        for note in notes:
+            armed = self._watches.pop(note.payload, None)
+            if armed is None:
+                continue
+            self._seen[armed.payload] = tuple(
+                hashlib.sha256(ctypes.string_at(r.addr, r.length)).hexdigest() for r in armed.digest
+            )
+            for r in armed.invert:
+                view = np.ctypeslib.as_array((ctypes.c_ubyte * r.length).from_address(r.addr))
+                np.bitwise_not(view, out=view)
 
     def close(self) -> None:
         """See :meth:`Endpoint.close`; runs on the wrapped transport in this process."""
@@ -415,6 +496,7 @@ class LocalEndpoint(Endpoint):
         with contextlib.suppress(Exception):
             self.close()
         # only now, with the transport closed, can no transfer touch the buffers any more
+        self._watches.clear()
         self._buffers.clear()
         self._xfers.clear()
         self._layouts.clear()
@@ -653,6 +735,22 @@ class ChildEndpoint(Endpoint):
     def pump(self) -> None:
         """Nothing to do: the child makes progress by itself every millisecond."""
 
+    def watch(
+        self,
+        payload: bytes,
+        *,
+        digest: Sequence[MemoryRegion] = (),
+        invert: Sequence[MemoryRegion] = (),
+    ) -> None:
+        """See :meth:`Endpoint.watch`; armed in the child, which fires it in its own drain
+        loop (every range must be inside the child's buffers)."""
+        self._value(wire.Watch(payload=bytes(payload), digest=tuple(digest), invert=tuple(invert)))
+
+    def sightings(self) -> dict[bytes, tuple[str, ...]]:
+        """See :meth:`Endpoint.sightings`; runs in the child process."""
+        seen = self._call(wire.Sightings(), wire.Sighted).sightings
+        return {s.payload: tuple(s.digests) for s in seen}
+
     def close(self) -> None:
         """See :meth:`Endpoint.close`; runs in the child process."""
         self._value(wire.Close())
@@ -716,6 +814,11 @@ class _Server:
             )
         if isinstance(command, wire.Drain):
             return wire.Drained(notifications=tuple(ep.drain()))
+        if isinstance(command, wire.Sightings):
+            seen = ep.sightings().items()
+            return wire.Sighted(
+                sightings=tuple(wire.Sighting(payload=k, digests=v) for k, v in seen)
+            )
         return wire.Done(value=self._run(ep, command))
 
     @staticmethod
@@ -755,6 +858,8 @@ class _Server:
             return ep.notify(command.peer, command.payload)
         if isinstance(command, wire.Close):
             return ep.close()
+        if isinstance(command, wire.Watch):
+            return ep.watch(command.payload, digest=command.digest, invert=command.invert)
         raise ValueError(f"unknown endpoint command {type(command).__name__}")
 
     def serve(self) -> None:

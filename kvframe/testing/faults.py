@@ -18,24 +18,36 @@ for itself, or the default fabric::
 Rules select operations by endpoint, by peer, by operation, by the n-th matching operation or
 by a predicate over a :class:`FaultEvent`. Nothing here reads a clock: delays are counted in
 progress steps, so tests are deterministic.
+
+:class:`EarlyNotificationTransport` is an in-process transport that delivers a post's
+notification when the transfer is *posted*, before its bytes land, as a backend that notifies
+on issue would: the conformance kit must catch it when its card claims
+``notification_after_data``, and a connector must work over it when the card honestly says it
+does not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from kvframe.spi.transport import Op
+from kvframe.errors import ConfigError
+from kvframe.spi import transport_kit as kit
+from kvframe.spi.transport import LayoutHandle, Op, TransportParams, XferHandle
 from kvframe.transports.inprocess import (
     FabricHooks,
     InProcessFabric,
+    InProcessTransport,
     NotificationVerdict,
     TransferVerdict,
 )
 
-__all__ = ["FaultEvent", "FaultRule", "Faults"]
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+__all__ = ["EarlyNotificationTransport", "FaultEvent", "FaultRule", "Faults"]
 
 
 @attrs.frozen(kw_only=True)
@@ -372,3 +384,48 @@ class Faults(FabricHooks):
     def _firing(self, event: FaultEvent) -> list[FaultRule]:
         # Every rule sees every event (so nth counts all matches), in insertion order.
         return [rule for rule in list(self._rules) if rule._check(event)]
+
+
+class EarlyNotificationTransport(InProcessTransport):
+    """An in-process transport whose post delivers its notification at once, when the transfer
+    is posted — before its bytes land (they move on a later progress step, as always) and
+    whether or not the transfer then succeeds. Everything else is the in-process transport.
+
+    Its option ``notification_after_data`` (bool, default ``False``) is what its capability
+    card declares: ``False`` is honest (the kit then reports its ordering checks as not
+    applicable, and the P/D connector sends its done notice itself once the READ is DONE);
+    ``True`` is the lie the conformance kit must catch. Every other option is the in-process
+    transport's. Raises :class:`~kvframe.errors.ConfigError` for a value that is not a bool.
+    """
+
+    def __init__(self, params: TransportParams) -> None:
+        options = dict(params.options)
+        declared = options.pop("notification_after_data", False)
+        if not isinstance(declared, bool):
+            raise ConfigError(
+                f"early-notification transport_options.notification_after_data = "
+                f"{declared!r}; give true or false"
+            )
+        super().__init__(TransportParams(name=params.name, options=options))
+        self.capabilities = attrs.evolve(self.capabilities, notification_after_data=declared)
+
+    def post(
+        self,
+        op: Op,
+        local: LayoutHandle,
+        local_blocks: Sequence[int] | npt.NDArray[Any],
+        remote: LayoutHandle,
+        remote_blocks: Sequence[int] | npt.NDArray[Any],
+        *,
+        regions: Sequence[int] | None = None,
+        notification: bytes | None = None,
+    ) -> XferHandle:
+        """Queue the transfer without its notification, then send the notification now."""
+        if notification is not None:  # refused before anything is queued, as the SPI says
+            notification = kit.check_notification(notification, self.capabilities, self.name)
+        handle = super().post(
+            op, local, local_blocks, remote, remote_blocks, regions=regions, notification=None
+        )
+        if notification is not None:
+            self.send_notification(handle.peer, notification)
+        return handle

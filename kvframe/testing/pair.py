@@ -238,9 +238,15 @@ def make_pair(
     timeout: float = 10.0,
     seed: int = 0,
     fake_time: bool | None = None,
+    block_lens: Sequence[int] = BLOCK_LENS,
+    num_blocks: int = NUM_BLOCKS,
 ) -> Pair:
     """Build two endpoints of ``spec``'s transport, register and fill a buffer on each,
     connect them both ways and prepare each other's layout.
+
+    ``block_lens`` and ``num_blocks`` shape the layout (default: the kit's
+    :data:`BLOCK_LENS` and :data:`NUM_BLOCKS`); the kit's ordering checks use a layout of a
+    few MiB.
 
     ``cross_process`` ``None`` puts ``b`` in a child process exactly when the transport's
     capabilities say ``cross_process``. ``fake_time`` ``None`` makes the pair wait on a
@@ -257,7 +263,7 @@ def make_pair(
             b = ChildEndpoint.start(spec, f"kit-{tag}-b", timeout=timeout, pump=a.pump)
         else:
             b = LocalEndpoint(spec.build(f"kit-{tag}-b"))
-        size = sum(BLOCK_LENS) * NUM_BLOCKS
+        size = sum(block_lens) * num_blocks
         rng = np.random.default_rng(seed)
         buffers = []
         data = []
@@ -274,8 +280,8 @@ def make_pair(
         if fake:
             fake_clock = FakeClock()
             clock, sleep = fake_clock, fake_clock.advance
-        a_layout = make_layout(buffers[0], BLOCK_LENS, NUM_BLOCKS)
-        b_layout = make_layout(buffers[1], BLOCK_LENS, NUM_BLOCKS)
+        a_layout = make_layout(buffers[0], block_lens, num_blocks)
+        b_layout = make_layout(buffers[1], block_lens, num_blocks)
         a_meta, b_meta = a.metadata(), b.metadata()
         peer_b = a.add_peer(b_meta)
         peer_a = b.add_peer(a_meta)
