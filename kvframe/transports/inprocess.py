@@ -9,7 +9,8 @@ memory kinds             ``HOST`` (``ctypes.memmove``); ``DEVICE`` too when
 READ / WRITE             both (each can be switched off with an option, to test a
                          connector's capability checks)
 notifications            yes, up to ``max_notification_bytes`` (default 64 KiB),
-                         ordered per sender
+                         ordered per sender; a post's notification is queued only
+                         after its bytes were copied (``notification_after_data``)
 cross process            no: endpoints find each other through an
                          :class:`InProcessFabric` in the same process
 completion               asynchronous: a transfer moves its bytes on a *later*
@@ -142,6 +143,7 @@ def capabilities(
         max_notification_bytes=max_notification_bytes if notifications else 0,
         cross_process=False,
         ordered_notifications=True,
+        notification_after_data=True,
     )
 
 

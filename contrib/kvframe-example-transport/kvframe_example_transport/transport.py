@@ -9,7 +9,11 @@ READ / WRITE             both; the *passive* side serves them from its
                          ``progress()`` / ``drain_notifications()`` (like NIXL
                          without a progress thread), so it must call one of them
                          at least every few milliseconds
-notifications            yes, up to 64 KiB, ordered per sender
+notifications            yes, up to 64 KiB, ordered per sender; a post's
+                         notification only after every byte landed (a READ's is
+                         sent by the reader once it copied the answer into its
+                         blocks, a WRITE's queued by the target once it wrote
+                         them)
 cross process            yes (and cross host, on a reachable ``host``)
 cancellation             ``release`` of a pending READ returns at once (a late
                          answer is ignored); of a pending WRITE, waits for the
@@ -89,6 +93,7 @@ CAPABILITIES = TransportCapabilities(
     max_notification_bytes=MAX_NOTIFICATION_BYTES,
     cross_process=True,
     ordered_notifications=True,
+    notification_after_data=True,
 )
 
 _FRAME = struct.Struct(">I")

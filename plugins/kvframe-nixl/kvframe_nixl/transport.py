@@ -8,7 +8,11 @@
 - **Read / write:** both. `Op.READ` pulls remote blocks into local ones, `Op.WRITE` pushes.
 - **Notifications:** yes, at most `MAX_NOTIFICATION_BYTES` (64 KiB) per payload, standalone or
   attached to a transfer. An attached notification reaches the peer after every byte of its
-  transfer landed (NIXL sends it on completion).
+  transfer landed (`notification_after_data=True`): NIXL's UCX backend sends it as an active
+  message only once every READ/WRITE request of the transfer completed (ai-dynamo/nixl#252,
+  merged in May 2025, well before the nixl-cu12 1.5 that `./dev` installs; before it a flush
+  could let the notification overtake data on another lane). The conformance kit checks it
+  by bytes, cross-process.
 - **Ordering:** between one pair of endpoints, notifications arrive in the order they were
   sent (one UCX endpoint); with `post_thread` on, a standalone notification sent after a post
   is queued behind it. `drain_notifications` groups by sender. Delivery is best effort: a send
@@ -142,6 +146,7 @@ CAPABILITIES: Final = TransportCapabilities(
     max_notification_bytes=MAX_NOTIFICATION_BYTES,
     cross_process=True,
     ordered_notifications=True,
+    notification_after_data=True,
 )
 """What :class:`NixlTransport` supports (registered with the plugin host)."""
 

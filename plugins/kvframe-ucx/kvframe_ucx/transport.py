@@ -15,9 +15,11 @@
       then the blocks are sent. The peer's `progress()` completes it.
   Runs of blocks that are adjacent on both sides travel as one message.
 - **Notifications:** yes, at most `MAX_NOTIFICATION_BYTES` (64 KiB), standalone or attached
-  to a transfer; attached ones reach the peer after every byte landed (a READ's from the
-  reader once its receives completed, a WRITE's queued by the target when its receives
-  completed).
+  to a transfer; attached ones reach the peer after every byte landed
+  (`notification_after_data=True`): a READ's is sent by the reader once every receive into
+  its destination completed, a WRITE's is queued by the target itself when its receives into
+  its memory completed, so neither can overtake the data. The conformance kit checks it by
+  bytes, cross-process.
 - **Ordering:** notifications between one pair of endpoints arrive in the order they were
   sent (one UCX tag stream per direction). Delivery is best effort.
 - **Cross-process:** yes (same host over shared memory / `cma`, other hosts over `tcp` or RDMA,
@@ -133,6 +135,7 @@ CAPABILITIES: Final = TransportCapabilities(
     max_notification_bytes=MAX_NOTIFICATION_BYTES,
     cross_process=True,
     ordered_notifications=True,
+    notification_after_data=True,
 )
 
 # Tags: control frames use one tag; data messages set the top bit and carry a slot number
