@@ -49,6 +49,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvframe.bench.transfer",
         "cross-process READ: kvframe NIXL transport vs raw NIXL vs memcpy, and post cost",
     ),
+    "handshake": (
+        "kvframe.bench.handshake",
+        "side-channel handshake with a fleet key vs without, and a flood of the keyed P",
+    ),
     "lease": (
         "kvframe.bench.lease",
         "lease table vs naive dict scan (renew, expire), and heartbeat bytes per request id",

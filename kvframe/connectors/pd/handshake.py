@@ -518,7 +518,8 @@ class HandshakeServer:
     port; read :attr:`port` after construction. Malformed, incompatible, unauthenticated or
     oversized requests are answered with a :class:`HandshakeRefusal` when possible and counted
     in :attr:`rejected` (the reason in :attr:`last_error`); messages over the per-source rate
-    are dropped unanswered and counted in :attr:`rate_limited`; the server keeps serving.
+    are dropped unanswered and counted in :attr:`rate_limited`; challenges sent are counted in
+    :attr:`challenged` and accepted handshakes in :attr:`served`; the server keeps serving.
     :meth:`close` stops the thread and releases the socket; safe twice.
     """
 
@@ -572,6 +573,7 @@ class HandshakeServer:
         self.served = 0
         self.rejected = 0
         self.rate_limited = 0
+        self.challenged = 0
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -637,6 +639,8 @@ class HandshakeServer:
         self._pending[ident] = (hello.nonce, p_nonce, kid, hello.engine_id, hello.rank, now)
         while len(self._pending) > MAX_PENDING:
             self._pending.popitem(last=False)
+        with self._lock:
+            self.challenged += 1
         challenge = AuthChallenge(
             key_id=kid,
             engine_id=self._engine_id,
