@@ -307,20 +307,71 @@ def test_a_request_that_outlives_its_timeout_is_a_504_and_is_aborted() -> None:
 
 
 def test_scheduler_side_connector_counters_show_in_stats_and_metrics() -> None:
-    """``bad_params`` is counted by the P/D connector's scheduler half: it must accumulate in
-    ``/stats`` and ``/metrics`` however often they are read."""
-    with engine_server("kv_consumer") as d:
-        bad = {**OK_BODY, "kv_transfer_params": {"do_remote_prefill": True}}
+    """``remote_requests`` is counted by the P/D connector's scheduler half: it must accumulate
+    in ``/stats`` and ``/metrics`` however often they are read."""
+    with engine_server("kv_producer") as p, engine_server("kv_consumer") as d:
         for n in (1, 2):
-            code, body = complete(d, bad)
-            assert code == 200, body  # served by local prefill
+            text_prompt = f"a prompt of a few tokens, number {n}"
+            code, body = complete(
+                p, {"prompt": text_prompt, "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True}}
+            )  # fmt: skip
+            assert code == 200, body
+            code, body = complete(
+                d, {"prompt": text_prompt, "max_tokens": 2,
+                    "kv_transfer_params": body["kv_transfer_params"]}
+            )  # fmt: skip
+            assert code == 200, body
             for _ in range(2):  # reading twice must not reset the counter
                 stats = request(d, "GET", "/stats")[1]
-                assert stats["connector_scheduler"]["counters"]["bad_params"] == n, stats
+                assert stats["connector_scheduler"]["counters"]["remote_requests"] == n, stats
                 assert "scheduler_leases_held" in stats["connector_scheduler"]["gauges"]
                 code, text = request(d, "GET", "/metrics")
                 assert code == 200
                 eid = stats["engine_id"]
-                line = f'kvframe_failures_total{{engine_id="{eid}",reason="bad_params"}} {n}.0'
+                line = f'kvframe_scheduler_remote_requests_total{{engine_id="{eid}"}} {n}.0'
                 assert line in text.splitlines(), text
         assert "connector" in stats  # the worker's, as before
+
+
+# -- admission: the connector's check_request -------------------------------------------------
+
+
+def test_kv_transfer_params_the_connector_refuses_are_a_400_at_admission() -> None:
+    """An engine asks its connector (``check_request``) before it allocates anything: refused
+    ``kv_transfer_params`` are a 400 naming the problem, directly and through the router
+    (never a 502, never a 200), and the engine keeps serving."""
+    from kvframe.errors import ConfigError
+
+    with engine_server("kv_producer") as p, engine_server("kv_consumer") as d:
+        assert d.service is not None
+        sched = d.service.engine.connector_scheduler
+        assert sched is not None
+        seen: list[str] = []
+
+        def refuse(view: Any) -> None:
+            seen.append(view.request_id)
+            if view.kv_transfer_params and "kvframe_test_refuse" in view.kv_transfer_params:
+                raise ConfigError("kv_transfer_params.kvframe_test_refuse: refused by the test")
+
+        sched.check_request = refuse  # type: ignore[method-assign,assignment]
+        bad = {**OK_BODY, "kv_transfer_params": {"kvframe_test_refuse": True}}
+        message = _assert_error(complete(d, bad), 400, "kvframe_test_refuse", "refused")
+        assert message.startswith("kv_transfer_params refused")
+        assert complete(d, bad)[1]["error"]["type"] == "invalid_kv_transfer_params"
+        stats = request(d, "GET", "/stats")[1]
+        assert stats["engine"]["requests_refused"] == 2, stats
+        assert request(d, "GET", "/leaks")[1]["clean"]  # nothing was allocated or kept
+        # Through the router: D's 400 reaches the client as a 400.
+        real = sched.check_request
+
+        def refuse_all(view: Any) -> None:
+            if view.kv_transfer_params and view.kv_transfer_params.get("do_remote_prefill"):
+                raise ConfigError("kv_transfer_params.kvframe_ticket: refused by the test")
+            real(view)
+
+        sched.check_request = refuse_all  # type: ignore[method-assign,assignment]
+        with router_server(p.url, d.url) as routed:
+            _assert_error(complete(routed, OK_BODY), 400, "decode engine", "kvframe_ticket")
+        assert complete(d, OK_BODY)[0] == 200  # and it still serves
+        assert seen

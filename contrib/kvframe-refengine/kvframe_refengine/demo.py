@@ -85,7 +85,14 @@ def _max_model_len() -> int:
     return default
 
 
-def check_options(*, num_prompts: int, max_tokens: int, lease: float, transport: str) -> None:
+def check_options(
+    *,
+    num_prompts: int,
+    max_tokens: int,
+    lease: float,
+    transport: str,
+    auth_key_file: str | None = None,
+) -> None:
     """Check the demo's options before anything starts: the same checks the engines would make
     (the P/D connector's configuration, its lease floor and timing, from :mod:`kvframe.config`,
     :class:`~kvframe.core.lease.LeasePolicy` and
@@ -130,6 +137,15 @@ def check_options(*, num_prompts: int, max_tokens: int, lease: float, transport:
             config = kv_transfer_config(
                 engine_id=engine_id, role=role, transport=transport, lease=lease
             )
+            if auth_key_file is not None:
+                keyed = kv_transfer_config(
+                    engine_id=engine_id, role=role, transport=transport, lease=lease,
+                    auth_key_file=auth_key_file,
+                )  # fmt: skip
+                try:
+                    PDOptions.from_extra(keyed.kv_connector_extra_config)
+                except ConfigError as exc:
+                    raise ConfigError(f"--auth-key-file {auth_key_file}: {exc}") from exc
             LeasePolicy.from_duration(config.kv_lease_duration)
             PDOptions.from_extra(config.kv_connector_extra_config, config.kv_lease_duration)
     except ConfigError as exc:
@@ -215,6 +231,7 @@ def run_demo(
     transport: str = "nixl",
     kill: bool = True,
     log: Callable[[str], None] = print,
+    auth_key_file: str | None = None,
 ) -> dict[str, Any]:
     """Run the demo; returns the results (what ``--json`` prints). Never raises for a failed
     check: ``result["ok"]`` says whether everything passed and ``result["checks"]`` which.
@@ -224,7 +241,13 @@ def run_demo(
     stopped it (under :func:`~kvframe.runtime.procs.stop_on_signals`; every process it
     started is stopped by then).
     """
-    check_options(num_prompts=num_prompts, max_tokens=max_tokens, lease=lease, transport=transport)
+    check_options(
+        num_prompts=num_prompts,
+        max_tokens=max_tokens,
+        lease=lease,
+        transport=transport,
+        auth_key_file=auth_key_file,
+    )
     children = ChildProcesses(grace=10.0)
 
     def quiet_when_stopping(msg: str) -> None:  # what fails as the demo stops is not news
@@ -232,7 +255,10 @@ def run_demo(
             log(msg)
 
     try:
-        return _run(children, num_prompts, max_tokens, lease, transport, kill, quiet_when_stopping)
+        return _run(
+            children, num_prompts, max_tokens, lease, transport, kill, quiet_when_stopping,
+            auth_key_file,
+        )  # fmt: skip
     finally:
         children.close()
 
@@ -245,11 +271,14 @@ def _run(
     transport: str,
     kill: bool,
     log: Callable[[str], None],
+    auth_key_file: str | None = None,
 ) -> dict[str, Any]:
     interval, extension = lease / 6, lease * 2 / 3
     ports = {k: _free_port() for k in ("prefill", "decode", "router")}
     base = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     common = ["--transport", transport, "--lease", str(lease)]
+    if auth_key_file is not None:  # the same fleet key for both engines
+        common += ["--auth-key-file", auth_key_file]
     procs = {
         "prefill": _Proc(
             "prefill engine",
@@ -542,6 +571,10 @@ def main(argv: list[str] | None = None) -> int:
         "--transport", default="nixl", help="a transport that works across processes (nixl)"
     )
     ap.add_argument("--no-kill", action="store_true", help="skip the D-killed phase")
+    ap.add_argument(
+        "--auth-key-file", default=None,
+        help="a fleet key file for both engines (docs/security.md); none: unauthenticated",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     quiet = args.json
 
@@ -557,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=args.transport,
             kill=not args.no_kill,
             log=log,
+            auth_key_file=args.auth_key_file,
         )
     except ConfigError as exc:
         print(f"kvframe demo: {exc}", file=sys.stderr)

@@ -288,7 +288,9 @@ class Engine:
         finished request whose blocks the connector still holds keeps its id), an empty
         prompt, a token outside the vocabulary,
         ``max_tokens < 1``, a request longer than ``max_model_len`` or one that needs more
-        blocks than the whole cache; ``TypeError`` for parameters that are not a mapping. The
+        blocks than the whole cache; ``TypeError`` for parameters that are not a mapping;
+        :class:`~kvframe.errors.ConfigError` (a ``ValueError``) for ``kv_transfer_params`` the
+        connector refuses (its ``check_request``: a bad ticket, out-of-bounds fields). The
         engine is unchanged then. Raises ``RuntimeError`` after :meth:`shutdown`.
         """
         self._check_open()

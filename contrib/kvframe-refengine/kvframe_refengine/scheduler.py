@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from kvframe.config import KVTransferConfig
-from kvframe.errors import KVFrameError
+from kvframe.errors import ConfigError, KVFrameError
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent
 from kvframe.spi.connector import KVConnectorScheduler, SchedulerStep
 from kvframe.spi.request import RequestView
@@ -139,6 +139,7 @@ class Scheduler:
             "prefix_hit_tokens": 0,
             "external_tokens": 0,
             "load_failures": 0,
+            "requests_refused": 0,
             "unknown_finished_reports": 0,
         }
 
@@ -168,10 +169,18 @@ class Scheduler:
 
     # -- arrivals and departures -------------------------------------------------------------
     def add(self, req: Request) -> None:
-        """Tell the connector (``on_new_request``), then queue the request. If the connector
-        raises, the exception propagates and nothing was queued."""
+        """Ask the connector whether it takes the request (``check_request``: a
+        :class:`~kvframe.errors.ConfigError` for ``kv_transfer_params`` it refuses), tell it
+        (``on_new_request``), then queue the request. If the connector raises, the exception
+        propagates and nothing was queued or allocated."""
         if self.connector is not None:
-            self.connector.on_new_request(self.view(req))
+            view = self.view(req)
+            try:
+                self.connector.check_request(view)
+            except ConfigError:
+                self.counters["requests_refused"] += 1
+                raise
+            self.connector.on_new_request(view)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 

@@ -10,7 +10,9 @@ Endpoints (JSON in and out; the limits and error codes are in the docs' HTTP API
 - ``POST /v1/completions`` — ``{"prompt": str | [int], "max_tokens": int,
   "kv_transfer_params": {...} | null, "request_id": str?, "timeout_s": float?}``; answers
   ``{"id", "choices": [{"text", "token_ids", "finish_reason"}], "kv_transfer_params", "usage",
-  "timing"}``. A bad body answers 400 (411, 413) naming the field; a request that fails in the
+  "timing"}``. A bad body answers 400 (411, 413) naming the field, and so do
+  ``kv_transfer_params`` the connector refuses at admission (its ``check_request``; type
+  ``invalid_kv_transfer_params``, nothing allocated); a request that fails in the
   engine (a failed KV load under policy ``fail``, a step that raised) 500; one not done in
   ``timeout_s`` 504 (it is aborted); a dead engine loop 503. Errors are
   ``{"error": {"message", "type"}}``; the engine carries on.
@@ -51,6 +53,7 @@ from typing import Any
 import attrs
 
 from kvframe.config import KVTransferConfig
+from kvframe.errors import ConfigError
 from kvframe.protocol.messages import ConnectorOutput, Stats
 from kvframe.runtime.metrics import CONTENT_TYPE, StatsAccumulator, to_prometheus
 from kvframe_refengine import _http
@@ -342,6 +345,10 @@ def _complete(service: EngineService, c: Completion) -> dict[str, Any]:
     try:
         with _engine_reachable():
             rid, fut = service.submit(c.prompt, c.max_tokens, c.kv_transfer_params, c.request_id)
+    except ConfigError as exc:  # the connector refused the kv_transfer_params at admission
+        raise HTTPError(
+            400, f"kv_transfer_params refused: {exc}", "invalid_kv_transfer_params"
+        ) from None
     except (ValueError, TypeError) as exc:
         raise HTTPError(400, str(exc)) from None
     try:
@@ -414,10 +421,15 @@ def kv_transfer_config(
     side_channel_port: int = 0,
     lease: float = 30.0,
     failure_policy: str = "recompute",
+    auth_key_file: str | None = None,
 ) -> KVTransferConfig:
     """The P/D connector's configuration :func:`build_engine` uses (the demo checks its
-    options with it before starting anything). Raises
-    :class:`~kvframe.errors.ConfigError` naming the key for a bad value."""
+    options with it before starting anything); ``auth_key_file`` is the fleet key file
+    (``kv_connector_extra_config.auth_key_file``, docs/security.md), left out when ``None``.
+    Raises :class:`~kvframe.errors.ConfigError` naming the key for a bad value."""
+    extra: dict[str, Any] = {"transport": transport, "side_channel_port": side_channel_port}
+    if auth_key_file is not None:
+        extra["auth_key_file"] = auth_key_file
     return KVTransferConfig.from_dict(
         {
             "kv_connector": "PDConnector",
@@ -425,10 +437,7 @@ def kv_transfer_config(
             "engine_id": engine_id,
             "kv_lease_duration": lease,
             "kv_load_failure_policy": failure_policy,
-            "kv_connector_extra_config": {
-                "transport": transport,
-                "side_channel_port": side_channel_port,
-            },
+            "kv_connector_extra_config": extra,
         }
     )
 
@@ -445,6 +454,7 @@ def build_engine(
     max_num_seqs: int = 16,
     torch_threads: int = 1,
     model_seed: int = 0,
+    auth_key_file: str | None = None,
 ) -> Engine:
     """An engine for serving; ``role=None`` builds one without a connector."""
     kv = None
@@ -456,6 +466,7 @@ def build_engine(
             side_channel_port=side_channel_port,
             lease=lease,
             failure_policy=failure_policy,
+            auth_key_file=auth_key_file,
         )
     return Engine(
         EngineConfig(
@@ -489,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--failure-policy", choices=["fail", "recompute"], default="recompute")
     ap.add_argument("--num-blocks", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument(
+        "--auth-key-file", default=None, help="the fleet key file (docs/security.md); none: "
+        "unauthenticated",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     engine = build_engine(
         engine_id=args.engine_id,
@@ -499,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         failure_policy=args.failure_policy,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
+        auth_key_file=args.auth_key_file,
     )
     service = EngineService(engine, engine_id=args.engine_id, role=args.role or "none")
     httpd = serve(service, args.host, args.port)
