@@ -120,6 +120,10 @@ class RequestView:
     )
     """The ``kv_transfer_params`` the client sent with the request, or ``None``. A read-only
     shallow copy: nested values are the engine's (JSON values, which connectors only read)."""
+    prompt_token_ids: Sequence[int] = attrs.field(default=(), eq=False, hash=False, repr=False)
+    """The prompt's token ids when the engine gives them (empty otherwise): the engine's own
+    sequence, not copied, which connectors only read. The P/D connector binds its tickets to the
+    prompt with them (``remote_prompt_digest``), so a ticket cannot serve another prompt."""
     arrival_time: float = attrs.field(default=0.0, validator=_finite)
     """When the request arrived, in seconds on the engine's clock (the same clock as ``now``
     in :class:`~kvframe.spi.connector.SchedulerStep`)."""

@@ -88,6 +88,9 @@ class Driver:
 
 
 def view(rid: str, n: int, params: dict[str, Any] | None, **kw: Any) -> RequestView:
+    """A request of ``n`` prompt tokens (by default the tokens ``0 .. n-1``: P's and D's views
+    of one prompt agree)."""
+    kw.setdefault("prompt_token_ids", list(range(n)))
     return RequestView(request_id=rid, num_prompt_tokens=n, kv_transfer_params=params, **kw)
 
 

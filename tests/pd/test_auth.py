@@ -443,3 +443,42 @@ def test_p_and_d_with_different_keys_never_connect(tmp_path: Path) -> None:
     finally:
         d.shutdown()
         p.shutdown()
+
+
+def test_a_valid_ticket_of_another_prompt_is_refused(tmp_path: Path) -> None:
+    # Attack b with a real ticket: issued for prompt OTHER, sent with prompt VICTIM of the
+    # same length. Loading it would put OTHER's KV under VICTIM's block hashes on D.
+    for keys in ((KEY_A, KEY_A), (None, None)):
+        p, d = _pair(tmp_path, *keys)
+        try:
+            params = _prefill(p, "r1", [3, 4, 5, 6], tokens=60)
+            assert params["remote_prompt_digest"]
+            assert d.sched.check_request(view("d1", 60, params)) is None
+            victim = view("d2", 60, params, prompt_token_ids=[7] * 60)
+            with pytest.raises(ConfigError, match="names another prompt"):
+                d.sched.check_request(victim)
+            d.sched.on_new_request(victim)
+            assert d.sched.get_num_new_matched_tokens(victim, 0) == (0, False)
+        finally:
+            d.shutdown()
+            p.shutdown()
+
+
+def test_a_keyed_d_needs_the_prompt_bound(tmp_path: Path) -> None:
+    p, d = _pair(tmp_path, KEY_A, KEY_A)
+    try:
+        # P's engine gave no token ids: its ticket names no prompt, which a keyed D refuses
+        _, params = p.sched.request_finished(
+            view("r1", 20, {"do_remote_decode": True}, finish_reason="length", prompt_token_ids=()),
+            ((3, 4),),
+        )
+        assert params is not None
+        assert "remote_prompt_digest" not in params
+        with pytest.raises(ConfigError, match="remote_prompt_digest is missing"):
+            d.sched.check_request(view("d1", 20, params))
+        good = _prefill(p, "r2", [5, 6], tokens=20)
+        with pytest.raises(ConfigError, match="gives its connector no prompt token ids"):
+            d.sched.check_request(view("d2", 20, good, prompt_token_ids=()))
+    finally:
+        d.shutdown()
+        p.shutdown()

@@ -183,6 +183,9 @@ def _handshake(s: _Session, cmd: dict[str, Any]) -> dict[str, Any]:
         }
     resp = result.response
     layout = resp.layout
+    if s.peer is not None:
+        # As a real D does: P rebuilt its side of the connection for this handshake.
+        s.transport.remove_peer(s.peer)
     s.peer = s.transport.add_peer(resp.transport_metadata)
     s.remote = s.transport.prepare_remote(s.peer, layout)
     per_region = [n * layout.num_blocks for n in layout.block_lens]
@@ -297,8 +300,12 @@ def _notify(s: _Session, cmd: dict[str, Any]) -> dict[str, Any]:
             time.sleep(0.005)
         if time.monotonic() >= deadline:
             break
-    time.sleep(0.2)
-    _drain(s)
+    # Without a progress thread, large notices (rendezvous sends) go out only while this
+    # process progresses its agent: keep draining a while before answering.
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        _drain(s)
+        time.sleep(0.005)
     return {"ok": True, "sent": sent}
 
 

@@ -34,8 +34,8 @@ MAX_TOKENS = 8
 #: engine's) whose names say an input was refused, dropped or failed authentication. The
 #: keyed tests require that an attack moves at least one of them: it was counted.
 REFUSAL = re.compile(
-    r"refus|reject|unauth|auth_fail|bad_tag|bad_mac|forged|rate_limit|untagged|bad_ticket"
-    r"|bad_proof|dropped|bad_params"
+    r"\.(handshakes_refused|handshakes_rate_limited|notifications_unauthenticated"
+    r"|notifications_rejected|bad_params|requests_refused)$"
 )
 
 

@@ -150,6 +150,7 @@ class Scheduler:
             finish_reason=finish_reason,
             request_id=req.request_id,
             num_prompt_tokens=len(req.prompt),
+            prompt_token_ids=req.prompt,
             num_computed_tokens=req.num_computed_tokens,
             block_ids=(tuple(req.block_ids),),
             block_hashes=tuple(req.block_hashes),

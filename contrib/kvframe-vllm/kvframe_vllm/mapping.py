@@ -99,6 +99,7 @@ def request_view(
     return RequestView(
         request_id=request.request_id,
         num_prompt_tokens=int(request.num_prompt_tokens),
+        prompt_token_ids=getattr(request, "prompt_token_ids", None) or (),
         num_computed_tokens=int(
             request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
         ),

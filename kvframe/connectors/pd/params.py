@@ -7,8 +7,10 @@ The router sends ``{"do_remote_decode": true}`` with the prefill request; P answ
 
 from __future__ import annotations
 
+import array
+import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -25,6 +27,7 @@ __all__ = [
     "MAX_TOKENS",
     "MAX_TOKEN_CHARS",
     "RemotePrefillParams",
+    "prompt_digest",
     "wants_remote_decode",
     "wants_remote_prefill",
 ]
@@ -49,6 +52,19 @@ MAX_NAME_CHARS = 255
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def prompt_digest(token_ids: Sequence[int], n: int) -> str | None:
+    """A digest of the first ``n`` prompt tokens: SHA-256 over each as an unsigned 64-bit
+    integer, first 128 bits in hex. ``None`` when there are fewer than ``n`` or one is not a
+    64-bit unsigned int."""
+    if len(token_ids) < n:
+        return None
+    try:
+        packed = array.array("Q", token_ids[:n]).tobytes()
+    except (OverflowError, TypeError):
+        return None
+    return hashlib.sha256(packed).hexdigest()[:32]
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
@@ -82,6 +98,9 @@ class RemotePrefillParams:
     remote_incarnations: tuple[str, ...] = ()
     """Per rank, a random token naming the P worker instance that granted the lease (empty
     when P's workers did not report theirs). D reconnects to a restarted P before reading."""
+    remote_prompt_digest: str = ""
+    """:func:`prompt_digest` of the prompt tokens P computed (empty when P's engine gives no
+    token ids); D loads only for a prompt with the same digest."""
     ticket: str = ""
     """``kvframe_ticket``: P's signature over every other field (see
     :mod:`kvframe.connectors.pd.auth`); empty when P has no fleet key."""
@@ -111,6 +130,11 @@ class RemotePrefillParams:
             **(
                 {"remote_incarnations": list(self.remote_incarnations)}
                 if self.remote_incarnations
+                else {}
+            ),
+            **(
+                {"remote_prompt_digest": self.remote_prompt_digest}
+                if self.remote_prompt_digest
                 else {}
             ),
             **({TICKET_FIELD: self.ticket} if self.ticket else {}),
@@ -212,6 +236,12 @@ class RemotePrefillParams:
                 f"kv_transfer_params.remote_ports = {ports_raw!r}; expected a list of ports"
             )
         inc_raw = params.get("remote_incarnations", [])
+        digest = params.get("remote_prompt_digest", "")
+        if not isinstance(digest, str) or len(digest) > 64:
+            raise ConfigError(
+                f"kv_transfer_params.remote_prompt_digest = {_short(digest)}; expected the "
+                "string P returned (at most 64 characters)"
+            )
         ticket = params.get(TICKET_FIELD, "")
         if not isinstance(ticket, str) or len(ticket) > 80:
             raise ConfigError(
@@ -246,5 +276,6 @@ class RemotePrefillParams:
             transport=non_empty("transport", 64),
             lease_duration=duration,
             lease_expires_at=seconds("lease_expires_at"),
+            remote_prompt_digest=digest,
             ticket=ticket,
         )

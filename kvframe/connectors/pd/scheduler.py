@@ -31,6 +31,7 @@ from kvframe.connectors.pd.metadata import (
 from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.params import (
     RemotePrefillParams,
+    prompt_digest,
     wants_remote_decode,
     wants_remote_prefill,
 )
@@ -176,6 +177,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 f"kv_transfer_params.remote_num_tokens = {params.remote_num_tokens} but the "
                 f"prompt has {request.num_prompt_tokens} tokens; P computed another prompt"
             )
+        self._check_prompt(request, params)
         need = math.ceil(self._loadable(request, params) / self._engine.block_size)
         most = math.ceil(params.remote_num_tokens / self._engine.block_size) + 1
         for g, group in enumerate(params.remote_block_ids):
@@ -185,6 +187,34 @@ class PDConnectorScheduler(KVConnectorScheduler):
                     f"{need} to {most} are expected for {params.remote_num_tokens} tokens"
                 )
         return params
+
+    def _check_prompt(self, request: RequestView, params: RemotePrefillParams) -> None:
+        # The KV is of P's prompt: load it only into a request with the same prompt (a ticket
+        # of another request would otherwise put another prompt's KV under this one's hashes).
+        keyed = self._options.keys is not None
+        if not params.remote_prompt_digest:
+            if keyed:
+                raise ConfigError(
+                    "kv_transfer_params.remote_prompt_digest is missing but this engine has a "
+                    "fleet key: the prefill engine must give its connector the prompt's token "
+                    "ids (RequestView.prompt_token_ids) so its tickets name their prompt"
+                )
+            return
+        if not request.prompt_token_ids:
+            if keyed:
+                raise ConfigError(
+                    "this engine gives its connector no prompt token ids "
+                    "(RequestView.prompt_token_ids), so it cannot check which prompt "
+                    "kv_transfer_params.remote_prompt_digest names"
+                )
+            return
+        mine = prompt_digest(request.prompt_token_ids, params.remote_num_tokens)
+        if mine != params.remote_prompt_digest:
+            raise ConfigError(
+                "kv_transfer_params.remote_prompt_digest names another prompt than this "
+                "request's: the KV is of another request (pass each request its own "
+                "kv_transfer_params)"
+            )
 
     def check_request(self, request: RequestView) -> None:
         """Raise :class:`~kvframe.errors.ConfigError` for a remote-prefill request whose
@@ -404,6 +434,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             else (),
             remote_block_ids=block_ids,
             remote_num_tokens=request.num_prompt_tokens,
+            remote_prompt_digest=prompt_digest(request.prompt_token_ids, request.num_prompt_tokens)
+            or "",
             tp_size=self._engine.world_size,
             transport=self._options.transport,
             lease_duration=self._policy.duration,
