@@ -126,6 +126,7 @@ def test_f_a_forged_done_ends_an_unclaimed_lease_and_guesses_name_nothing(
     lease_id = open_fleet.ticket(prompt("freed early " * 4))["remote_request_id"]
     before = counters(open_fleet.p.url)
     assert attacker.call("notify", kind="done", guesses=20_000)["sent"] >= 19_990
+
     def unknown() -> float:
         got = counters(open_fleet.p.url).get("connector.done_for_unknown_lease", 0)
         return got - before.get("connector.done_for_unknown_lease", 0)
