@@ -28,6 +28,7 @@ def test_demo_passes_every_check() -> None:
     failed = [name for name, ok in result["checks"].items() if not ok]
     assert not failed, json.dumps(result, indent=1)
     assert proc.returncode == 0
+    assert result["authenticated"] is True  # a fresh fleet key by default
     p1 = result["phase1"]
     assert p1["equal_outputs"] == p1["requests"] == 6
     assert p1["kv_loads"] == 6
@@ -37,3 +38,14 @@ def test_demo_passes_every_check() -> None:
     assert p2["leases_held_at_kill"] > 0
     assert p2["expired"] >= p2["leases_held_at_kill"]
     assert p2["reclaim_after_kill_s"] <= p2["reclaim_bound_s"] + 1.0
+
+
+def test_no_auth_and_a_key_file_exclude_each_other() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvframe.cli", "demo", "--no-auth", "--auth-key-file", "k"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--no-auth and --auth-key-file exclude each other" in proc.stderr

@@ -34,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from typing import Any
 
 import attrs
 
+from kvframe.connectors.pd.auth import KeyRing
 from kvframe.connectors.pd.options import PDOptions
 from kvframe.core.lease import LeasePolicy
 from kvframe.errors import ConfigError, PluginError
@@ -328,7 +330,12 @@ def _run(
         ),
     }
     checks: dict[str, bool] = {}
-    result: dict[str, Any] = {"transport": transport, "lease_duration_s": lease, "checks": checks}
+    result: dict[str, Any] = {
+        "transport": transport,
+        "lease_duration_s": lease,
+        "authenticated": auth_key_file is not None,
+        "checks": checks,
+    }
     t_start = time.monotonic()
     try:
         pids = ", ".join(f"{k} {p.proc.pid}" for k, p in procs.items())
@@ -573,25 +580,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-kill", action="store_true", help="skip the D-killed phase")
     ap.add_argument(
         "--auth-key-file", default=None,
-        help="a fleet key file for both engines (docs/security.md); none: unauthenticated",
+        help="a fleet key file for both engines (docs/security.md); default: a fresh one",
+    )  # fmt: skip
+    ap.add_argument(
+        "--no-auth", action="store_true",
+        help="run both engines unauthenticated (no fleet key: see docs/security.md)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     quiet = args.json
+    if args.no_auth and args.auth_key_file is not None:
+        print("kvframe demo: --no-auth and --auth-key-file exclude each other", file=sys.stderr)
+        return 2
 
     def log(msg: str) -> None:
         if not quiet:
             print(msg, flush=True)
 
     try:
-        result = run_demo(
-            num_prompts=args.prompts,
-            max_tokens=args.max_tokens,
-            lease=args.lease,
-            transport=args.transport,
-            kill=not args.no_kill,
-            log=log,
-            auth_key_file=args.auth_key_file,
-        )
+        with tempfile.TemporaryDirectory(prefix="kvframe-demo-key-") as keydir:
+            key_file = args.auth_key_file
+            if key_file is None and not args.no_auth:
+                # Secure by default: a fresh fleet key for this run, removed with it.
+                key_file = os.path.join(keydir, "fleet.key")
+                KeyRing.generate_file(key_file, "demo")
+                log("fleet key: a fresh one for this run (--auth-key-file PATH for yours)")
+            result = run_demo(
+                num_prompts=args.prompts,
+                max_tokens=args.max_tokens,
+                lease=args.lease,
+                transport=args.transport,
+                kill=not args.no_kill,
+                log=log,
+                auth_key_file=key_file,
+            )
     except ConfigError as exc:
         print(f"kvframe demo: {exc}", file=sys.stderr)
         return 2
