@@ -239,6 +239,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "to send it on), notification_rejected (one received could not be decoded), "
         "notification_unroutable (one came from an unknown peer), notification_unauthenticated "
         "(one whose tag did not verify under the connection's session key: dropped), "
+        "access_refused (a peer READ outside its claimed leases, or a WRITE, refused), "
         "peer_add_failed (a decode "
         "engine's connection could not be added), drain_error (reading notifications failed), "
         "bad_params (a request's kv_transfer_params were refused).",
@@ -250,6 +251,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
             "notification_rejected": "notifications_rejected",
             "notification_unroutable": "notifications_unroutable",
             "notification_unauthenticated": "notifications_unauthenticated",
+            "access_refused": "access_refused",
             "peer_add_failed": "peer_add_failures",
             "drain_error": "drain_errors",
             "bad_params": "scheduler:bad_params",

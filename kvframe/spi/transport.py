@@ -74,17 +74,18 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from kvframe.errors import TransportError
+from kvframe.errors import CapabilityError, TransportError
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
 __all__ = [
+    "AccessCheck",
     "BlockLayout",
     "LayoutHandle",
     "MemoryKind",
@@ -270,6 +271,12 @@ class TransportCapabilities:
     it with :meth:`Transport.send_notification` after :meth:`Transport.poll` answered
     ``DONE`` (the P/D connector does). The conformance kit checks a ``True`` card by bytes,
     under load, for READ and WRITE."""
+    access_control: bool = False
+    """The transport asks an :data:`AccessCheck` (set with :meth:`Transport.set_access_check`)
+    before it serves a peer's READ of, or WRITE into, this side's memory, and refuses the
+    transfer when the check says no: no byte of it moves. Only a transport that serves peers'
+    requests itself (two-sided) can; a one-sided transport (RDMA READ/WRITE: NIXL) cannot see
+    a peer's access and declares ``False``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -406,6 +413,13 @@ class XferStatus:
 _PENDING = XferStatus(state=XferState.PENDING)
 
 
+AccessCheck = Callable[[str, Op, Sequence[tuple[int, int]]], str | None]
+"""``check(peer, op, ranges) -> None | reason``: may ``peer`` READ (``op`` ``Op.READ``) or WRITE
+these ``(address, length)`` ranges of this side's registered memory? ``None`` allows it; a
+string refuses it and says why (the peer's transfer fails with it). Called on the thread that
+drives the transport; it must be quick and must not call the transport."""
+
+
 class Transport(abc.ABC):
     """Base class of every transport. Subclasses implement the abstract methods.
 
@@ -528,6 +542,15 @@ class Transport(abc.ABC):
     def drain_notifications(self) -> list[Notification]:
         """Every notification received since the last call, oldest first. Also makes progress
         (see :meth:`progress`)."""
+
+    def set_access_check(self, check: AccessCheck | None) -> None:
+        """Ask ``check`` before serving every peer READ or WRITE of this side's memory
+        (``None``: serve any request inside registered memory, the default). Raises
+        :class:`~kvframe.errors.CapabilityError` unless ``capabilities.access_control``."""
+        raise CapabilityError(
+            f"{self.name}: this transport cannot check a peer's access to its memory "
+            "(capabilities.access_control is False)"
+        )
 
     def progress(self) -> None:  # noqa: B027 - intentionally a no-op by default
         """Drive the backend without consuming notifications. A no-op unless overridden."""

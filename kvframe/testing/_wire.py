@@ -202,6 +202,14 @@ class Watch:
 
 
 @attrs.frozen(kw_only=True)
+class DenyAccess:
+    """Install an access check that refuses every peer READ and WRITE with ``reason`` (see
+    :meth:`~kvframe.spi.transport.Transport.set_access_check`); ``reason`` empty removes it."""
+
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
 class Sightings:
     """Hand over what the watches saw so far."""
 
@@ -286,6 +294,7 @@ CODEC = Codec(max_message_bytes=MAX_FRAME).with_types(
             "drain": Drain,
             "close": Close,
             "watch": Watch,
+            "deny_access": DenyAccess,
             "sightings": Sightings,
             "failure": Failure,
             "created": Created,

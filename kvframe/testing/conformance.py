@@ -47,6 +47,7 @@ import pytest
 from kvframe.errors import (
     CapabilityError,
     PeerUnreachableError,
+    TransferFailedError,
     TransportClosedError,
     TransportError,
 )
@@ -415,6 +416,38 @@ class TransportConformance:
             checked += 1
         if checked == 0:
             pytest.skip("the transport supports every capability the kit can switch off")
+
+    def test_access_check_refuses_before_a_byte_moves(self, kvframe_pair: Pair) -> None:
+        """With ``capabilities.access_control``: while ``b`` has an access check that refuses,
+        ``a``'s READ from and WRITE into ``b`` fail with TransferFailedError naming the reason,
+        and not a byte changes on either side; with the check removed they work again.
+        Without it: ``set_access_check`` raises CapabilityError.
+        """
+        p = kvframe_pair
+        if not p.caps.access_control:
+            with pytest.raises(CapabilityError):
+                p.b.deny_access("no")
+            return
+        p.b.deny_access("the kit refuses every access")
+        try:
+            for op in (Op.READ, Op.WRITE):
+                if not self._supported(p, op):
+                    continue
+                before_a, before_b = p.read_a().copy(), p.read_b().copy()
+                xid = p.a.post(op, p.a_local, [0, 3, 7], p.a_remote, [1, 2, 9])
+                assert p.wait(p.a, xid) is XferState.FAILED, f"{op.name} was served"
+                error = p.a.poll(xid).error
+                assert isinstance(error, TransferFailedError), repr(error)
+                assert "the kit refuses every access" in str(error), str(error)
+                p.a.release(xid)
+                p.pump()
+                assert np.array_equal(p.read_a(), before_a), f"{op.name}: bytes landed in a"
+                assert np.array_equal(p.read_b(), before_b), f"{op.name}: bytes landed in b"
+        finally:
+            p.b.deny_access("")
+        for op in (Op.READ, Op.WRITE):
+            if self._supported(p, op):
+                self._check_transfer(p, op, [0, 3], [1, 2], None)
 
     # -- notifications ----------------------------------------------------------------------
     def _require_notifications(self, p: Pair) -> None:

@@ -285,6 +285,11 @@ class Endpoint(abc.ABC):
         """The watches that fired so far: payload -> the hex digests of its ranges, in order."""
 
     @abc.abstractmethod
+    def deny_access(self, reason: str) -> None:
+        """``transport.set_access_check`` with a check that refuses every peer READ and WRITE
+        with ``reason`` (an empty ``reason``: ``set_access_check(None)``)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """``transport.close()``; buffers stay allocated until :meth:`shutdown`."""
 
@@ -473,6 +478,10 @@ class LocalEndpoint(Endpoint):
     def sightings(self) -> dict[bytes, tuple[str, ...]]:
         """See :meth:`Endpoint.sightings`; runs on the wrapped transport in this process."""
         return dict(self._seen)
+
+    def deny_access(self, reason: str) -> None:
+        """See :meth:`Endpoint.deny_access`; on the wrapped transport in this process."""
+        self.transport.set_access_check((lambda peer, op, ranges: reason) if reason else None)
 
     def _fire(self, notes: Sequence[Notification]) -> None:
         for note in notes:
@@ -746,6 +755,10 @@ class ChildEndpoint(Endpoint):
         loop (every range must be inside the child's buffers)."""
         self._value(wire.Watch(payload=bytes(payload), digest=tuple(digest), invert=tuple(invert)))
 
+    def deny_access(self, reason: str) -> None:
+        """See :meth:`Endpoint.deny_access`; runs in the child process."""
+        self._value(wire.DenyAccess(reason=reason))
+
     def sightings(self) -> dict[bytes, tuple[str, ...]]:
         """See :meth:`Endpoint.sightings`; runs in the child process."""
         seen = self._call(wire.Sightings(), wire.Sighted).sightings
@@ -860,6 +873,8 @@ class _Server:
             return ep.close()
         if isinstance(command, wire.Watch):
             return ep.watch(command.payload, digest=command.digest, invert=command.invert)
+        if isinstance(command, wire.DenyAccess):
+            return ep.deny_access(command.reason)
         raise ValueError(f"unknown endpoint command {type(command).__name__}")
 
     def serve(self) -> None:

@@ -91,3 +91,39 @@ def test_two_requests_and_a_partial_prefix_over_ucx(pd: tuple[Driver, Driver]) -
         lambda: _ended(p, "r1", "finished_sending") and _ended(p, "r2", "finished_sending"),
     )
     assert not p.sched.has_pending_work()
+
+
+def test_p_serves_a_reader_only_the_blocks_of_leases_it_claimed(
+    pd: tuple[Driver, Driver],
+) -> None:
+    # Issue 16: UCX serves peers' requests itself, so P checks each one: a READ of blocks no
+    # lease of this reader covers, or any WRITE, fails on the reader with no byte moved.
+    from kvframe.errors import TransferFailedError
+    from kvframe.spi.transport import Op, XferState
+
+    p, d = pd
+    params = _prefill(p, "r1", [3, 4], tokens=32, seed=5)
+    p.step()
+    assert _load(d, "d1", params, [10, 11]) == 31
+    run_until([p, d], lambda: _ended(d, "d1", "finished_recving"))
+    p.fill([0, 1], seed=9)  # another request's KV, under no lease of D's
+    secret = p.blocks([0, 1])
+    entry = d.worker._engines.find(p.config.engine_id)  # D's connection to P, as a fleet member
+    assert entry is not None
+    assert entry.remote is not None
+    transport = d.worker.transport
+    before = d.blocks([20, 21])
+    for op, local, remote in ((Op.READ, [20, 21], [0, 1]), (Op.WRITE, [10, 11], [0, 1])):
+        handle = transport.post(op, d.worker._local, local, entry.remote, remote)
+        status = transport.poll(handle)
+        run_until([p, d], lambda h=handle: transport.poll(h).state is not XferState.PENDING)
+        status = transport.poll(handle)
+        assert status.state is XferState.FAILED
+        assert isinstance(status.error, TransferFailedError)
+        assert "access refused" in str(status.error)
+        transport.release(handle)
+    for a, b in zip(secret, p.blocks([0, 1]), strict=True):
+        assert torch.equal(a, b)  # nothing written into P
+    for a, b in zip(before, d.blocks([20, 21]), strict=True):
+        assert torch.equal(a, b)  # nothing of P's landed in D
+    assert p.worker.transport.stats()["requests_refused"] == 2

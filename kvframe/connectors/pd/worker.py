@@ -50,10 +50,11 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import math
 import queue
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -195,6 +196,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._local_meta = b""
         self._server: HandshakeServer | None = None
         self._server_seen = (0, 0, 0)
+        self._region_bases: list[tuple[int, int, int]] = []  # (address, length, block length)
         self._engines: RemoteEngines | None = None
         # P
         self._holder: LeaseHolder[tuple[str, tuple[tuple[int, ...], ...]]] = LeaseHolder(
@@ -287,6 +289,13 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._local = self._transport.prepare_local(self._layout)
         # Read on the engine thread, before the server thread that answers with it exists.
         self._local_meta = self._transport.local_metadata()
+        if self._config.is_producer and self._transport.capabilities.access_control:
+            # A two-sided transport asks before it serves a peer: READs of claimed leases'
+            # blocks only, no WRITE at all (P/D pulls).
+            self._region_bases = sorted(
+                (r.addr, r.length, bl) for r, bl in zip(regions, block_lens, strict=True)
+            )
+            self._transport.set_access_check(self._check_access)
         if self._config.is_producer:
             port = self._options.side_channel_port
             self._server = HandshakeServer(
@@ -312,6 +321,34 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 local_metadata=self._local_meta,
                 keys=self._keys,
             )
+
+    def _check_access(self, peer: str, op: Op, ranges: Sequence[tuple[int, int]]) -> str | None:
+        # Runs inside the transport's progress, on the engine thread (the holder's thread).
+        if op is not Op.READ:
+            self._count("access_refused")
+            return "this engine takes no WRITE into its KV cache (P/D pulls)"
+        allowed: set[int] = set()
+        for lease in self._holder.claimed(peer):
+            for group in lease.payload[1]:
+                allowed.update(group)
+        bases = self._region_bases
+        for addr, length in ranges:
+            i = bisect.bisect_right(bases, (addr, math.inf, math.inf)) - 1
+            if i < 0 or length <= 0:
+                break
+            base, size, block_len = bases[i]
+            if addr + length > base + size:
+                break
+            first, last = (addr - base) // block_len, (addr + length - 1 - base) // block_len
+            if not all(b in allowed for b in range(first, last + 1)):
+                break
+        else:
+            return None
+        self._count("access_refused")
+        return (
+            "the range is not in a block of a lease this reader claimed (heartbeat the lease "
+            "from its ticket before reading)"
+        )
 
     def get_handshake_metadata(self) -> bytes | None:
         if self._server is None:

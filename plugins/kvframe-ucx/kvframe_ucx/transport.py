@@ -48,6 +48,11 @@
   metadata. A request the peer refuses (a range outside its registered memory) fails that
   transfer alone with `TransferFailedError`, with no byte written. Other transfers and peers
   are unaffected.
+- **Access control:** yes (`access_control=True`): with `set_access_check(check)`, every peer
+  READ or WRITE request is checked after the registered-memory check and before any byte
+  moves; a refusal fails that transfer on the peer with `TransferFailedError` naming the
+  reason (counted in `requests_refused`). The P/D connector uses it so that a reader can READ
+  only the blocks of leases it claimed, and nobody can WRITE into P's cache.
 - **Configuration** (`TransportParams.options`, all optional; unknown keys and bad values raise
   `ConfigError` naming the key and the value):
     - `release_timeout` (seconds > 0, default 5.0): how long `release` of a pending transfer
@@ -56,7 +61,8 @@
       transport's UCX context, with or without the `UCX_` prefix, e.g. `{"TLS": "tcp"}`.
 - **Telemetry:** `stats()` keys: `bytes` (of completed transfers), `transfers_posted`,
   `transfers_done`, `transfers_failed`, `messages` (data messages posted by this side's
-  requests), `requests_served` (peers' READ/WRITE requests answered), `bytes_served`,
+  requests), `requests_served` (peers' READ/WRITE requests answered), `requests_refused`
+  (peers' requests the access check refused), `bytes_served`,
   `notifications_sent`, `notifications_received`, `frames_dropped` (control frames from peers
   that did not decode or were illegal), `peers`. `XferStatus.transfer_seconds` stays `None`:
   completion is seen only inside `progress()`, so a figure would measure the caller's polling;
@@ -100,6 +106,7 @@ from kvframe.errors import (
 )
 from kvframe.spi import transport_kit as kit
 from kvframe.spi.transport import (
+    AccessCheck,
     BlockLayout,
     LayoutHandle,
     MemoryKind,
@@ -136,6 +143,7 @@ CAPABILITIES: Final = TransportCapabilities(
     cross_process=True,
     ordered_notifications=True,
     notification_after_data=True,
+    access_control=True,
 )
 
 # Tags: control frames use one tag; data messages set the top bit and carry a slot number
@@ -282,6 +290,7 @@ class UcxTransport(Transport):
         self._address: bytes = self._worker.address.tobytes()
         self._incarnation = uuid.uuid4().hex
         self._regions: list[MemoryRegion] = []
+        self._access: AccessCheck | None = None
         self._peers: kit.PeerTable[_Peer] = kit.PeerTable(self._who, self._drop_peer)
         self._xfers: dict[int, kit.Transfer[_Xfer]] = {}
         self._served: dict[int, _Served] = {}  # by receive slot
@@ -298,6 +307,7 @@ class UcxTransport(Transport):
                 "transfers_failed",
                 "messages",
                 "requests_served",
+                "requests_refused",
                 "bytes_served",
                 "notifications_sent",
                 "notifications_received",
@@ -318,6 +328,11 @@ class UcxTransport(Transport):
         return self._name
 
     # -- memory and peers -------------------------------------------------------------------
+    def set_access_check(self, check: AccessCheck | None) -> None:
+        """Ask ``check`` before serving each peer READ or WRITE (see the card)."""
+        self._guard.check()
+        self._access = check
+
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
         """Allow peers to READ and WRITE these host regions.
 
@@ -670,7 +685,9 @@ class UcxTransport(Transport):
             else:
                 tr.record.answer = "ok" if kind == "ok" else str(frame.get("m"))
 
-    def _ranges(self, frame: Mapping[str, Any]) -> tuple[list[int], list[int], str | None]:
+    def _ranges(
+        self, peer: _Peer, op: Op, frame: Mapping[str, Any]
+    ) -> tuple[list[int], list[int], str | None]:
         addrs = np.frombuffer(frame["a"], dtype=np.int64).tolist()
         lens = np.frombuffer(frame["l"], dtype=np.int64).tolist()
         if len(addrs) != len(lens):
@@ -678,10 +695,18 @@ class UcxTransport(Transport):
         for a, n in zip(addrs, lens, strict=True):
             if n <= 0 or not _inside(a, n, self._regions):
                 return addrs, lens, f"range {a:#x}+{n} is not inside registered memory"
+        if self._access is not None:
+            try:
+                refused = self._access(peer.name, op, list(zip(addrs, lens, strict=True)))
+            except Exception as exc:  # a broken check refuses; it never serves by accident
+                refused = f"the access check failed: {type(exc).__name__}: {exc}"
+            if refused is not None:
+                self._stats["requests_refused"] += 1
+                return addrs, lens, f"access refused: {refused}"
         return addrs, lens, None
 
     def _serve_read(self, peer: _Peer, frame: Mapping[str, Any]) -> None:
-        addrs, lens, problem = self._ranges(frame)
+        addrs, lens, problem = self._ranges(peer, Op.READ, frame)
         slot = int(frame["g"])
         if problem is not None:
             # Complete each receive the reader posted with an empty message, so nothing lands
@@ -697,7 +722,7 @@ class UcxTransport(Transport):
         self._stats["bytes_served"] += sum(lens)
 
     def _serve_write(self, peer: _Peer, frame: Mapping[str, Any]) -> None:
-        addrs, lens, problem = self._ranges(frame)
+        addrs, lens, problem = self._ranges(peer, Op.WRITE, frame)
         if problem is not None:
             self._send_ctrl(peer, {"k": "err", "x": frame["x"], "m": problem})
             return
