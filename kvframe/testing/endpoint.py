@@ -302,6 +302,13 @@ _LIVE: weakref.WeakSet[LocalEndpoint] = weakref.WeakSet()
 """The local endpoints of this process (whose buffers a watch may digest)."""
 
 
+def _owner(addr: int, length: int) -> LocalEndpoint:
+    for ep in list(_LIVE):
+        if ep._owns(addr, length):
+            return ep
+    raise ValueError(f"[{addr:#x}, +{length}) is not inside a buffer of a local endpoint")
+
+
 class LocalEndpoint(Endpoint):
     """An endpoint in this process, wrapping ``transport`` (owned from here on).
 
@@ -489,11 +496,20 @@ class LocalEndpoint(Endpoint):
             if armed is None:
                 continue
             self._seen[armed.payload] = tuple(
-                hashlib.sha256(ctypes.string_at(r.addr, r.length)).hexdigest() for r in armed.digest
+                _owner(r.addr, r.length).digest_range(r.addr, r.length) for r in armed.digest
             )
             for r in armed.invert:
-                view = np.ctypeslib.as_array((ctypes.c_ubyte * r.length).from_address(r.addr))
-                np.bitwise_not(view, out=view)
+                self.invert_range(r.addr, r.length)
+
+    def digest_range(self, addr: int, length: int) -> str:
+        """The sha256 hex digest of ``[addr, addr + length)`` of this endpoint's buffers (a
+        subclass whose buffers are not host memory overrides both)."""
+        return hashlib.sha256(ctypes.string_at(addr, length)).hexdigest()
+
+    def invert_range(self, addr: int, length: int) -> None:
+        """Invert every byte of ``[addr, addr + length)`` of this endpoint's buffers."""
+        view = np.ctypeslib.as_array((ctypes.c_ubyte * length).from_address(addr))
+        np.bitwise_not(view, out=view)
 
     def close(self) -> None:
         """See :meth:`Endpoint.close`; runs on the wrapped transport in this process."""

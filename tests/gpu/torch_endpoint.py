@@ -16,6 +16,7 @@ endpoint runs this file as a script, which points the kit's child server at
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -61,6 +62,20 @@ class TorchEndpoint(LocalEndpoint):
             if start <= addr and addr + length <= start + t.numel():
                 return t[addr - start : addr - start + length]
         raise ValueError(f"[{addr:#x}, +{length}) is not inside a buffer of endpoint {self.name}")
+
+    def _owns(self, addr: int, length: int) -> bool:
+        try:
+            self._view(addr, length)
+        except ValueError:
+            return False
+        return True
+
+    def digest_range(self, addr: int, length: int) -> str:
+        return hashlib.sha256(self.read(addr, length)).hexdigest()
+
+    def invert_range(self, addr: int, length: int) -> None:
+        self._view(addr, length).bitwise_not_()
+        self._sync()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

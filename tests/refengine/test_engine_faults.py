@@ -13,7 +13,9 @@ from kvframe_refengine import Engine, EngineConfig, FinishReason, ModelConfig
 from kvframe_refengine.engine import MAX_REQUEST_ID_BYTES
 
 from kvframe.config import KVTransferConfig
+from kvframe.errors import ConfigError
 from kvframe.runtime.plugins import PluginHost
+from kvframe.spi.request import RequestView
 from tests.refengine.test_engine_connector import _engine as _fake_engine
 from tests.refengine.test_engine_connector import _prefill
 
@@ -172,7 +174,18 @@ def test_scheduler_connector_counters_accumulate_across_reads() -> None:
     with _pd_consumer() as d:
         d.generate([[1, 2, 3]], max_tokens=1)  # warm up: nothing counted as bad
         for n in (1, 2):
-            d.add_request(f"bad-{n}", [1, 2, 3], 1, {"do_remote_prefill": True})
+            # The engine refuses such a request at admission (check_request, HTTP 400 through
+            # the server); the scheduler half still counts one that reaches it another way.
+            with pytest.raises(ConfigError, match="remote_block_ids is missing"):
+                d.add_request(f"bad-{n}", [1, 2, 3], 1, {"do_remote_prefill": True})
+            assert d.connector_scheduler is not None
+            d.connector_scheduler.on_new_request(
+                RequestView(
+                    request_id=f"bad-{n}",
+                    num_prompt_tokens=3,
+                    kv_transfer_params={"do_remote_prefill": True},
+                )
+            )
             d.run_until_idle()
             assert d.connector_stats()["bad_params"] == n
             assert d.connector_stats()["bad_params"] == n  # a read does not reset it

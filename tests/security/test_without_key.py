@@ -156,7 +156,12 @@ def test_d_a_handshake_as_the_real_d_steals_its_acks(
     code, body = open_fleet.routed(prompt("the real D's next request"))
     assert code == 200, body  # served (by local prefill)...
     assert body["usage"]["external_tokens"] == 0  # ...because the load was not remote
-    notes = attacker.call("drain")["notes"]
-    assert any(n["type"] == "LeaseAck" for n in notes), notes  # D's acks came to the attacker
+    notes: list[dict[str, Any]] = []
+
+    def acked() -> bool:
+        notes.extend(attacker.call("drain")["notes"])
+        return any(n["type"] == "LeaseAck" for n in notes)
+
+    assert wait_for(acked, 5.0), notes  # D's acks came to the attacker
     after = counters(open_fleet.d.url)
     assert after.get("connector.acks_received", 0) == before.get("connector.acks_received", 0)

@@ -600,7 +600,14 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="kvframe-demo-key-") as keydir:
             key_file = args.auth_key_file
             if key_file is None and not args.no_auth:
-                # Secure by default: a fresh fleet key for this run, removed with it.
+                # Secure by default: a fresh fleet key for this run, removed with it (after
+                # the options are checked: a bad one is refused before anything happens).
+                check_options(
+                    num_prompts=args.prompts,
+                    max_tokens=args.max_tokens,
+                    lease=args.lease,
+                    transport=args.transport,
+                )
                 key_file = os.path.join(keydir, "fleet.key")
                 KeyRing.generate_file(key_file, "demo")
                 log("fleet key: a fresh one for this run (--auth-key-file PATH for yours)")
