@@ -127,3 +127,14 @@ def test_p_serves_a_reader_only_the_blocks_of_leases_it_claimed(
     for a, b in zip(before, d.blocks([20, 21]), strict=True):
         assert torch.equal(a, b)  # nothing of P's landed in D
     assert p.worker.transport.stats()["requests_refused"] == 2
+    # D serves nobody either: P (a fleet member) can neither READ nor WRITE D's blocks.
+    back = p.worker._reader_peers[(d.config.engine_id, 0)]
+    remote_d = p.worker.transport.prepare_remote(back, d.worker._layout)
+    for op in (Op.READ, Op.WRITE):
+        handle = p.worker.transport.post(op, p.worker._local, [0], remote_d, [20])
+        run_until(
+            [p, d], lambda h=handle: p.worker.transport.poll(h).state is not XferState.PENDING
+        )
+        assert p.worker.transport.poll(handle).state is XferState.FAILED
+        p.worker.transport.release(handle)
+    assert d.worker.transport.stats()["requests_refused"] == 2

@@ -289,9 +289,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._local = self._transport.prepare_local(self._layout)
         # Read on the engine thread, before the server thread that answers with it exists.
         self._local_meta = self._transport.local_metadata()
-        if self._config.is_producer and self._transport.capabilities.access_control:
+        if self._transport.capabilities.access_control:
             # A two-sided transport asks before it serves a peer: READs of claimed leases'
-            # blocks only, no WRITE at all (P/D pulls).
+            # blocks only (a decode-only engine grants none, so it serves no READ), no WRITE
+            # at all (P/D pulls).
             self._region_bases = sorted(
                 (r.addr, r.length, bl) for r, bl in zip(regions, block_lens, strict=True)
             )
