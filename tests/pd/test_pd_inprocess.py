@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import pytest
@@ -137,8 +138,11 @@ def test_unread_lease_expires_and_is_reported_once() -> None:
 
 
 def test_heartbeats_keep_a_queued_request_alive_for_three_durations() -> None:
-    p = Driver("Phb", "kv_producer", lease=0.6)
-    d = Driver("Dhb", "kv_consumer", lease=0.6)
+    # A 1 s lease (heartbeat every 0.17 s, extension 0.67 s): short, yet longer than a full
+    # garbage collection of the suite's long-lived process, which stops every thread at once.
+    gc.collect()
+    p = Driver("Phb", "kv_producer", lease=1.0)
+    d = Driver("Dhb", "kv_consumer", lease=1.0)
     try:
         params = prefill(p, "r1", [3, 4], tokens=32)
         req = view("d1", 32, params)
@@ -146,8 +150,12 @@ def test_heartbeats_keep_a_queued_request_alive_for_three_durations() -> None:
         import time as _t
 
         t0 = _t.monotonic()
-        run_until([p, d], lambda: _t.monotonic() - t0 > 1.8, timeout=5)
-        assert not _ended(p, "r1"), "P freed the blocks while D was heartbeating"
+        run_until([p, d], lambda: _t.monotonic() - t0 > 3.0, timeout=8)
+        assert not _ended(p, "r1"), (
+            "P freed the blocks while D was heartbeating",
+            p.worker.get_stats(),
+            d.worker.get_stats(),
+        )
         n, _ = d.sched.get_num_new_matched_tokens(req, 0)
         d.sched.update_state_after_alloc(req, ((7, 8),), n)
         run_until([p, d], lambda: _ended(d, "d1", "finished_recving"))
