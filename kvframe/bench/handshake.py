@@ -19,6 +19,11 @@ background thread, as in an engine; the clients on others):
   legitimate handshakes that succeeded out of those tried, and their median and p90 during the flood
   against the cost measurement's (quiet) median.
 
+Both sides of each comparison run in this one process, on the same threads, under the same
+CPU affinity (whatever the process was started with; no engine runs here to re-pin anything),
+against servers built the same way: the only difference is the key. Every figure is a median
+or a 90th percentile of wall-clock seconds per handshake (``time.perf_counter``), never a mean.
+
 Human-readable table by default; ``--json`` prints one JSON object::
 
     {

@@ -134,19 +134,6 @@ class LeaseHolder(Generic[_PayloadT]):
         """The reader that claimed the live lease ``lease_id``, or ``None``."""
         return self._claims.get(lease_handle(lease_id))
 
-    def claimed(self, reader: str) -> list[Lease[_PayloadT]]:
-        """The live leases ``reader`` claimed (its heartbeats named them first), in no order."""
-        table = self._table
-        out: list[Lease[_PayloadT]] = []
-        for handle, owner in self._claims.items():
-            if owner != reader:
-                continue
-            rid = table.request_id_for(handle)
-            lease = table.lease(rid) if rid is not None else None
-            if lease is not None and lease.state is LeaseState.LIVE:
-                out.append(lease)
-        return out
-
     @property
     def counters(self) -> HolderCounters:
         """Cumulative counts (a snapshot)."""

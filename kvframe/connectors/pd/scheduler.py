@@ -102,6 +102,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._new_engines: dict[str, RemoteEngineAddr] = {}
         self._confirm: dict[str, dict[str, None]] = {}  # engine -> lease ids to confirm now
         self._rejected: dict[str, None] = {}
+        # The last view check_request accepted, with its parameters (see check_request).
+        self._checked: tuple[RequestView, RemotePrefillParams] | None = None
         self._events: list[KVEvent] = []
         self._counters: dict[str, int] = {}
 
@@ -119,7 +121,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return None  # refused once already (and counted then): prefilled locally
         assert request.kv_transfer_params is not None
         try:
-            params = self._validated(request)
+            checked = self._checked
+            self._checked = None
+            if checked is not None and checked[0] is request:
+                params = checked[1]
+            else:
+                params = self._validated(request)
         except ConfigError as exc:
             # The request is still served, by local prefill: correct, only slower.
             self._rejected[request.request_id] = None
@@ -220,9 +227,11 @@ class PDConnectorScheduler(KVConnectorScheduler):
         """Raise :class:`~kvframe.errors.ConfigError` for a remote-prefill request whose
         ``kv_transfer_params`` this engine refuses (a missing, forged or altered ticket when a
         fleet key is configured, a field out of bounds, another transport or tensor-parallel
-        size, block lists that do not fit the prompt). Changes nothing."""
+        size, block lists that do not fit the prompt). Changes nothing the connector does;
+        the view it accepted is remembered, so ``on_new_request`` with that same view does not
+        verify the ticket and hash the prompt again."""
         if self._config.is_consumer and wants_remote_prefill(request.kv_transfer_params):
-            self._validated(request)
+            self._checked = (request, self._validated(request))
 
     def _time(self, request: RequestView) -> float:
         # The latest step's clock; before the first step, the request's arrival time (both on

@@ -197,6 +197,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._server: HandshakeServer | None = None
         self._server_seen = (0, 0, 0)
         self._region_bases: list[tuple[int, int, int]] = []  # (address, length, block length)
+        self._block_leases: dict[int, set[str]] = {}  # block -> live lease ids (access check)
         self._engines: RemoteEngines | None = None
         # P
         self._holder: LeaseHolder[tuple[str, tuple[tuple[int, ...], ...]]] = LeaseHolder(
@@ -328,10 +329,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if op is not Op.READ:
             self._count("access_refused")
             return "this engine takes no WRITE into its KV cache (P/D pulls)"
-        allowed: set[int] = set()
-        for lease in self._holder.claimed(peer):
-            for group in lease.payload[1]:
-                allowed.update(group)
+        # Each block asked for must belong to a live lease this reader claimed: the leases of
+        # the blocks come from the index (a block shared by prefix caching has several), and
+        # each distinct lease is asked once.
+        owners: list[set[str]] = []
         bases = self._region_bases
         for addr, length in ranges:
             i = bisect.bisect_right(bases, (addr, math.inf, math.inf)) - 1
@@ -341,10 +342,14 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             if addr + length > base + size:
                 break
             first, last = (addr - base) // block_len, (addr + length - 1 - base) // block_len
-            if not all(b in allowed for b in range(first, last + 1)):
+            leases = [self._block_leases.get(b) for b in range(first, last + 1)]
+            if not all(leases):
                 break
+            owners.extend(x for x in leases if x)
         else:
-            return None
+            mine = {lid for lid in set().union(*owners) if self._holder.claimant(lid) == peer}
+            if all(not mine.isdisjoint(x) for x in owners):
+                return None
         self._count("access_refused")
         return (
             "the range is not in a block of a lease this reader claimed (heartbeat the lease "
@@ -509,6 +514,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         for grant in meta.grants:
             self._holder.grant(grant.lease_id, now, (grant.request_id, grant.block_ids))
             self._count("leases_granted")
+            if self._region_bases:  # the access check's index: block -> its live leases
+                for group in grant.block_ids:
+                    for b in group:
+                        self._block_leases.setdefault(b, set()).add(grant.lease_id)
         if self._engines is None:
             return
         for addr in meta.engines:
@@ -598,6 +607,14 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
 
     def _lease_ended(self, lease: Lease[tuple[str, tuple[tuple[int, ...], ...]]]) -> None:
         self._finished_sending.add(lease.payload[0])
+        if self._region_bases:
+            for group in lease.payload[1]:
+                for b in group:
+                    held = self._block_leases.get(b)
+                    if held is not None:
+                        held.discard(lease.request_id)
+                        if not held:
+                            del self._block_leases[b]
         self._count(_ENDED_COUNTER.get(lease.state, "leases_ended"))
 
     def _reply(self, peer: str, messages: Iterable[wire.Message]) -> None:
