@@ -15,7 +15,11 @@ answers the readers (decode workers) that talk to it through the transport's not
   naming it is told it is lost (``CLAIMED``) and can neither renew nor end it. A ticket that a
   router sent to two decoders is thus read by one of them only, and a consumption by one can
   never free blocks the other is reading;
-- :meth:`LeaseHolder.expire` reclaims leases nobody renewed in time.
+- :meth:`LeaseHolder.expire` reclaims leases nobody renewed in time;
+- :meth:`LeaseHolder.revoke` (push mode, where D holds its destination blocks) stops renewing a
+  lease the holder no longer wants written: heartbeats naming it are answered ``ABORTED``, and
+  it still ends only by the reader's done notice or its expiry, so the blocks stay put while a
+  write the reader already posted may still land.
 
 Like the lease table it is sans-I/O: every call takes ``now`` (the holder's monotonic clock) and
 returns what happened (:class:`HolderOutput`); :meth:`LeaseHolder.next_deadline` says when to
@@ -110,6 +114,7 @@ class LeaseHolder(Generic[_PayloadT]):
         self._table: LeaseTable[_PayloadT] = LeaseTable(policy, remember_ended=remember_ended)
         self._guard = HeartbeatGuard(max_drift)
         self._claims: dict[int, str] = {}  # live lease handle -> the reader that claimed it
+        self._revoked: set[int] = set()  # live lease handles no longer renewed
         self._heartbeats = 0
         self._stale = 0
         self._ignored = 0
@@ -162,6 +167,22 @@ class LeaseHolder(Generic[_PayloadT]):
         """The earliest live expiry (call :meth:`expire` then), or ``None``."""
         return self._table.next_deadline()
 
+    def revoked(self, lease_id: str) -> bool:
+        """Whether the live lease ``lease_id`` was revoked."""
+        return lease_handle(lease_id) in self._revoked
+
+    def revoke(self, lease_id: str, now: float) -> bool:
+        """Renew the live lease ``lease_id`` no more: heartbeats naming it are answered with a
+        loss notice (``ABORTED``) and renew nothing. The lease still ends only by the reader's
+        done notice (it stopped, or its transfer completed) or at its expiry, whichever comes
+        first: until then its blocks may still be touched by a transfer the reader posted under
+        a bound the holder confirmed. Returns False (and does nothing) for a lease not live."""
+        check_now(now)
+        if self._table.state(lease_id) is not LeaseState.LIVE:
+            return False
+        self._revoked.add(lease_handle(lease_id))
+        return True
+
     # -- inputs --------------------------------------------------------------------------
     def grant(self, lease_id: str, now: float, payload: _PayloadT) -> Lease[_PayloadT]:
         """Grant a lease (see :meth:`LeaseTable.grant`; raises as it does, changing nothing)."""
@@ -188,9 +209,10 @@ class LeaseHolder(Generic[_PayloadT]):
         """Reclaim every lease whose expiry is ``<= now``."""
         ended = self._table.expire(now)
         claims = self._claims
-        if claims:
+        if claims or self._revoked:
             for lease in ended:
                 claims.pop(lease.handle, None)
+                self._revoked.discard(lease.handle)
         return HolderOutput(ended=tuple(ended))
 
     def abort(self, lease_id: str, now: float) -> HolderOutput[_PayloadT]:
@@ -199,6 +221,7 @@ class LeaseHolder(Generic[_PayloadT]):
         if self._table.state(lease_id) is not LeaseState.LIVE:
             return HolderOutput()
         self._claims.pop(lease_handle(lease_id), None)
+        self._revoked.discard(lease_handle(lease_id))
         return HolderOutput(ended=(self._table.abort(lease_id, now),))
 
     # -- internals -----------------------------------------------------------------------
@@ -226,8 +249,14 @@ class LeaseHolder(Generic[_PayloadT]):
             self._stale += 1
             sent_at = self._guard.map_send_time(reader, msg.sent_at, now)
         mine, theirs = self._split_claims(reader, msg.handles)
-        result = self._table.renew_handles(mine, now, sent_at=sent_at)
         lost: dict[wire.LostReason, list[int]] = {}
+        if self._revoked:
+            revoked = [h for h in mine if h in self._revoked]
+            if revoked:
+                mine = [h for h in mine if h not in self._revoked]
+                lost[wire.LostReason.ABORTED] = revoked
+                self._ignored += len(revoked)
+        result = self._table.renew_handles(mine, now, sent_at=sent_at)
         if theirs:
             lost[wire.LostReason.CLAIMED] = theirs
         self._claimed_elsewhere += len(theirs)
@@ -268,6 +297,7 @@ class LeaseHolder(Generic[_PayloadT]):
                 lost.setdefault(wire.LostReason.CLAIMED, []).append(h)
                 continue
             self._claims.pop(h, None)
+            self._revoked.discard(h)
             if msg.reason is wire.DoneReason.READ:
                 ended.append(table.consume(rid, now))
             else:

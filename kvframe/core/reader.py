@@ -370,6 +370,9 @@ class LeaseReader:
     :param max_drift: the clock-rate difference allowed between reader and holder: confirmed
         intervals are shrunk by this fraction.
     :param remember: tickets remembered at most (oldest unused ones forgotten first).
+    :param release_after_loss: also release a lease the holder reported lost when the load
+        ends (push mode: a holder that revoked its lease waits for the writer to say it
+        stopped, and frees the blocks at once when it does).
     """
 
     def __init__(
@@ -379,7 +382,9 @@ class LeaseReader:
         *,
         max_drift: float = DEFAULT_MAX_DRIFT,
         remember: int = 65_536,
+        release_after_loss: bool = False,
     ) -> None:
+        self._release_lost = release_after_loss
         self._policy = policy
         self._t = timeouts
         self._drift = check_config_seconds("max_drift", max_drift, allow_zero=True)
@@ -970,7 +975,10 @@ class LeaseReader:
         # The holder may free at once unless it already knows (lost), or our READ completed
         # (its notification consumed the lease).
         completed = event in (ReadEvent.TRANSFER_DONE, ReadEvent.TRANSFER_LATE)
-        if ticket.lost is None and not completed and event is not ReadEvent.PEER_FAILED:
+        known = ticket.lost is None or (
+            self._release_lost and ticket.lost is not wire.LostReason.CLAIMED
+        )
+        if known and not completed and event is not ReadEvent.PEER_FAILED:
             self._send_release(load.engine, [load.lease_id], t, out)
 
 

@@ -219,7 +219,10 @@ class HandshakeRequest:
     transport_metadata: bytes
     proof: bytes = attrs.field(default=b"", validator=_proof)
     """D's proof (authenticated handshakes; empty otherwise): HMAC over P's nonce, D's nonce,
-    D's engine id, rank, transport and transport metadata."""
+    D's engine id, rank, transport, transport metadata and layout."""
+    layout: BlockLayout | None = None
+    """D's own KV layout (push mode: P writes into D's blocks with it); ``None``: D takes no
+    pushed KV."""
 
 
 @attrs.frozen(kw_only=True)
@@ -372,7 +375,20 @@ def _p_binds(d_nonce: bytes, p_nonce: bytes, engine_id: str, rank: int) -> tuple
 def _d_binds(p_nonce: bytes, d_nonce: bytes, request: HandshakeRequest) -> tuple[bytes, ...]:
     meta = hashlib.sha256(request.transport_metadata).digest()
     fields = (request.engine_id, str(request.rank), request.transport)
-    return (p_nonce, d_nonce, *(f.encode() for f in fields), meta)
+    binds = (p_nonce, d_nonce, *(f.encode() for f in fields), meta)
+    if request.layout is None:
+        return binds
+    return (*binds, layout_digest(request.layout))
+
+
+def layout_digest(layout: BlockLayout) -> bytes:
+    """SHA-256 over a layout's regions (address, length, kind, device), block lengths and
+    block count: what an authenticated request's proof binds."""
+    h = hashlib.sha256(b"layout")
+    for r in layout.regions:
+        h.update(f"{r.addr}:{r.length}:{r.kind.value}:{r.device_id};".encode())
+    h.update(repr((tuple(layout.block_lens), layout.num_blocks)).encode())
+    return h.digest()
 
 
 def handshake(

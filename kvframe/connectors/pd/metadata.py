@@ -20,6 +20,7 @@ __all__ = [
     "PDGrant",
     "PDLoad",
     "PDMetadata",
+    "PDPushSource",
     "PDWorkerAddress",
     "RemoteEngineAddr",
     "RemoteRelease",
@@ -44,6 +45,10 @@ def _loads(value: Any) -> tuple[PDLoad, ...]:
 
 def _grants(value: Any) -> tuple[PDGrant, ...]:
     return _checked(value, PDGrant)
+
+
+def _sources(value: Any) -> tuple[PDPushSource, ...]:
+    return _checked(value, PDPushSource)
 
 
 def _strs(value: Any) -> tuple[str, ...]:
@@ -82,7 +87,7 @@ def _ports(value: Any) -> tuple[int, ...]:
 
 
 # They check only what the fields' types say: the codec skips them on decoding (hot path).
-type_checked(_blocks, _loads, _grants, _strs, _releases, _addrs, _ports)
+type_checked(_blocks, _loads, _grants, _sources, _strs, _releases, _addrs, _ports)
 
 
 @attrs.frozen(kw_only=True)
@@ -104,7 +109,8 @@ class RemoteEngineAddr:
 
 @attrs.frozen(kw_only=True)
 class PDLoad:
-    """Pull one request's KV from a remote engine (D side)."""
+    """Receive one request's KV from a remote engine (D side): pull it (``push_id`` empty) or
+    have it pushed (``push_id`` set: register ``local_block_ids`` with the remote engine)."""
 
     request_id: str
     remote: RemoteEngineAddr
@@ -116,6 +122,26 @@ class PDLoad:
     remote_incarnations: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     """Per remote rank, the instance that granted the lease (empty: unknown). A worker whose
     connection is to another instance reconnects before it reads."""
+    push_id: str = ""
+    """Push mode: the router's push id naming the request on P (empty: pull mode)."""
+    first_block: int = 0
+    """Push mode: the index of the first block P writes (D has the blocks before it)."""
+    num_tokens: int = 0
+    """Push mode: the prompt's length in tokens."""
+    prompt_digest: str = ""
+    """Push mode: the prompt's digest (``''``: the engine gives no token ids)."""
+
+
+@attrs.frozen(kw_only=True)
+class PDPushSource:
+    """Push one finished request's KV to the decoder that registers its push id (P side)."""
+
+    request_id: str
+    """The local request id (reported in ``finished_sending`` when the push ended)."""
+    push_id: str
+    block_ids: BlockIds = attrs.field(converter=_blocks)
+    num_tokens: int
+    prompt_digest: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -159,11 +185,21 @@ class PDMetadata(ConnectorMetadata):
     releases: tuple[RemoteRelease, ...] = attrs.field(default=(), converter=_releases)
     engines: tuple[RemoteEngineAddr, ...] = attrs.field(default=(), converter=_addrs)
     """Remote engines that requests named this step: handshake with them now (proactively)."""
+    push_sources: tuple[PDPushSource, ...] = attrs.field(default=(), converter=_sources)
+    """P: push-mode requests whose prefill finished: write each to its registered decoder."""
+    push_abandoned: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    """P: push ids whose requests ended without KV to push: refuse their registrations."""
 
     @property
     def is_empty(self) -> bool:
         return super().is_empty and not (
-            self.grants or self.pd_heartbeats or self.pd_loads or self.releases or self.engines
+            self.grants
+            or self.pd_heartbeats
+            or self.pd_loads
+            or self.releases
+            or self.engines
+            or self.push_sources
+            or self.push_abandoned
         )
 
 

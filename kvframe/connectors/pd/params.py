@@ -1,8 +1,15 @@
 """``kv_transfer_params``: what the router carries from P to D, parsed and validated.
 
-The router sends ``{"do_remote_decode": true}`` with the prefill request; P answers with
-:meth:`RemotePrefillParams.to_dict`, which the router passes unchanged to D. See the table in
-``docs/pd.md`` for every field.
+Pull mode (the default): the router sends ``{"do_remote_decode": true}`` with the prefill
+request; P answers with :meth:`RemotePrefillParams.to_dict`, which the router passes unchanged
+to D.
+
+Push mode: the router sends both legs at once, naming one random ``push_id``: P gets
+``{"do_remote_decode": true, "transfer_mode": "push", "push_id": ...}``, D gets
+``{"do_remote_prefill": true, "transfer_mode": "push", "push_id": ..., **address}`` where
+``address`` is P's :meth:`~kvframe.connectors.pd.PDConnector` address
+(``PDConnectorScheduler.kv_address()``, parsed here by :class:`PushPrefillParams`). See the
+tables in ``docs/pd.md`` for every field.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import array
 import hashlib
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,8 +34,11 @@ __all__ = [
     "MAX_RANKS",
     "MAX_TOKENS",
     "MAX_TOKEN_CHARS",
+    "PushPrefillParams",
     "RemotePrefillParams",
     "prompt_digest",
+    "push_id_of",
+    "transfer_mode",
     "wants_remote_decode",
     "wants_remote_prefill",
 ]
@@ -73,8 +84,37 @@ def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
 
 
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
-    """True when the request's KV is to be pulled from a remote prefill engine."""
+    """True when the request's KV is to come from a remote prefill engine (pulled or pushed)."""
     return bool(params) and params is not None and params.get("do_remote_prefill") is True
+
+
+def transfer_mode(params: Mapping[str, Any]) -> str:
+    """``kv_transfer_params.transfer_mode``: ``"pull"`` (the default, when absent) or
+    ``"push"``; :class:`~kvframe.errors.ConfigError` for anything else."""
+    mode = params.get("transfer_mode", "pull")
+    if mode not in ("pull", "push"):
+        raise ConfigError(
+            f"kv_transfer_params.transfer_mode = {_short(mode)}; expected 'pull' (the default) "
+            "or 'push'"
+        )
+    return str(mode)
+
+
+def push_id_of(params: Mapping[str, Any]) -> str:
+    """``kv_transfer_params.push_id``, checked: 16 to 64 characters of ``[A-Za-z0-9_-]`` (the
+    router's random name for one request's two legs; ``secrets.token_urlsafe(16)`` makes
+    one). :class:`~kvframe.errors.ConfigError` when missing or malformed."""
+    value = params.get("push_id")
+    if not isinstance(value, str) or not _PUSH_ID.fullmatch(value):
+        raise ConfigError(
+            f"kv_transfer_params.push_id = {_short(value)}; a push-mode request needs the "
+            "router's push id: 16 to 64 characters of [A-Za-z0-9_-], the same on both legs "
+            "(secrets.token_urlsafe(16) makes one)"
+        )
+    return value
+
+
+_PUSH_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 
 
 @attrs.frozen(kw_only=True)
@@ -278,4 +318,45 @@ class RemotePrefillParams:
             lease_expires_at=seconds("lease_expires_at"),
             remote_prompt_digest=digest,
             ticket=ticket,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class PushPrefillParams:
+    """What D needs for a push-mode request: the router's push id and P's address (the
+    fields of ``PDConnectorScheduler.kv_address()``). Nothing here needs a signature: D
+    checks, in the authenticated handshake, that the engine it reaches holds the fleet key
+    and is ``remote_engine_id``; P checks D's registration against its own prompt."""
+
+    push_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    tp_size: int
+    transport: str
+    remote_ports: tuple[int, ...] = ()
+    remote_incarnations: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any]) -> PushPrefillParams:
+        """Parse D's leg of a push-mode request. Raises :class:`~kvframe.errors.ConfigError`
+        naming the first bad field (the request is then prefilled locally)."""
+        push_id = push_id_of(params)
+        # The address fields are checked exactly as a pull ticket's.
+        probe = dict(params)
+        probe.setdefault("remote_request_id", push_id)
+        probe.setdefault("remote_block_ids", [[]])
+        probe.setdefault("remote_num_tokens", 0)
+        probe.setdefault("lease_duration", 1.0)
+        probe.setdefault("lease_expires_at", 0.0)
+        base = RemotePrefillParams.from_dict(probe)
+        return cls(
+            push_id=push_id,
+            remote_engine_id=base.remote_engine_id,
+            remote_host=base.remote_host,
+            remote_port=base.remote_port,
+            tp_size=base.tp_size,
+            transport=base.transport,
+            remote_ports=base.remote_ports,
+            remote_incarnations=base.remote_incarnations,
         )

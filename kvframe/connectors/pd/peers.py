@@ -38,7 +38,7 @@ from kvframe.connectors.pd.handshake import (
 )
 from kvframe.core.clock import ClockOffsetEstimator
 from kvframe.errors import HandshakeError, KVFrameError, TransportError
-from kvframe.spi.transport import LayoutHandle, Transport
+from kvframe.spi.transport import BlockLayout, LayoutHandle, Transport
 
 __all__ = ["PeerState", "RemoteEngine", "RemoteEngines"]
 
@@ -107,6 +107,7 @@ class RemoteEngines:
         local_metadata: bytes | None = None,
         rng: random.Random | None = None,
         keys: KeyRing | None = None,
+        layout: BlockLayout | None = None,
     ) -> None:
         self._transport = transport
         self._keys = keys
@@ -117,6 +118,7 @@ class RemoteEngines:
             transport_metadata=(
                 local_metadata if local_metadata is not None else transport.local_metadata()
             ),
+            layout=layout,
         )
         self._max_retry_after = max_retry_after
         self._rng = rng or random.Random()

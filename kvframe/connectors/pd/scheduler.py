@@ -24,14 +24,18 @@ from kvframe.connectors.pd.metadata import (
     PDGrant,
     PDLoad,
     PDMetadata,
+    PDPushSource,
     PDWorkerAddress,
     RemoteEngineAddr,
     RemoteRelease,
 )
 from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.params import (
+    PushPrefillParams,
     RemotePrefillParams,
     prompt_digest,
+    push_id_of,
+    transfer_mode,
     wants_remote_decode,
     wants_remote_prefill,
 )
@@ -59,7 +63,7 @@ _REMEMBER_REJECTED = 4096
 class _Incoming:
     """A remote-prefill request on D."""
 
-    params: RemotePrefillParams
+    params: RemotePrefillParams | PushPrefillParams
     addr: RemoteEngineAddr
     state: DecodeRequestState = DecodeRequestState.WAITING
 
@@ -92,7 +96,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._ports: dict[int, int] = {}
         # P side
         self._grants: list[PDGrant] = []
-        self._held: dict[str, str] = {}  # local request id -> lease id
+        self._held: dict[str, str] = {}  # local request id -> lease id (push: push id)
+        self._push_sources: list[PDPushSource] = []
+        self._push_abandoned: list[str] = []
         self._incarnations: dict[int, str] = {}
         # D side
         self._incoming: dict[str, _Incoming] = {}
@@ -103,7 +109,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._confirm: dict[str, dict[str, None]] = {}  # engine -> lease ids to confirm now
         self._rejected: dict[str, None] = {}
         # The last view check_request accepted, with its parameters (see check_request).
-        self._checked: tuple[RequestView, RemotePrefillParams] | None = None
+        self._checked: tuple[RequestView, RemotePrefillParams | PushPrefillParams] | None = None
         self._events: list[KVEvent] = []
         self._counters: dict[str, int] = {}
 
@@ -151,29 +157,52 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._incoming[request.request_id] = inc
         return inc
 
-    def _validated(self, request: RequestView) -> RemotePrefillParams:
+    def _validated(self, request: RequestView) -> RemotePrefillParams | PushPrefillParams:
+        assert request.kv_transfer_params is not None
+        if transfer_mode(request.kv_transfer_params) == "push":
+            return self._validated_push(request)
+        return self._validated_pull(request)
+
+    def _validated_push(self, request: RequestView) -> PushPrefillParams:
+        # P checks the prompt (against the registration) and the handshake checks P's identity
+        # against the fleet key: only the address and its shape are checked here.
+        assert request.kv_transfer_params is not None
+        params = PushPrefillParams.from_dict(request.kv_transfer_params)
+        self._check_peer(params.transport, params.tp_size, params.remote_ports)
+        if self._options.keys is not None and not request.prompt_token_ids:
+            raise ConfigError(
+                "this engine has a fleet key but gives its connector no prompt token ids "
+                "(RequestView.prompt_token_ids), so the prefill engine cannot check that it "
+                "pushes this request's prompt"
+            )
+        return params
+
+    def _check_peer(self, transport: str, tp_size: int, ports: tuple[int, ...]) -> None:
+        if transport != self._options.transport:
+            raise ConfigError(
+                f"kv_transfer_params.transport = {transport!r} but this engine "
+                f"uses {self._options.transport!r}; both engines must use one transport"
+            )
+        if tp_size != self._engine.world_size:
+            raise ConfigError(
+                f"kv_transfer_params.tp_size = {tp_size} but this engine has "
+                f"{self._engine.world_size} workers; heterogeneous tensor parallelism is "
+                "not supported"
+            )
+        if ports and len(ports) != tp_size:
+            raise ConfigError(
+                f"kv_transfer_params.remote_ports has {len(ports)} ports for "
+                f"tp_size {tp_size}; expected one per rank"
+            )
+
+    def _validated_pull(self, request: RequestView) -> RemotePrefillParams:
         # Every check before anything is allocated or any peer contacted: the ticket first (a
         # forged or altered one names nothing), then the fields against this engine's limits.
         assert request.kv_transfer_params is not None
         params = RemotePrefillParams.from_dict(request.kv_transfer_params)
         if self._options.keys is not None:
             params.verify(self._options.keys)
-        if params.transport != self._options.transport:
-            raise ConfigError(
-                f"kv_transfer_params.transport = {params.transport!r} but this engine "
-                f"uses {self._options.transport!r}; both engines must use one transport"
-            )
-        if params.tp_size != self._engine.world_size:
-            raise ConfigError(
-                f"kv_transfer_params.tp_size = {params.tp_size} but this engine has "
-                f"{self._engine.world_size} workers; heterogeneous tensor parallelism is "
-                "not supported"
-            )
-        if params.remote_ports and len(params.remote_ports) != params.tp_size:
-            raise ConfigError(
-                f"kv_transfer_params.remote_ports has {len(params.remote_ports)} ports for "
-                f"tp_size {params.tp_size}; expected one per rank"
-            )
+        self._check_peer(params.transport, params.tp_size, params.remote_ports)
         if len(params.remote_block_ids) != self._engine.num_kv_groups:
             raise ConfigError(
                 f"kv_transfer_params.remote_block_ids has {len(params.remote_block_ids)} "
@@ -238,11 +267,17 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # the engine's clock). Never max() the two: an engine may leave arrival_time at 0.
         return self._now if self._stepped else request.arrival_time
 
-    def _loadable(self, request: RequestView, params: RemotePrefillParams) -> int:
+    def _loadable(
+        self, request: RequestView, params: RemotePrefillParams | PushPrefillParams
+    ) -> int:
         # The engine must compute at least the last prompt token itself (it needs its logits).
+        if isinstance(params, PushPrefillParams):
+            return max(0, request.num_prompt_tokens - 1)
         return max(0, min(params.remote_num_tokens, request.num_prompt_tokens - 1))
 
     def _release(self, inc: _Incoming) -> None:
+        if isinstance(inc.params, PushPrefillParams):
+            return  # P heard nothing from us: its KV waits wait_timeout, then is freed
         self._releases.append(
             RemoteRelease(remote=inc.addr, remote_request_id=inc.params.remote_request_id)
         )
@@ -258,6 +293,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._count("remote_requests")
 
     def _start_tracking(self, request: RequestView, inc: _Incoming) -> None:
+        self._new_engines[inc.addr.engine_id] = inc.addr
+        if isinstance(inc.params, PushPrefillParams):
+            return  # push: D holds the lease, P heartbeats it (the handshake starts now)
         # Heartbeat the lease from now on, and once at once: D reads only under a lease P
         # confirmed, and the first confirmation should be back before the load is allocated.
         self._tracker.track(
@@ -267,7 +305,6 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self._time(request),
         )
         self._confirm.setdefault(inc.addr.engine_id, {})[inc.params.remote_request_id] = None
-        self._new_engines[inc.addr.engine_id] = inc.addr
 
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
@@ -281,7 +318,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self._finish_incoming(request.request_id, DecodeRequestEvent.LOCAL_HIT)
             self._count("full_local_hits")
             return 0, False
-        if not self._tracker.tracked(request.request_id):
+        if not isinstance(inc.params, PushPrefillParams) and not self._tracker.tracked(
+            request.request_id
+        ):
             self._start_tracking(request, inc)
         return external, True
 
@@ -298,6 +337,31 @@ class PDConnectorScheduler(KVConnectorScheduler):
         first = request.num_computed_tokens // bs
         last = math.ceil((request.num_computed_tokens + num_external_tokens) / bs)
         local = tuple(tuple(group[first:last]) for group in blocks)
+        if isinstance(inc.params, PushPrefillParams):
+            if any(len(g) != last - first for g in local):
+                raise ValueError(
+                    f"request {request.request_id!r}: the engine allocated "
+                    f"{[len(g) for g in blocks]} blocks for {num_external_tokens} external "
+                    f"tokens after {request.num_computed_tokens} computed; blocks "
+                    f"{first}..{last} are needed"
+                )
+            n = request.num_prompt_tokens
+            inc.move(DecodeRequestEvent.ALLOCATED, request.request_id)
+            self._loads.append(
+                PDLoad(
+                    request_id=request.request_id,
+                    remote=inc.addr,
+                    remote_request_id=inc.params.push_id,
+                    local_block_ids=local,
+                    remote_block_ids=tuple(() for _ in local),
+                    remote_incarnations=inc.params.remote_incarnations,
+                    push_id=inc.params.push_id,
+                    first_block=first,
+                    num_tokens=n,
+                    prompt_digest=prompt_digest(request.prompt_token_ids, n) or "",
+                )
+            )
+            return
         remote = tuple(tuple(group[first:last]) for group in inc.params.remote_block_ids)
         if any(len(lg) != len(rg) for lg, rg in zip(local, remote, strict=True)):
             raise ValueError(
@@ -332,6 +396,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             step=scheduler_output.step,
             now=now,
             grants=tuple(self._grants),
+            push_sources=tuple(self._push_sources),
+            push_abandoned=tuple(self._push_abandoned),
             abort_request_ids=frozenset(self._aborts),
             pd_heartbeats={e: tuple(ids) for e, ids in heartbeats.items()},
             pd_loads=tuple(self._loads),
@@ -339,6 +405,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             engines=tuple(self._new_engines.values()),
         )
         self._grants.clear()
+        self._push_sources.clear()
+        self._push_abandoned.clear()
         self._aborts.clear()
         self._loads.clear()
         self._releases.clear()
@@ -400,6 +468,18 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return False, None
         if not (self._config.is_producer and wants_remote_decode(request.kv_transfer_params)):
             return False, None
+        assert request.kv_transfer_params is not None
+        try:
+            mode = transfer_mode(request.kv_transfer_params)
+            push_id = push_id_of(request.kv_transfer_params) if mode == "push" else ""
+        except ConfigError as exc:
+            self._count("remote_decode_not_kept")
+            self._events.append(
+                KVEvent(kind="pd.not_kept", data={"request_id": rid, "error": str(exc)})
+            )
+            return False, None
+        if push_id:
+            return self._push_finished(request, push_id, block_ids)
         if request.finish_reason not in _NORMAL_FINISH or not any(block_ids):
             self._count("remote_decode_not_kept")
             return False, None
@@ -420,6 +500,61 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._held[rid] = lease_id
         self._count("leases_offered")
         return True, params
+
+    def _push_finished(
+        self, request: RequestView, push_id: str, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # The workers write the blocks to the decoder that registers push_id, then report the
+        # request in finished_sending; the blocks are kept until then.
+        rid = request.request_id
+        answer: dict[str, Any] = {"transfer_mode": "push", "push_id": push_id}
+        if request.finish_reason not in _NORMAL_FINISH or not any(block_ids):
+            self._push_abandoned.append(push_id)
+            self._count("remote_decode_not_kept")
+            return False, answer
+        n = request.num_prompt_tokens
+        self._push_sources.append(
+            PDPushSource(
+                request_id=rid,
+                push_id=push_id,
+                block_ids=block_ids,
+                num_tokens=n,
+                prompt_digest=prompt_digest(request.prompt_token_ids, n) or "",
+            )
+        )
+        self._held[rid] = push_id
+        self._count("push_offered")
+        return True, answer
+
+    def kv_address(self) -> dict[str, Any]:
+        """P's address for push-mode decode legs: the ``kv_transfer_params`` fields that name
+        this engine (``remote_engine_id``, ``remote_host``, ``remote_port``, ``remote_ports``,
+        ``remote_incarnations``, ``tp_size``, ``transport``). A router adds
+        ``do_remote_prefill``, ``transfer_mode: "push"`` and the request's ``push_id``.
+
+        :raises ConfigError: the engine never forwarded its workers' handshake metadata and
+            the side-channel port is 0 (the address is not known).
+        """
+        ports = tuple(self._ports[r] for r in sorted(self._ports))
+        base = self._options.side_channel_port
+        if base == 0 and not ports:
+            raise ConfigError(
+                "kv_connector_extra_config.side_channel_port is 0 (a free port per worker) but "
+                "the engine never called set_xfer_handshake_metadata(); give a fixed port or "
+                "forward the workers' handshake metadata"
+            )
+        out: dict[str, Any] = {
+            "remote_engine_id": self._engine_id,
+            "remote_host": self._options.side_channel_host,
+            "remote_port": ports[0] if ports else base,
+            "tp_size": self._engine.world_size,
+            "transport": self._options.transport,
+        }
+        if ports and base == 0:
+            out["remote_ports"] = list(ports)
+        if len(self._incarnations) == self._engine.world_size:
+            out["remote_incarnations"] = [self._incarnations[r] for r in sorted(self._incarnations)]
+        return out
 
     def _params_for(
         self, request: RequestView, lease_id: str, block_ids: BlockIds
@@ -472,6 +607,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self._held
             or self._incoming
             or self._grants
+            or self._push_sources
+            or self._push_abandoned
             or self._loads
             or self._releases
             or self._aborts
@@ -491,6 +628,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self._held
             or loading
             or self._grants
+            or self._push_sources
+            or self._push_abandoned
             or self._loads
             or self._releases
             or self._aborts

@@ -71,9 +71,20 @@ from kvframe.connectors.pd.handshake import (
 from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, PDWorkerAddress, RemoteEngineAddr
 from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.peers import PeerState, RemoteEngine, RemoteEngines
+from kvframe.core import push as pushwire
 from kvframe.core import wire
 from kvframe.core.holder import HolderOutput, LeaseHolder
-from kvframe.core.lease import Lease, LeasePolicy, LeaseState
+from kvframe.core.lease import Lease, LeasePolicy, LeaseState, lease_handle
+from kvframe.core.push import (
+    EndSource,
+    Keepalive,
+    PushAction,
+    PushRefused,
+    PushRegister,
+    PushSource,
+    Refuse,
+    StartWrite,
+)
 from kvframe.core.reader import (
     Action,
     LeaseReader,
@@ -119,6 +130,9 @@ OBSERVATION_BUCKETS: Mapping[str, tuple[float, ...]] = {
     "post_seconds": _SECONDS_LONG,
     "load_wait_seconds": _SECONDS_LONG,
     "bytes_read": tuple(float(4**i) for i in range(6, 18)),  # 4 KiB .. 16 GiB
+    "push_seconds": _SECONDS_LONG,
+    "push_post_seconds": _SECONDS_LONG,
+    "bytes_written": tuple(float(4**i) for i in range(6, 18)),
 }
 
 
@@ -138,6 +152,38 @@ _ENDED_COUNTER = {
     LeaseState.ABORTED: "leases_aborted",
     LeaseState.EXPIRED: "leases_expired",
 }
+
+
+@attrs.define(eq=False)
+class _Write:
+    """P, push mode: one request's WRITE into a decoder's registered blocks."""
+
+    peer: str
+    """The decoder's transport peer (the writer machine's engine key)."""
+    local_block_ids: tuple[tuple[int, ...], ...]
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    handle: XferHandle | None = None
+    posted_at: float = 0.0
+    notice: bytes | None = None
+
+
+@attrs.define(eq=False)
+class _PushIn:
+    """D, push mode: one request's destination blocks, held under D's own lease."""
+
+    request_id: str
+    lease_id: str
+    addr: RemoteEngineAddr
+    rank: int
+    registration: bytes
+    deadline: float
+    """Not yet sent: fail at this time; sent: revoke at this time (the push's overall cap)."""
+    sent_to: str | None = None
+    """The prefill engine's transport peer the registration went to."""
+    revoked: bool = False
+    aborted: bool = False
+    reason: str | None = None
+    """Why it failed, when the prefill engine said (a refusal)."""
 
 
 @attrs.define(eq=False)
@@ -205,12 +251,38 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         )
         # (D engine, rank, transport metadata, session key) from the handshake thread; bounded,
         # so a flood of handshakes cannot queue unbounded work for the engine thread.
-        self._pending_peers: queue.Queue[tuple[str, int, bytes, bytes | None]] = queue.Queue(
-            maxsize=_MAX_PENDING_PEERS
-        )
+        self._pending_peers: queue.Queue[
+            tuple[str, int, bytes, bytes | None, BlockLayout | None]
+        ] = queue.Queue(maxsize=_MAX_PENDING_PEERS)
         self._reader_peers: dict[tuple[str, int], str] = {}  # (D engine, rank) -> peer
         self._readers: dict[str, str] = {}  # transport peer -> D engine id
         self._peer_keys: dict[str, bytes] = {}  # transport peer (a reader) -> session key
+        # P, push mode: registrations matched with finished prefills, and the writes. The
+        # writer is the reader machine with the roles swapped (its engine keys are peers).
+        self._push = PushSource(
+            wait_timeout=self._policy.duration,
+            heartbeat_interval=self._policy.heartbeat_interval,
+            require_digest=options.keys is not None,
+        )
+        self._writer = LeaseReader(
+            self._policy,
+            ReaderTimeouts.from_policy(
+                self._policy,
+                peer_timeout=2 * options.handshake_timeout,
+                margin=options.read_margin,
+            ),
+            release_after_loss=True,
+        )
+        self._writes: dict[str, _Write] = {}
+        self._reader_layouts: dict[str, BlockLayout] = {}  # reader peer -> its layout
+        self._reader_handles: dict[str, LayoutHandle] = {}
+        self._new_reader_peers: list[str] = []
+        self._gone_reader_peers: list[str] = []
+        self._writes_posted_now: list[str] = []
+        # D, push mode: destination blocks held under D's own leases
+        self._pushes: dict[str, _PushIn] = {}  # request id -> push
+        self._push_leases: dict[str, str] = {}  # D's lease id -> request id
+        self._push_blocks: dict[int, set[str]] = {}  # block -> live push lease ids
         self._keys = options.keys
         if self._keys is None:
             warn_unauthenticated("worker")
@@ -249,6 +321,16 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def reader(self) -> LeaseReader:
         """D's reader machine (read-only use: tests and diagnostics)."""
         return self._reader
+
+    @property
+    def push_source(self) -> PushSource:
+        """P's push matcher (read-only use: tests and diagnostics)."""
+        return self._push
+
+    @property
+    def writer(self) -> LeaseReader:
+        """P's writer machine in push mode (read-only use: tests and diagnostics)."""
+        return self._writer
 
     @property
     def holder(self) -> LeaseHolder[tuple[str, tuple[tuple[int, ...], ...]]]:
@@ -291,9 +373,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         # Read on the engine thread, before the server thread that answers with it exists.
         self._local_meta = self._transport.local_metadata()
         if self._transport.capabilities.access_control:
-            # A two-sided transport asks before it serves a peer: READs of claimed leases'
-            # blocks only (a decode-only engine grants none, so it serves no READ), no WRITE
-            # at all (P/D pulls).
+            # A two-sided transport asks before it serves a peer: READs of claimed pull
+            # leases' blocks only (a decode-only engine grants none, so it serves no READ),
+            # WRITEs only into claimed push leases' blocks (registered by this engine).
             self._region_bases = sorted(
                 (r.addr, r.length, bl) for r, bl in zip(regions, block_lens, strict=True)
             )
@@ -322,16 +404,23 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 clock=self._clock,
                 local_metadata=self._local_meta,
                 keys=self._keys,
+                layout=self._layout,
             )
 
     def _check_access(self, peer: str, op: Op, ranges: Sequence[tuple[int, int]]) -> str | None:
         # Runs inside the transport's progress, on the engine thread (the holder's thread).
-        if op is not Op.READ:
+        # Each block asked for must belong to a live lease this peer claimed (a READ: a pull
+        # lease this engine granted; a WRITE: a push lease on blocks this engine registered):
+        # the leases of the blocks come from the index (a block shared by prefix caching has
+        # several), and each distinct lease is asked once.
+        index = self._block_leases if op is Op.READ else self._push_blocks
+        if not index:
             self._count("access_refused")
-            return "this engine takes no WRITE into its KV cache (P/D pulls)"
-        # Each block asked for must belong to a live lease this reader claimed: the leases of
-        # the blocks come from the index (a block shared by prefix caching has several), and
-        # each distinct lease is asked once.
+            return (
+                "this engine holds no lease for a READ of its KV cache"
+                if op is Op.READ
+                else "this engine registered no blocks for a WRITE into its KV cache"
+            )
         owners: list[set[str]] = []
         bases = self._region_bases
         for addr, length in ranges:
@@ -342,7 +431,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             if addr + length > base + size:
                 break
             first, last = (addr - base) // block_len, (addr + length - 1 - base) // block_len
-            leases = [self._block_leases.get(b) for b in range(first, last + 1)]
+            leases = [index.get(b) for b in range(first, last + 1)]
             if not all(leases):
                 break
             owners.extend(x for x in leases if x)
@@ -352,8 +441,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 return None
         self._count("access_refused")
         return (
-            "the range is not in a block of a lease this reader claimed (heartbeat the lease "
-            "from its ticket before reading)"
+            "the range is not in a block of a lease this peer claimed (heartbeat the lease "
+            "before reading or writing its blocks)"
         )
 
     def get_handshake_metadata(self) -> bytes | None:
@@ -374,7 +463,13 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         assert self._layout is not None
         try:
             self._pending_peers.put_nowait(
-                (request.engine_id, request.rank, request.transport_metadata, session)
+                (
+                    request.engine_id,
+                    request.rank,
+                    request.transport_metadata,
+                    session,
+                    request.layout,
+                )
             )
         except queue.Full:
             raise ValueError(
@@ -404,8 +499,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._progress()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """P/D loads are asynchronous (whole request, before it is scheduled): nothing to wait
-        for layer by layer."""
+        """P/D loads are asynchronous (whole request, pulled or pushed, before it is
+        scheduled): nothing to wait for layer by layer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
         """P keeps the KV in place for D to read: nothing to save."""
@@ -471,10 +566,21 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._event("pd.drain_error", error=str(exc))
             notes = []
         states = self._poll(list(self._reads))
+        wstates = self._poll_writes(list(self._writes))
         # The clock reading of this progress point: after every observation above, so that
         # no completion or receipt is stamped earlier than it happened.
         now = self._clock()
         self._posted_now = []
+        self._writes_posted_now = []
+        for peer in self._gone_reader_peers:
+            self._run_push(self._push.peer_gone(peer, now), now)
+            self._run_writer(
+                self._writer.peer_failed(peer, "the decoder connected again", now), now
+            )
+        self._gone_reader_peers = []
+        for peer in self._new_reader_peers:
+            self._run_writer(self._writer.peer_ready(peer, now), now)
+        self._new_reader_peers = []
         self._apply_pending(now)
         for note in notes:
             self._on_notification(note.sender, note.payload, now)
@@ -484,6 +590,14 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._transfer_state(rid, state, handle, now)
             self._run(self._reader.tick(now), now)
             self._settle_posted()
+            if self._pushes:
+                self._push_tick(now)
+        if self._writes or len(self._push):
+            for rid, state, handle in wstates:
+                self._write_state(rid, state, handle, now)
+            self._run_push(self._push.tick(now), now)
+            self._run_writer(self._writer.tick(now), now)
+            self._settle_writes()
         self._lease_output(self._holder.expire(now))
 
     def _poll(self, rids: Iterable[str]) -> list[tuple[str, XferStatus, XferHandle]]:
@@ -518,12 +632,30 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 for group in grant.block_ids:
                     for b in group:
                         self._block_leases.setdefault(b, set()).add(grant.lease_id)
+        for src in meta.push_sources:
+            self._count("push_sources")
+            self._run_push(
+                self._push.offer(
+                    src.request_id,
+                    src.push_id,
+                    src.block_ids,
+                    src.num_tokens,
+                    src.prompt_digest,
+                    now,
+                ),
+                now,
+            )
+        for push_id in meta.push_abandoned:
+            self._run_push(self._push.abandon(push_id, now), now)
         if self._engines is None:
             return
         for addr in meta.engines:
             self._ensure(addr, now)
         for load in meta.pd_loads:
             self._count("loads_requested")
+            if load.push_id:
+                self._push_add(load, now)
+                continue
             self._reads[load.request_id] = _Read(spec=load)
             rank = self._remote_rank(load.remote)
             incarnation = (
@@ -541,7 +673,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 now,
             )
         for rid in meta.abort_request_ids:
-            self._run(self._reader.abort(rid, now), now)
+            if rid in self._pushes:
+                self._push_abort(rid, now)
+            else:
+                self._run(self._reader.abort(rid, now), now)
         for engine_id, ids in meta.pd_heartbeats.items():
             self._run(self._reader.heartbeat(engine_id, ids, now), now)
         releases: dict[str, list[str]] = {}
@@ -580,6 +715,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count("notifications_unauthenticated")
             self._event("pd.unauthenticated_notification", sender=sender[:64])
             return
+        if pushwire.is_push_message(payload):
+            self._on_push_message(sender, payload, now)
+            return
         try:
             msg = wire.decode(payload)
         except CodecError as exc:
@@ -594,18 +732,30 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._lease_output(out)
             return
         entry = self._engines.by_peer(sender) if self._engines is not None else None
-        if entry is None:
+        writer = sender in self._readers
+        if entry is None and not writer:
             self._count("notifications_unroutable")
             return
         if isinstance(msg, wire.LeaseAck):
             self._count("acks_received")
-        self._run(self._reader.receive(entry.engine_id, msg, now), now)
+        if writer:
+            # A decoder answers the heartbeats this engine's writer sent for its leases.
+            if isinstance(msg, wire.LeaseLost):
+                dropped = self._push.revoked(sender, msg.handles, now)
+                if dropped:
+                    self._run_writer(self._writer.release(sender, dropped, now), now)
+            self._run_writer(self._writer.receive(sender, msg, now), now)
+        if entry is not None:
+            self._run(self._reader.receive(entry.engine_id, msg, now), now)
 
     def _lease_output(self, out: HolderOutput[tuple[str, tuple[tuple[int, ...], ...]]]) -> None:
         for lease in out.ended:
             self._lease_ended(lease)
 
     def _lease_ended(self, lease: Lease[tuple[str, tuple[tuple[int, ...], ...]]]) -> None:
+        if lease.request_id in self._push_leases:
+            self._push_ended(lease)
+            return
         self._finished_sending.add(lease.payload[0])
         if self._region_bases:
             for group in lease.payload[1]:
@@ -623,7 +773,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._count("leases_renewed", len(msg.handles))
             elif isinstance(msg, wire.LeaseLost):
                 self._count("heartbeat_ids_ignored", len(msg.handles))
-            key = self._peer_keys.get(peer)
+            key = self._peer_keys.get(peer) or self._engine_key(peer)
             for part in wire.split(msg, self._max_notif - self._tag_bytes):
                 sealed = self._seal(key, wire.encode(part))
                 if sealed is None:
@@ -639,7 +789,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _add_pending_peers(self) -> None:
         while True:
             try:
-                engine_id, rank, meta, session = self._pending_peers.get_nowait()
+                engine_id, rank, meta, session, layout = self._pending_peers.get_nowait()
             except queue.Empty:
                 return
             # A reader that handshakes again saw its connection fail, or restarted: rebuild
@@ -650,7 +800,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     self._transport.remove_peer(old)
                 self._readers.pop(old, None)
                 self._peer_keys.pop(old, None)
+                self._reader_layouts.pop(old, None)
+                self._reader_handles.pop(old, None)
                 self._count("peers_rebuilt")
+                self._forget_writer_peer(old)
             try:
                 peer = self._transport.add_peer(meta)
             except TransportError as exc:
@@ -661,6 +814,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._readers[peer] = engine_id
             if session is not None:
                 self._peer_keys[peer] = session
+            if layout is not None:
+                self._reader_layouts[peer] = layout
+                self._new_reader_peers.append(peer)
             self._holder.connected(peer)
 
     # -- D: peers ------------------------------------------------------------------------
@@ -687,7 +843,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
 
     def _poll_peers(self, now: float) -> None:
         assert self._engines is not None
-        for entry in self._engines.poll(now, self._reader.engine_busy):
+        for entry in self._engines.poll(now, self._engine_busy):
+            if self._pushes:
+                self._push_peer(entry, now)
             if entry.state is PeerState.READY:
                 self._run(
                     self._reader.peer_ready(entry.engine_id, now, incarnation=entry.incarnation),
@@ -865,16 +1023,346 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._count("reconnects", engine=action.engine)
         return self._reader.peer_lost(action.engine, now)
 
+    # -- P, push mode: matching and writing -------------------------------------------------
+    def _forget_writer_peer(self, peer: str) -> None:
+        self._gone_reader_peers.append(peer)
+
+    def _run_push(self, actions: list[PushAction], now: float) -> None:
+        for action in actions:
+            if isinstance(action, StartWrite):
+                self._writes[action.request_id] = _Write(
+                    peer=action.engine,
+                    local_block_ids=action.local_block_ids,
+                    remote_block_ids=action.remote_block_ids,
+                )
+                self._run_writer(
+                    self._writer.add(action.request_id, action.engine, action.lease_id, now),
+                    now,
+                )
+            elif isinstance(action, Refuse):
+                self._count("push_refused")
+                self._event(
+                    "pd.push_refused", peer=action.engine[:64], reason=action.reason.name.lower()
+                )
+                refusal = PushRefused(lease_id=action.lease_id, reason=action.reason)
+                self._send_raw(action.engine, pushwire.encode(refusal))
+            elif isinstance(action, EndSource):
+                self._finished_sending.add(action.request_id)
+                self._count("push_unsent")
+                self._event("pd.push_unsent", request_id=action.request_id, reason=action.reason)
+            elif isinstance(action, Keepalive):
+                self._run_writer(self._writer.heartbeat(action.engine, action.lease_ids, now), now)
+
+    def _send_raw(self, peer: str, payload: bytes) -> bool:
+        # To a decoder that handshook with this engine (a reader peer), sealed under its key.
+        sealed = self._seal(self._peer_keys.get(peer), payload)
+        if sealed is None:
+            self._count("notifications_unsent")
+            return False
+        try:
+            self._transport.send_notification(peer, sealed)
+        except TransportError as exc:
+            self._count("notify_failures")
+            self._event("pd.notify_failed", peer=peer[:64], error=str(exc))
+            return False
+        return True
+
+    def _run_writer(self, actions: list[Action], now: float) -> None:
+        todo = collections.deque(actions)
+        while todo:
+            action = todo.popleft()
+            if isinstance(action, SendMessage):
+                if isinstance(action.message, wire.Heartbeat):
+                    self._count("push_heartbeats_sent")
+                for part in wire.split(action.message, self._max_notif - self._tag_bytes):
+                    if not self._send_raw(action.engine, wire.encode(part)):
+                        break
+            elif isinstance(action, PostRead):
+                todo.extend(self._post_write(action, now))
+            elif isinstance(action, StopRead):
+                wr = self._writes.get(action.request_id)
+                if wr is not None and wr.handle is not None:
+                    # Stops the WRITE: when this returns no byte of it lands any more.
+                    self._transport.release(wr.handle)
+                    wr.handle = None
+            elif isinstance(action, LoadEnded):
+                self._write_ended(action)
+            # Reconnect: never asked (the writer gives no incarnation)
+
+    def _post_write(self, action: PostRead, now: float) -> list[Action]:
+        wr = self._writes[action.request_id]
+        peer = wr.peer
+        local = [b for g in wr.local_block_ids for b in g]
+        remote = [b for g in wr.remote_block_ids for b in g]
+        notice = self._seal(self._peer_keys.get(peer), wire.encode(action.notification))
+        if notice is None or self._local is None:
+            return self._writer.transfer_failed(
+                action.request_id, "the connection to the decoder is not authenticated", now
+            )
+        if not local:
+            # Nothing to write (the decoder had every block): the notice alone completes it.
+            self._send_raw(peer, wire.encode(action.notification))
+            return self._writer.transfer_done(action.request_id, now)
+        t0 = time.perf_counter()
+        try:
+            handle = self._reader_handles.get(peer)
+            if handle is None:
+                layout = self._reader_layouts.get(peer)
+                if layout is None:
+                    raise TransportError("the decoder sent no KV layout in its handshake")
+                handle = self._reader_handles[peer] = self._transport.prepare_remote(peer, layout)
+            if not self._transport.capabilities.notification_after_data:
+                wr.notice, notice = notice, None
+            wr.handle = self._transport.post(
+                Op.WRITE, self._local, local, handle, remote, notification=notice
+            )
+        except (TransportError, ValueError) as exc:
+            return self._writer.transfer_failed(
+                action.request_id, f"posting the write failed: {exc}", now
+            )
+        wr.posted_at = now
+        self._writes_posted_now.append(action.request_id)
+        self._observe("push_post_seconds", time.perf_counter() - t0)
+        self._count("descriptors", wr.handle.num_descriptors)
+        return []
+
+    def _poll_writes(self, rids: Iterable[str]) -> list[tuple[str, XferStatus, XferHandle]]:
+        return [
+            (rid, self._transport.poll(wr.handle), wr.handle)
+            for rid in rids
+            if (wr := self._writes.get(rid)) is not None and wr.handle is not None
+        ]
+
+    def _settle_writes(self) -> None:
+        posted, self._writes_posted_now = self._writes_posted_now, []
+        states = self._poll_writes(posted)
+        if not any(st.state is not XferState.PENDING for _, st, _ in states):
+            return
+        later = self._clock()
+        for rid, st, handle in states:
+            self._write_state(rid, st, handle, later)
+
+    def _write_state(self, rid: str, status: XferStatus, handle: XferHandle, now: float) -> None:
+        wr = self._writes.get(rid)
+        if wr is None or wr.handle is not handle or status.state is XferState.PENDING:
+            return
+        if status.state is XferState.FAILED:
+            self._run_writer(self._writer.transfer_failed(rid, str(status.error), now), now)
+            return
+        if wr.notice is not None:
+            notice, wr.notice = wr.notice, None
+            try:
+                self._transport.send_notification(handle.peer, notice)
+            except TransportError as exc:  # the decoder's lease then ends by expiry
+                self._count("notify_failures")
+                self._event("pd.notify_failed", peer=wr.peer[:64], error=str(exc))
+        self._observe("bytes_written", status.nbytes)
+        moved = status.transfer_seconds
+        self._observe("push_seconds", moved if moved is not None else now - wr.posted_at)
+        self._run_writer(self._writer.transfer_done(rid, now), now)
+
+    def _write_ended(self, action: LoadEnded) -> None:
+        wr = self._writes.pop(action.request_id, None)
+        if wr is not None and wr.handle is not None:
+            self._transport.release(wr.handle)
+            wr.handle = None
+        self._finished_sending.add(action.request_id)
+        if action.state is ReadState.DONE:
+            self._count("pushes_done")
+        else:
+            self._count("pushes_failed")
+            self._event("pd.push_failed", request_id=action.request_id, reason=action.reason)
+
+    # -- D, push mode: registering and holding the destination blocks ----------------------
+    def _engine_busy(self, engine: str) -> bool:
+        return self._reader.engine_busy(engine) or any(
+            p.addr.engine_id == engine for p in self._pushes.values()
+        )
+
+    def _push_add(self, load: PDLoad, now: float) -> None:
+        rid = load.request_id
+        lease_id = secrets.token_hex(16)
+        rank = self._remote_rank(load.remote)
+        try:
+            registration = pushwire.encode(
+                PushRegister(
+                    push_id=load.push_id,
+                    lease_id=lease_id,
+                    first_block=load.first_block,
+                    num_tokens=load.num_tokens,
+                    prompt_digest=load.prompt_digest,
+                    groups=load.local_block_ids,
+                )
+            )
+            if len(registration) + self._tag_bytes > self._max_notif:
+                raise CodecError(
+                    f"a registration of {len(registration)} bytes exceeds the transport's "
+                    f"{self._max_notif}-byte notifications"
+                )
+        except (CodecError, ValueError) as exc:
+            self._finished_recving.add(rid)
+            self._fail_blocks(rid, load.local_block_ids, f"cannot register for push: {exc}")
+            return
+        self._holder.grant(lease_id, now, (rid, load.local_block_ids))
+        self._count("push_registrations")
+        self._push_leases[lease_id] = rid
+        if self._region_bases:
+            for group in load.local_block_ids:
+                for b in group:
+                    self._push_blocks.setdefault(b, set()).add(lease_id)
+        incarnation = (
+            load.remote_incarnations[rank] if rank < len(load.remote_incarnations) else None
+        )
+        self._pushes[rid] = _PushIn(
+            request_id=rid,
+            lease_id=lease_id,
+            addr=load.remote,
+            rank=rank,
+            registration=registration,
+            deadline=now + 2 * self._options.handshake_timeout,
+        )
+        entry = self._ensure(load.remote, now, incarnation)
+        self._push_peer(entry, now)
+
+    def _push_peer(self, entry: RemoteEngine, now: float) -> None:
+        for push in list(self._pushes.values()):
+            if push.sent_to is not None or push.addr.engine_id != entry.engine_id:
+                continue
+            if entry.state is PeerState.READY and entry.peer is not None:
+                sealed = self._seal(entry.session_key, push.registration)
+                try:
+                    if sealed is None:
+                        raise TransportError("the connection is not authenticated")
+                    self._transport.send_notification(entry.peer, sealed)
+                except TransportError as exc:
+                    self._push_local_end(push, now, f"sending the registration failed: {exc}")
+                    continue
+                push.sent_to = entry.peer
+                # From now on the prefill engine may write: the cap on the whole push.
+                push.deadline = now + 3 * self._policy.duration
+                self._holder.connected(entry.peer)
+            elif entry.state is PeerState.FAILED:
+                self._push_local_end(
+                    push, now, f"no connection to the prefill engine: {entry.error or 'failed'}"
+                )
+
+    def _push_local_end(self, push: _PushIn, now: float, reason: str) -> None:
+        # Nobody was told of the blocks (the registration never left): free them at once.
+        push.reason = reason
+        self._lease_output(self._holder.abort(push.lease_id, now))
+
+    def _push_abort(self, rid: str, now: float) -> None:
+        push = self._pushes[rid]
+        push.aborted = True
+        if push.sent_to is None:
+            self._push_local_end(push, now, "aborted by the engine")
+        else:
+            self._push_revoke(push, now)
+
+    def _push_revoke(self, push: _PushIn, now: float) -> None:
+        # The prefill engine may be writing: stop renewing, tell it, and keep the blocks until
+        # it says it stopped (a release or its completion) or the lease expires.
+        if push.revoked or not self._holder.revoke(push.lease_id, now):
+            return
+        push.revoked = True
+        self._count("push_revoked")
+        assert push.sent_to is not None
+        notice = wire.LeaseLost(
+            echo_seq=0,
+            holder_now=now,
+            reason=wire.LostReason.ABORTED,
+            handles=(lease_handle(push.lease_id),),
+        )
+        self._reply(push.sent_to, [notice])
+
+    def _push_tick(self, now: float) -> None:
+        for push in list(self._pushes.values()):
+            if push.deadline > now or push.revoked:
+                continue
+            if push.sent_to is None:
+                self._push_local_end(push, now, "no connection to the prefill engine in time")
+            else:
+                push.reason = (
+                    f"the prefill engine did not complete the push within "
+                    f"{3 * self._policy.duration:g} s"
+                )
+                self._push_revoke(push, now)
+
+    def _on_push_message(self, sender: str, payload: bytes, now: float) -> None:
+        try:
+            msg = pushwire.decode(payload)
+        except CodecError as exc:
+            self._count("notifications_rejected")
+            self._event("pd.bad_notification", sender=sender[:64], error=str(exc))
+            return
+        if isinstance(msg, PushRegister):
+            if sender not in self._readers or not self._config.is_producer:
+                self._count("notifications_unroutable")
+                return
+            self._count("push_registrations_received")
+            self._run_push(self._push.register(sender, msg, now), now)
+            return
+        rid = self._push_leases.get(msg.lease_id)
+        push = self._pushes.get(rid) if rid is not None else None
+        if push is None or push.sent_to != sender:
+            self._count("notifications_unroutable")
+            return
+        push.reason = f"{msg.reason.text()} (push refused: {msg.reason.name.lower()})"
+        self._lease_output(self._holder.abort(push.lease_id, now))
+
+    def _push_ended(self, lease: Lease[tuple[str, tuple[tuple[int, ...], ...]]]) -> None:
+        rid = self._push_leases.pop(lease.request_id)
+        push = self._pushes.pop(rid, None)
+        if self._region_bases:
+            for group in lease.payload[1]:
+                for b in group:
+                    held = self._push_blocks.get(b)
+                    if held is not None:
+                        held.discard(lease.request_id)
+                        if not held:
+                            del self._push_blocks[b]
+        self._finished_recving.add(rid)
+        engine = push.addr.engine_id if push is not None else None
+        if push is not None and push.aborted:
+            self._count("loads_aborted", engine=engine)
+            return
+        if lease.state is LeaseState.CONSUMED and (push is None or not push.revoked):
+            self._count("loads_done", engine=engine)
+            return
+        if push is not None and push.reason is not None:
+            reason = push.reason
+        elif lease.state is LeaseState.EXPIRED:
+            reason = "the prefill engine did not write within the lease (it died or stalled)"
+        else:
+            reason = "the prefill engine gave up the write (it failed or was abandoned)"
+        self._fail_blocks(rid, lease.payload[1], reason, engine)
+
+    def _fail_blocks(
+        self,
+        rid: str,
+        block_ids: tuple[tuple[int, ...], ...],
+        reason: str,
+        engine: str | None = None,
+    ) -> None:
+        for group in block_ids:
+            self._invalid.update(group)
+        self._failures[rid] = reason
+        self._count("loads_failed", engine=engine)
+        self._event("pd.load_failed", request_id=rid, reason=reason)
+
     # -- lifetime ------------------------------------------------------------------------
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for rd in self._reads.values():
-            if rd.handle is not None:
+        handles = [x.handle for x in self._reads.values()]
+        handles += [x.handle for x in self._writes.values()]
+        for h in handles:
+            if h is not None:
                 with contextlib.suppress(TransportError):
-                    self._transport.release(rd.handle)
+                    self._transport.release(h)
         self._reads.clear()
+        self._writes.clear()
         if self._server is not None:
             self._server.close()
         if self._engines is not None:
