@@ -308,6 +308,8 @@ class StartWrite:
     lease_id: str
     local_block_ids: tuple[tuple[int, ...], ...]
     remote_block_ids: tuple[tuple[int, ...], ...]
+    first_block: int = 0
+    """The index in P's block list of ``local_block_ids``' first block."""
 
 
 @attrs.frozen(kw_only=True)
@@ -412,6 +414,39 @@ class PushSource:
         self._gone.move_to_end(push_id)
         while len(self._gone) > self._capacity:
             self._gone.popitem(last=False)
+
+    def registration(self, push_id: str) -> tuple[str, PushRegister] | None:
+        """The registration waiting for ``push_id``'s prefill, with the peer it came from (P
+        may write parts of it early: ``push_layerwise``), or ``None``."""
+        w = self._waiting.get(push_id)
+        return None if w is None else (w.engine, w.reg)
+
+    def fits(
+        self,
+        reg: PushRegister,
+        block_ids: tuple[tuple[int, ...], ...],
+        num_tokens: int,
+        prompt_digest: str,
+        *,
+        partial: bool = False,
+    ) -> RefuseReason | None:
+        """Why a registration does not fit P's request (``None``: it fits): the check
+        :meth:`offer` makes before it writes. ``partial``: ``block_ids`` are the blocks so far
+        of a prefill under way (only the group count is checked, not the range)."""
+        digests = (reg.prompt_digest, prompt_digest)
+        if (
+            reg.num_tokens != num_tokens
+            or (all(digests) and digests[0] != digests[1])
+            or (self._require and not all(digests))
+        ):
+            return RefuseReason.PROMPT
+        if len(reg.groups) != len(block_ids):
+            return RefuseReason.BLOCKS
+        if not partial and any(
+            reg.first_block + len(d) > len(p) for d, p in zip(reg.groups, block_ids, strict=True)
+        ):
+            return RefuseReason.BLOCKS
+        return None
 
     def offer(
         self,
@@ -536,19 +571,7 @@ class PushSource:
 
     def _match(self, push_id: str, offer: _Offer, w: _Waiting) -> list[PushAction]:
         reg = w.reg
-        refuse = None
-        digests = (reg.prompt_digest, offer.prompt_digest)
-        if (
-            reg.num_tokens != offer.num_tokens
-            or (all(digests) and digests[0] != digests[1])
-            or (self._require and not all(digests))
-        ):
-            refuse = RefuseReason.PROMPT
-        elif len(reg.groups) != len(offer.block_ids) or any(
-            reg.first_block + len(d) > len(p)
-            for d, p in zip(reg.groups, offer.block_ids, strict=True)
-        ):
-            refuse = RefuseReason.BLOCKS
+        refuse = self.fits(reg, offer.block_ids, offer.num_tokens, offer.prompt_digest)
         if refuse is not None:
             self._remember(push_id, refuse)
             self._count("push_refused")
@@ -569,5 +592,6 @@ class PushSource:
                 lease_id=reg.lease_id,
                 local_block_ids=local,
                 remote_block_ids=reg.groups,
+                first_block=first,
             )
         ]

@@ -20,6 +20,7 @@ __all__ = [
     "PDGrant",
     "PDLoad",
     "PDMetadata",
+    "PDPushProgress",
     "PDPushSource",
     "PDWorkerAddress",
     "RemoteEngineAddr",
@@ -49,6 +50,10 @@ def _grants(value: Any) -> tuple[PDGrant, ...]:
 
 def _sources(value: Any) -> tuple[PDPushSource, ...]:
     return _checked(value, PDPushSource)
+
+
+def _progress(value: Any) -> tuple[PDPushProgress, ...]:
+    return _checked(value, PDPushProgress)
 
 
 def _strs(value: Any) -> tuple[str, ...]:
@@ -87,7 +92,7 @@ def _ports(value: Any) -> tuple[int, ...]:
 
 
 # They check only what the fields' types say: the codec skips them on decoding (hot path).
-type_checked(_blocks, _loads, _grants, _sources, _strs, _releases, _addrs, _ports)
+type_checked(_blocks, _loads, _grants, _sources, _progress, _strs, _releases, _addrs, _ports)
 
 
 @attrs.frozen(kw_only=True)
@@ -156,6 +161,23 @@ class PDGrant:
 
 
 @attrs.frozen(kw_only=True)
+class PDPushProgress:
+    """Push mode with ``push_layerwise``, P side: this step's forward pass computes request
+    ``request_id``'s KV up to ``computed_tokens``; each layer's finished blocks may be written
+    to the registered decoder as soon as ``save_kv_layer`` saw that layer."""
+
+    request_id: str
+    push_id: str
+    block_ids: BlockIds = attrs.field(converter=_blocks)
+    """Every block of the request so far, per KV group, in token order."""
+    computed_tokens: int
+    """Tokens with valid KV once this step's forward pass has run."""
+    num_tokens: int
+    """The prompt's length in tokens."""
+    prompt_digest: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class RemoteRelease:
     """Tell a remote engine it may free a request's blocks now (no read will come, or the local
     prefix cache already had them)."""
@@ -189,6 +211,8 @@ class PDMetadata(ConnectorMetadata):
     """P: push-mode requests whose prefill finished: write each to its registered decoder."""
     push_abandoned: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     """P: push ids whose requests ended without KV to push: refuse their registrations."""
+    push_progress: tuple[PDPushProgress, ...] = attrs.field(default=(), converter=_progress)
+    """P (``push_layerwise``): push-mode requests this step computes, layer by layer."""
 
     @property
     def is_empty(self) -> bool:
@@ -200,6 +224,7 @@ class PDMetadata(ConnectorMetadata):
             or self.engines
             or self.push_sources
             or self.push_abandoned
+            or self.push_progress
         )
 
 

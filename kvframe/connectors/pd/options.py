@@ -29,6 +29,9 @@ class PDOptions:
     handshake_timeout: float = 5.0
     read_margin: float | None = None
     peer_idle_ttl: float = 600.0
+    push_layerwise: bool = False
+    """Push mode, P: write each layer's finished blocks as the prefill computes them (the
+    transfer overlaps the prefill), not the whole KV once the request finished."""
     auth_key_file: str | None = None
     """The fleet key file (see :mod:`kvframe.connectors.pd.auth`); ``None``: unauthenticated."""
     keys: KeyRing | None = attrs.field(default=None, repr=False)
@@ -102,7 +105,11 @@ class PDOptions:
                 f"{_PATH}.auth_key_file = {key_file!r}; expected the path of a key file "
                 "(`kvframe keygen PATH` writes one)"
             )
+        layerwise = extra.get("push_layerwise", False)
+        if not isinstance(layerwise, bool):
+            raise ConfigError(f"{_PATH}.push_layerwise = {layerwise!r}; expected true or false")
         return cls(
+            push_layerwise=layerwise,
             auth_key_file=key_file,
             keys=KeyRing.from_file(key_file) if key_file else None,
             transport=text("transport", "nixl"),

@@ -24,6 +24,7 @@ from kvframe.connectors.pd.metadata import (
     PDGrant,
     PDLoad,
     PDMetadata,
+    PDPushProgress,
     PDPushSource,
     PDWorkerAddress,
     RemoteEngineAddr,
@@ -99,6 +100,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._held: dict[str, str] = {}  # local request id -> lease id (push: push id)
         self._push_sources: list[PDPushSource] = []
         self._push_abandoned: list[str] = []
+        # push_layerwise: push-mode requests being prefilled -> (push id, prompt tokens,
+        # digest, their blocks so far)
+        self._push_live: dict[str, tuple[str, int, str, list[list[int]]]] = {}
         self._incarnations: dict[int, str] = {}
         # D side
         self._incoming: dict[str, _Incoming] = {}
@@ -285,7 +289,25 @@ class PDConnectorScheduler(KVConnectorScheduler):
     # -- SPI -----------------------------------------------------------------------------
     def on_new_request(self, request: RequestView) -> None:
         """D: start heartbeating for a remote-prefill request now (it may wait in the queue
-        longer than a lease), and start the handshake with its prefill engine."""
+        longer than a lease), and start the handshake with its prefill engine. P, push mode
+        with ``push_layerwise``: follow the request's prefill step by step."""
+        if (
+            self._options.push_layerwise
+            and self._config.is_producer
+            and wants_remote_decode(request.kv_transfer_params)
+        ):
+            assert request.kv_transfer_params is not None
+            try:
+                if transfer_mode(request.kv_transfer_params) == "push":
+                    n = request.num_prompt_tokens
+                    self._push_live[request.request_id] = (
+                        push_id_of(request.kv_transfer_params),
+                        n,
+                        prompt_digest(request.prompt_token_ids, n) or "",
+                        [],
+                    )
+            except ConfigError:
+                pass  # request_finished refuses it and says why
         inc = self._parse(request)
         if inc is None:
             return
@@ -392,7 +414,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         for engine_id, ids in self._confirm.items():
             heartbeats.setdefault(engine_id, {}).update(ids)
         self._confirm.clear()
+        progress = self._push_progress(scheduler_output) if self._push_live else ()
         meta = PDMetadata(
+            push_progress=progress,
             step=scheduler_output.step,
             now=now,
             grants=tuple(self._grants),
@@ -414,6 +438,34 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if heartbeats:
             self._count("heartbeat_batches", len(heartbeats))
         return meta
+
+    def _push_progress(self, step: SchedulerStep) -> tuple[PDPushProgress, ...]:
+        out = []
+        for rid, (push_id, n, digest, blocks) in self._push_live.items():
+            new = step.new_block_ids.get(rid)
+            if rid in step.new_requests:
+                blocks[:] = [list(g) for g in new] if new is not None else []
+            elif rid in step.cached_requests and new is not None:
+                if not blocks:
+                    blocks[:] = [[] for _ in new]
+                for have, more in zip(blocks, new, strict=False):
+                    have.extend(more)
+            else:
+                continue
+            computed = step.num_computed_tokens.get(rid)
+            if computed is None or not blocks:
+                continue  # the engine does not report it: the whole KV is pushed at the end
+            out.append(
+                PDPushProgress(
+                    request_id=rid,
+                    push_id=push_id,
+                    block_ids=tuple(tuple(g) for g in blocks),
+                    computed_tokens=min(computed, n),
+                    num_tokens=n,
+                    prompt_digest=digest,
+                )
+            )
+        return tuple(out)
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
         for rid in output.finished_recving:
@@ -450,6 +502,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._rejected.pop(rid, None)
+        self._push_live.pop(rid, None)
         inc = self._incoming.get(rid)
         if inc is not None:
             aborted = request.finish_reason not in _NORMAL_FINISH
@@ -655,5 +708,6 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return out
 
     def shutdown(self) -> None:
+        self._push_live.clear()
         self._incoming.clear()
         self._held.clear()

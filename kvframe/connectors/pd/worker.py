@@ -68,7 +68,13 @@ from kvframe.connectors.pd.handshake import (
     HandshakeServer,
     compat_hash,
 )
-from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, PDWorkerAddress, RemoteEngineAddr
+from kvframe.connectors.pd.metadata import (
+    PDLoad,
+    PDMetadata,
+    PDPushProgress,
+    PDWorkerAddress,
+    RemoteEngineAddr,
+)
 from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.peers import PeerState, RemoteEngine, RemoteEngines
 from kvframe.core import push as pushwire
@@ -165,6 +171,23 @@ class _Write:
     handle: XferHandle | None = None
     posted_at: float = 0.0
     notice: bytes | None = None
+    """The encoded completion notice, when it must wait for more than the final WRITE (the
+    layer WRITEs still in flight, or a transport without ``notification_after_data``)."""
+    pre: list[XferHandle] = attrs.field(factory=list)
+    """Layer WRITEs posted during the prefill (``push_layerwise``) and not yet seen done: the
+    push completes only with them."""
+    posted: bool = False
+
+
+@attrs.define(eq=False)
+class _Pre:
+    """P, ``push_layerwise``: the layer WRITEs made for one registration before its request
+    finished."""
+
+    peer: str
+    written: list[int]
+    """Per layer, P's block index up to which that layer was written."""
+    handles: list[XferHandle] = attrs.field(factory=list)
 
 
 @attrs.define(eq=False)
@@ -279,6 +302,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._new_reader_peers: list[str] = []
         self._gone_reader_peers: list[str] = []
         self._writes_posted_now: list[str] = []
+        self._pre: dict[str, _Pre] = {}  # D's lease id -> layer writes made early
+        self._step_progress: list[PDPushProgress] = []
+        self._layer_index: dict[str, int] = {}
         # D, push mode: destination blocks held under D's own leases
         self._pushes: dict[str, _PushIn] = {}  # request id -> push
         self._push_leases: dict[str, str] = {}  # D's lease id -> request id
@@ -360,6 +386,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             block_lens.append(region.length // n)
             facts.append((name, tuple(t.shape[1:]), str(t.dtype)))
         assert num_blocks is not None
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._layout = BlockLayout(regions=regions, block_lens=block_lens, num_blocks=num_blocks)
         self._chash = compat_hash(
             kv=tuple(facts),
@@ -503,13 +530,18 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         scheduled): nothing to wait for layer by layer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
-        """P keeps the KV in place for D to read: nothing to save."""
+        """Pull mode: P keeps the KV in place for D to read, nothing to save. Push mode with
+        ``push_layerwise``: write this layer's blocks that this step completed to each
+        registered decoder whose lease is confirmed for ``read_margin`` more."""
+        if self._step_progress:
+            self._write_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Nothing is saved, so nothing to wait for."""
 
     def get_finished(self, finished_req_ids: Set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._progress()
+        self._step_progress = []
         sending, recving = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
         return (sending or None), (recving or None)
@@ -592,9 +624,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._settle_posted()
             if self._pushes:
                 self._push_tick(now)
+        if self._pre:
+            self._poll_pre(now)
         if self._writes or len(self._push):
-            for rid, state, handle in wstates:
-                self._write_state(rid, state, handle, now)
+            for rid, state, wr in wstates:
+                self._write_state(rid, state, wr, now)
             self._run_push(self._push.tick(now), now)
             self._run_writer(self._writer.tick(now), now)
             self._settle_writes()
@@ -647,6 +681,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             )
         for push_id in meta.push_abandoned:
             self._run_push(self._push.abandon(push_id, now), now)
+        self._step_progress.extend(meta.push_progress)
         if self._engines is None:
             return
         for addr in meta.engines:
@@ -742,6 +777,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             # A decoder answers the heartbeats this engine's writer sent for its leases.
             if isinstance(msg, wire.LeaseLost):
                 dropped = self._push.revoked(sender, msg.handles, now)
+                for lid in dropped:
+                    self._drop_pre(lid)  # stopped before the release says so
                 if dropped:
                     self._run_writer(self._writer.release(sender, dropped, now), now)
             self._run_writer(self._writer.receive(sender, msg, now), now)
@@ -1030,16 +1067,30 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _run_push(self, actions: list[PushAction], now: float) -> None:
         for action in actions:
             if isinstance(action, StartWrite):
+                local, remote = action.local_block_ids, action.remote_block_ids
+                pre = self._pre.pop(action.lease_id, None)
+                handles: list[XferHandle] = []
+                if pre is not None and pre.peer == action.engine:
+                    # What every layer already has needs no second write.
+                    skip = min(pre.written) - action.first_block
+                    if skip > 0:
+                        local = tuple(g[skip:] for g in local)
+                        remote = tuple(g[skip:] for g in remote)
+                    handles = pre.handles
+                elif pre is not None:
+                    self._release_all(pre.handles)
                 self._writes[action.request_id] = _Write(
                     peer=action.engine,
-                    local_block_ids=action.local_block_ids,
-                    remote_block_ids=action.remote_block_ids,
+                    local_block_ids=local,
+                    remote_block_ids=remote,
+                    pre=handles,
                 )
                 self._run_writer(
                     self._writer.add(action.request_id, action.engine, action.lease_id, now),
                     now,
                 )
             elif isinstance(action, Refuse):
+                self._drop_pre(action.lease_id)
                 self._count("push_refused")
                 self._event(
                     "pd.push_refused", peer=action.engine[:64], reason=action.reason.name.lower()
@@ -1081,10 +1132,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 todo.extend(self._post_write(action, now))
             elif isinstance(action, StopRead):
                 wr = self._writes.get(action.request_id)
-                if wr is not None and wr.handle is not None:
-                    # Stops the WRITE: when this returns no byte of it lands any more.
-                    self._transport.release(wr.handle)
-                    wr.handle = None
+                if wr is not None:
+                    # Stops the WRITEs: when this returns no byte of them lands any more.
+                    self._stop_write(wr)
             elif isinstance(action, LoadEnded):
                 self._write_ended(action)
             # Reconnect: never asked (the writer gives no incarnation)
@@ -1099,38 +1149,71 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             return self._writer.transfer_failed(
                 action.request_id, "the connection to the decoder is not authenticated", now
             )
+        wr.posted = True
+        wr.posted_at = now
         if not local:
-            # Nothing to write (the decoder had every block): the notice alone completes it.
-            self._send_raw(peer, wire.encode(action.notification))
-            return self._writer.transfer_done(action.request_id, now)
+            # Nothing (more) to write: the notice goes once the layer WRITEs are done.
+            wr.notice = notice
+            self._writes_posted_now.append(action.request_id)
+            return []
         t0 = time.perf_counter()
         try:
-            handle = self._reader_handles.get(peer)
-            if handle is None:
-                layout = self._reader_layouts.get(peer)
-                if layout is None:
-                    raise TransportError("the decoder sent no KV layout in its handshake")
-                handle = self._reader_handles[peer] = self._transport.prepare_remote(peer, layout)
-            if not self._transport.capabilities.notification_after_data:
+            handle = self._remote_handle(peer)
+            if wr.pre or not self._transport.capabilities.notification_after_data:
                 wr.notice, notice = notice, None
             wr.handle = self._transport.post(
                 Op.WRITE, self._local, local, handle, remote, notification=notice
             )
         except (TransportError, ValueError) as exc:
+            self._stop_write(wr)
             return self._writer.transfer_failed(
                 action.request_id, f"posting the write failed: {exc}", now
             )
-        wr.posted_at = now
         self._writes_posted_now.append(action.request_id)
         self._observe("push_post_seconds", time.perf_counter() - t0)
         self._count("descriptors", wr.handle.num_descriptors)
         return []
 
-    def _poll_writes(self, rids: Iterable[str]) -> list[tuple[str, XferStatus, XferHandle]]:
+    def _remote_handle(self, peer: str) -> LayoutHandle:
+        handle = self._reader_handles.get(peer)
+        if handle is None:
+            layout = self._reader_layouts.get(peer)
+            if layout is None:
+                raise TransportError("the decoder sent no KV layout in its handshake")
+            handle = self._reader_handles[peer] = self._transport.prepare_remote(peer, layout)
+        return handle
+
+    def _release_all(self, handles: Iterable[XferHandle]) -> None:
+        for h in handles:
+            with contextlib.suppress(TransportError):
+                self._transport.release(h)
+
+    def _stop_write(self, wr: _Write) -> None:
+        if wr.handle is not None:
+            self._transport.release(wr.handle)
+            wr.handle = None
+        self._release_all(wr.pre)
+        wr.pre = []
+
+    def _write_status(self, wr: _Write) -> XferStatus:
+        # The final WRITE and the layer WRITEs still in flight, as one transfer.
+        statuses = [self._transport.poll(h) for h in wr.pre]
+        if wr.handle is not None:
+            statuses.append(self._transport.poll(wr.handle))
+        for st in statuses:
+            if st.state is XferState.FAILED:
+                return st
+        if any(st.state is XferState.PENDING for st in statuses):
+            return XferStatus.pending()
+        nbytes = sum(st.nbytes for st in statuses)
+        last = statuses[-1].transfer_seconds if statuses and wr.handle is not None else None
+        return XferStatus.done(nbytes, last)
+
+    def _poll_writes(self, rids: Iterable[str]) -> list[tuple[str, XferStatus, _Write]]:
         return [
-            (rid, self._transport.poll(wr.handle), wr.handle)
+            (rid, self._write_status(wr), wr)
             for rid in rids
-            if (wr := self._writes.get(rid)) is not None and wr.handle is not None
+            if (wr := self._writes.get(rid)) is not None and wr.posted
         ]
 
     def _settle_writes(self) -> None:
@@ -1139,33 +1222,110 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if not any(st.state is not XferState.PENDING for _, st, _ in states):
             return
         later = self._clock()
-        for rid, st, handle in states:
-            self._write_state(rid, st, handle, later)
+        for rid, st, wr in states:
+            self._write_state(rid, st, wr, later)
 
-    def _write_state(self, rid: str, status: XferStatus, handle: XferHandle, now: float) -> None:
-        wr = self._writes.get(rid)
-        if wr is None or wr.handle is not handle or status.state is XferState.PENDING:
+    def _write_state(self, rid: str, status: XferStatus, wr: _Write, now: float) -> None:
+        if self._writes.get(rid) is not wr or not wr.posted or status.state is XferState.PENDING:
             return
         if status.state is XferState.FAILED:
+            self._stop_write(wr)
             self._run_writer(self._writer.transfer_failed(rid, str(status.error), now), now)
             return
+        wr.posted = False
         if wr.notice is not None:
             notice, wr.notice = wr.notice, None
             try:
-                self._transport.send_notification(handle.peer, notice)
+                self._transport.send_notification(wr.peer, notice)
             except TransportError as exc:  # the decoder's lease then ends by expiry
                 self._count("notify_failures")
                 self._event("pd.notify_failed", peer=wr.peer[:64], error=str(exc))
+        self._release_all(wr.pre)
+        wr.pre = []
         self._observe("bytes_written", status.nbytes)
         moved = status.transfer_seconds
         self._observe("push_seconds", moved if moved is not None else now - wr.posted_at)
         self._run_writer(self._writer.transfer_done(rid, now), now)
 
+    # -- P, push_layerwise: layer WRITEs during the prefill ---------------------------------
+    def _write_layer(self, layer_name: str) -> None:
+        i = self._layer_index.get(layer_name)
+        if i is None or self._local is None:
+            return
+        now = self._clock()  # after the layer's compute: a bound check, read fresh
+        margin = self._options.margin(self._policy)
+        bs = self._engine.block_size
+        nlayers = len(self._layer_index)
+        for entry in self._step_progress:
+            found = self._push.registration(entry.push_id)
+            if found is None:
+                continue
+            peer, reg = found
+            if self._push.fits(
+                reg, entry.block_ids, entry.num_tokens, entry.prompt_digest, partial=True
+            ):
+                continue  # the offer will refuse it
+            if self._writer.confirmed_bound(peer, reg.lease_id) - now < margin:
+                continue  # not confirmed (yet): the final write carries these blocks
+            pre = self._pre.get(reg.lease_id)
+            if pre is None or pre.peer != peer:
+                pre = self._pre[reg.lease_id] = _Pre(peer=peer, written=[0] * nlayers)
+            done = entry.computed_tokens
+            full = -(-done // bs) if done >= entry.num_tokens else done // bs
+            lo = max(reg.first_block, pre.written[i])
+            local: list[int] = []
+            remote: list[int] = []
+            his = []
+            for pg, dg in zip(entry.block_ids, reg.groups, strict=True):
+                hi = min(full, reg.first_block + len(dg), len(pg))
+                his.append(hi)
+                if hi > lo:
+                    local += pg[lo:hi]
+                    remote += dg[lo - reg.first_block : hi - reg.first_block]
+            if not local:
+                continue
+            try:
+                h = self._transport.post(
+                    Op.WRITE, self._local, local, self._remote_handle(peer), remote, regions=[i]
+                )
+            except (TransportError, ValueError) as exc:
+                self._count("push_layer_failures")
+                self._event("pd.push_layer_failed", peer=peer[:64], error=str(exc))
+                self._drop_pre(reg.lease_id)
+                continue
+            pre.handles.append(h)
+            pre.written[i] = min(his)
+            self._count("push_layer_writes")
+
+    def _poll_pre(self, now: float) -> None:
+        margin_end = self._writer.confirmed_bound
+        for lid, pre in list(self._pre.items()):
+            pending = []
+            failed = False
+            for h in pre.handles:
+                st = self._transport.poll(h)
+                if st.state is XferState.PENDING:
+                    pending.append(h)
+                elif st.state is XferState.FAILED:
+                    failed = True
+                else:
+                    self._transport.release(h)
+            pre.handles = pending
+            if failed or (pending and margin_end(pre.peer, lid) <= now):
+                # A failed layer WRITE leaves its blocks undefined, and one still moving past
+                # the confirmed bound must stop: the final write then carries every block.
+                self._count("push_layer_failures")
+                self._drop_pre(lid)
+
+    def _drop_pre(self, lease_id: str) -> None:
+        pre = self._pre.pop(lease_id, None)
+        if pre is not None:
+            self._release_all(pre.handles)
+
     def _write_ended(self, action: LoadEnded) -> None:
         wr = self._writes.pop(action.request_id, None)
-        if wr is not None and wr.handle is not None:
-            self._transport.release(wr.handle)
-            wr.handle = None
+        if wr is not None:
+            self._stop_write(wr)
         self._finished_sending.add(action.request_id)
         if action.state is ReadState.DONE:
             self._count("pushes_done")
@@ -1357,6 +1517,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._closed = True
         handles = [x.handle for x in self._reads.values()]
         handles += [x.handle for x in self._writes.values()]
+        handles += [h for x in self._writes.values() for h in x.pre]
+        handles += [h for x in self._pre.values() for h in x.handles]
         for h in handles:
             if h is not None:
                 with contextlib.suppress(TransportError):
