@@ -3,13 +3,34 @@
 ::
 
     python -m kvframe_refengine.router --port 8100 \\
-        --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8102
+        --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8102 [--mode push]
 
-For each ``POST /v1/completions`` it asks the prefill engine for one token with
-``kv_transfer_params={"do_remote_decode": true}``, then sends the original request to the decode
-engine with the ``kv_transfer_params`` the prefill engine returned, and answers with the decode
-engine's response (plus ``router_timing``). This is the contract vLLM's routing proxies follow,
-so they work with kvframe's P/D connector too.
+**Pull mode** (``--mode pull``, the default). For each ``POST /v1/completions`` it asks the
+prefill engine for one token with ``kv_transfer_params={"do_remote_decode": true}``, then sends
+the original request to the decode engine with the ``kv_transfer_params`` the prefill engine
+returned, and answers with the decode engine's response (plus ``router_timing``). This is the
+contract vLLM's routing proxies follow, so they work with kvframe's P/D connector too.
+
+**Push mode** (``--mode push``). The router makes a push id per request
+(``secrets.token_urlsafe(16)``) and sends both legs at once, the prefill leg on a thread of
+its own:
+
+- prefill leg: the request with ``max_tokens`` 1 and ``kv_transfer_params={"do_remote_decode":
+  true, "transfer_mode": "push", "push_id": X}``;
+- decode leg: the original request with ``kv_transfer_params={"do_remote_prefill": true,
+  "transfer_mode": "push", "push_id": X, **address}``, ``address`` being the prefill engine's
+  ``GET /v1/kv_address``. The router fetches it once and keeps it; it forgets it (and fetches
+  it again for the next request) after a push request whose leg failed or whose decode engine
+  loaded nothing from P (``usage.external_tokens`` 0: for instance a restarted P, whose new
+  incarnation the kept address does not name).
+
+It answers with the decode engine's response once both legs answered. When the prefill leg
+failed but the decode engine still answered 200 (its push was refused or never came, so it
+prefilled the prompt itself, under ``kv_load_failure_policy: recompute``), the answer is that
+200 with ``prefill_error`` (``{"status", "message", "type"}``) added and the prefill failure
+counted as in pull mode (``kvframe_router_backend_failures_total{backend="prefill"}``, the
+``failed`` count of ``/health``). When the decode leg failed, its error is the answer (naming
+the prefill leg's failure too, when there was one).
 
 The router checks the body as the engines do (400, 411, 413 naming the problem, before
 either engine is asked); what only an engine can check (a token outside the vocabulary, a
@@ -26,11 +47,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import Future
 from http.server import ThreadingHTTPServer
 from typing import Any
 
@@ -42,7 +65,10 @@ from kvframe.runtime.metrics import CONTENT_TYPE
 from kvframe_refengine import _http
 from kvframe_refengine._http import HTTPError
 
-__all__ = ["Router", "RouterMetrics", "main", "post_json", "serve"]
+__all__ = ["MODES", "Router", "RouterMetrics", "get_json", "main", "post_json", "serve"]
+
+MODES = ("pull", "push")
+"""The router's modes: ``pull`` (prefill, then decode) and ``push`` (both legs at once)."""
 
 _PASSED_THROUGH = frozenset({400, 413})
 """An engine's answers that are about the request itself: the client gets them as they are."""
@@ -57,6 +83,15 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[i
     ``ValueError`` when a 2xx answer is not JSON."""
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    return _send(req, timeout)
+
+
+def get_json(url: str, timeout: float = 30.0) -> tuple[int, dict[str, Any]]:
+    """GET ``url``; returns (status, decoded JSON), raising as :func:`post_json` does."""
+    return _send(urllib.request.Request(url), timeout)
+
+
+def _send(req: urllib.request.Request, timeout: float) -> tuple[int, dict[str, Any]]:
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -151,15 +186,23 @@ def _error(message: str, kind: str) -> dict[str, Any]:
 
 
 class Router:
-    """Routes completions through prefill then decode."""
+    """Routes completions through prefill and decode: one after the other (``mode="pull"``)
+    or both at once (``mode="push"``, see the module's docstring)."""
 
-    def __init__(self, prefill: str, decode: str) -> None:
+    def __init__(self, prefill: str, decode: str, *, mode: str = "pull") -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.prefill = prefill.rstrip("/")
         self.decode = decode.rstrip("/")
+        self.mode = mode
         self.routed = 0
         self.failed = 0
         self.metrics = RouterMetrics()
         self._lock = threading.Lock()
+        self._address: dict[str, Any] | None = None
+        self._fetching = threading.Lock()
+        self.address_fetches = 0
+        """How many times push mode fetched the prefill engine's ``/v1/kv_address``."""
 
     def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Run one request through P and D; returns (HTTP status, answer)."""
@@ -177,6 +220,8 @@ class Router:
         except HTTPError as exc:
             return exc.status, _error(exc.message, exc.kind)
         timeout = checked.timeout_s + _UPSTREAM_MARGIN_S
+        if self.mode == "push":
+            return self._complete_push(body, timeout)
         t0 = time.monotonic()
         p_body = dict(body)
         p_body["max_tokens"] = 1
@@ -192,8 +237,124 @@ class Router:
         if code != 200:
             return code, d_resp
         t2 = time.monotonic()
-        d_resp["router_timing"] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0}
+        d_resp["router_timing"] = {
+            "prefill_s": t1 - t0,
+            "decode_s": t2 - t1,
+            "decode_start_s": t1 - t0,
+            "total_s": t2 - t0,
+        }
         d_resp["prefill_id"] = p_resp.get("id")
+        with self._lock:
+            self.routed += 1
+        return 200, d_resp
+
+    # -- push mode -------------------------------------------------------------------------
+    def kv_address(self, timeout: float = 30.0) -> tuple[int, dict[str, Any]]:
+        """(200, the prefill engine's push address), kept after the first fetch; or the
+        (status, error) to give the client (502/504 naming the prefill engine). One fetch at
+        a time: requests that arrive meanwhile wait for it and use what it got."""
+        with self._fetching:
+            with self._lock:
+                if self._address is not None:
+                    return 200, self._address
+            return self._fetch_address(timeout)
+
+    def _fetch_address(self, timeout: float) -> tuple[int, dict[str, Any]]:
+        self.metrics.backend_requests.labels("prefill").inc()
+        url = f"{self.prefill}/v1/kv_address"
+        t0 = time.monotonic()
+        try:
+            code, resp = get_json(url, timeout=timeout)
+        except TimeoutError:
+            return self._fail(
+                504, f"the prefill engine did not tell its push address within {timeout:g} s",
+                "prefill", "timeout",
+            )  # fmt: skip
+        except OSError as exc:
+            return self._fail(
+                502, f"the prefill engine at {self.prefill} cannot be reached: {exc}",
+                "prefill", "unreachable",
+            )  # fmt: skip
+        except ValueError as exc:
+            code, resp = 200, {"error": {"message": f"not JSON: {exc}"}}
+        self.metrics.backend_seconds.labels("prefill").observe(time.monotonic() - t0)
+        if code != 200 or "remote_engine_id" not in resp:
+            err = resp.get("error")
+            message = err.get("message", resp) if isinstance(err, dict) else resp
+            return self._fail(
+                502,
+                f"the prefill engine answered GET /v1/kv_address with {code}: {message}; a "
+                "push-mode router needs a prefill engine with the P/D connector (or run the "
+                "router with --mode pull)",
+                "prefill", "failed",
+            )  # fmt: skip
+        with self._lock:
+            self._address = dict(resp)
+            self.address_fetches += 1
+        return 200, dict(resp)
+
+    def forget_address(self) -> None:
+        """Drop the kept push address: the next push request fetches it again."""
+        with self._lock:
+            self._address = None
+
+    def _complete_push(self, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
+        code, address = self.kv_address()
+        if code != 200:
+            return code, address
+        push_id = secrets.token_urlsafe(16)
+        p_body = dict(body)
+        p_body["max_tokens"] = 1
+        p_body["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "transfer_mode": "push",
+            "push_id": push_id,
+        }
+        p_body.pop("request_id", None)
+        d_body = dict(body)
+        d_body["kv_transfer_params"] = {
+            "do_remote_prefill": True,
+            "transfer_mode": "push",
+            "push_id": push_id,
+            **address,
+        }
+        t0 = time.monotonic()
+        p_leg: Future[tuple[int, dict[str, Any], float]] = Future()
+
+        def prefill() -> None:
+            try:
+                pc, pr = self._ask("prefill", self.prefill, p_body, timeout)
+                p_leg.set_result((pc, pr, time.monotonic()))
+            except BaseException as exc:  # handed over to the request's thread
+                p_leg.set_exception(exc)
+
+        threading.Thread(target=prefill, name="router-prefill-leg", daemon=True).start()
+        d_code, d_resp = self._ask("decode", self.decode, d_body, timeout)
+        t_d = time.monotonic()
+        p_code, p_resp, t_p = p_leg.result()
+        t2 = time.monotonic()
+        landed = d_code == 200 and (d_resp.get("usage") or {}).get("external_tokens", 0) > 0
+        if p_code != 200 or not landed:
+            self.forget_address()  # P may have restarted (a new incarnation): ask again
+        if d_code != 200:
+            if p_code != 200:
+                err = dict(d_resp["error"])
+                also = p_resp["error"]["message"]
+                err["message"] = f"{err['message']} (the prefill leg failed too: {also})"
+                return d_code, {"error": err}
+            return d_code, d_resp
+        d_resp["router_timing"] = {
+            "prefill_s": t_p - t0,
+            "decode_s": t_d - t0,
+            "decode_start_s": 0.0,
+            "total_s": t2 - t0,
+        }
+        d_resp["push_id"] = push_id
+        if p_code == 200:
+            d_resp["prefill_id"] = p_resp.get("id")
+        else:
+            d_resp["prefill_id"] = None
+            d_resp["prefill_error"] = {"status": p_code, **p_resp["error"]}
         with self._lock:
             self.routed += 1
         return 200, d_resp
@@ -250,7 +411,10 @@ def _handler(router: Router) -> type[_http.JSONHandler]:
             if self.path != "/health":
                 super().get()
                 return
-            self.send_json(200, {"ok": True, "routed": router.routed, "failed": router.failed})
+            self.send_json(
+                200,
+                {"ok": True, "mode": router.mode, "routed": router.routed, "failed": router.failed},
+            )
 
         def post(self) -> None:
             if self.path != "/v1/completions":
@@ -273,8 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--prefill", required=True, help="base URL of the prefill engine")
     ap.add_argument("--decode", required=True, help="base URL of the decode engine")
+    ap.add_argument(
+        "--mode", choices=MODES, default="pull",
+        help="pull: prefill, then decode (default); push: both legs at once, P writes into "
+        "D's blocks",
+    )  # fmt: skip
     args = ap.parse_args(argv)
-    httpd = serve(Router(args.prefill, args.decode), args.host, args.port)
+    httpd = serve(Router(args.prefill, args.decode, mode=args.mode), args.host, args.port)
     import signal
 
     done = threading.Event()

@@ -25,6 +25,13 @@ Endpoints (JSON in and out; the limits and error codes are in the docs' HTTP API
   kvframe's metric catalogue (:data:`kvframe.runtime.metrics.CATALOGUE`, docs/metrics.md),
   every series labelled ``engine_id``.
 - ``GET /leaks`` — the leak oracle: ``{"clean": bool, "problems": str}``.
+- ``GET /v1/kv_address`` — this engine's push address (a prefill engine's
+  ``PDConnectorScheduler.kv_address()``: ``remote_engine_id``, ``remote_host``,
+  ``remote_port``, ...), which a push-mode router merges into every decode leg; 404
+  (``no_kv_address``) for an engine that has none (no connector, a ``MultiConnector``
+  without a P/D child, a decode engine: ``kv_role`` ``kv_consumer``), 503
+  (``kv_address_unknown``) when the connector cannot tell it (its
+  :class:`~kvframe.errors.ConfigError`).
 
 The engine runs on its own thread, stepping while it has work — including when the connector
 reports pending work with no request to run (an idle prefill engine holding leases), at
@@ -53,6 +60,8 @@ from typing import Any
 import attrs
 
 from kvframe.config import KVTransferConfig
+from kvframe.connectors.multi import MultiConnectorScheduler
+from kvframe.connectors.pd.scheduler import PDConnectorScheduler
 from kvframe.errors import ConfigError
 from kvframe.protocol.messages import ConnectorOutput, Stats
 from kvframe.runtime.metrics import CONTENT_TYPE, StatsAccumulator, to_prometheus
@@ -301,6 +310,44 @@ class EngineService:
         text: str = self.call(render)
         return text
 
+    def kv_address(self) -> dict[str, Any]:
+        """This engine's push address (``PDConnectorScheduler.kv_address()``, asked on the
+        engine thread). Raises :class:`HTTPError`: 404 when the engine has no P/D connector
+        (none, or a ``MultiConnector`` without a P/D child) or is a decode engine, 503 when
+        the connector raised :class:`~kvframe.errors.ConfigError` (the address is not
+        known)."""
+
+        def ask() -> dict[str, Any]:
+            pd = _pd_scheduler(self.engine.connector_scheduler)
+            if pd is None:
+                sched = self.engine.connector_scheduler
+                kind = "none" if sched is None else type(sched).__name__
+                raise HTTPError(
+                    404,
+                    f"engine {self.engine_id} has no P/D connector (its connector: {kind}), so "
+                    "it has no push address; ask the prefill engine, which runs "
+                    "kv_connector PDConnector",
+                    "no_kv_address",
+                )
+            config = self.engine.kv_transfer_config
+            if config is not None and config.kv_role == "kv_consumer":
+                raise HTTPError(
+                    404,
+                    f"engine {self.engine_id} is a decode engine (kv_role kv_consumer): it "
+                    "serves no KV, so it has no push address; ask the prefill engine",
+                    "no_kv_address",
+                )
+            try:
+                return pd.kv_address()
+            except ConfigError as exc:
+                raise HTTPError(
+                    503, f"engine {self.engine_id} cannot tell its push address: {exc}",
+                    "kv_address_unknown",
+                ) from None  # fmt: skip
+
+        address: dict[str, Any] = self.call(ask)
+        return address
+
     def leaks(self) -> dict[str, Any]:
         def check() -> dict[str, Any]:
             try:
@@ -322,6 +369,16 @@ class EngineService:
 
 class _Closed(Exception):
     """:meth:`EngineService.close` was called."""
+
+
+def _pd_scheduler(sched: object) -> PDConnectorScheduler | None:
+    # The P/D connector's scheduler half: the engine's own, or a MultiConnector's first P/D
+    # child.
+    if isinstance(sched, PDConnectorScheduler):
+        return sched
+    if isinstance(sched, MultiConnectorScheduler):
+        return next((c for c in sched.children if isinstance(c, PDConnectorScheduler)), None)
+    return None
 
 
 def _stats_json(stats: Stats) -> dict[str, dict[str, float]]:
@@ -400,6 +457,8 @@ def _handler(service: EngineService) -> type[_http.JSONHandler]:
                     self.send_json(200, service.metrics(), CONTENT_TYPE)
                 elif self.path == "/leaks":
                     self.send_json(200, service.leaks())
+                elif self.path == "/v1/kv_address":
+                    self.send_json(200, service.kv_address())
                 else:
                     super().get()
 
