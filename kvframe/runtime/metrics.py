@@ -242,7 +242,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "access_refused (a peer READ outside its claimed leases, or a WRITE, refused), "
         "peer_add_failed (a decode "
         "engine's connection could not be added), drain_error (reading notifications failed), "
-        "bad_params (a request's kv_transfer_params were refused).",
+        "bad_params (a request's kv_transfer_params were refused), push_refused (the prefill "
+        "engine refused a push registration: unknown, abandoned or used push id, another "
+        "prompt, blocks that do not fit), push_layer_failed (a per-layer WRITE failed or "
+        "outlived the decoder's confirmed lease: rewritten at the end).",
         label="reason",
         by={
             "load_failed": "loads_failed",
@@ -255,6 +258,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
             "peer_add_failed": "peer_add_failures",
             "drain_error": "drain_errors",
             "bad_params": "scheduler:bad_params",
+            "push_refused": "push_refused",
+            "push_layer_failed": "push_layer_failures",
         },
     ),
     _counter(
@@ -294,6 +299,47 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         },
     ),
     _gauge("leases_held", "Leases the prefill engine holds now.", "leases_held"),
+    # -- push mode -------------------------------------------------------------------------
+    _counter(
+        "push_registrations_total",
+        "Push mode: registrations of destination blocks the decode engine sent to prefill "
+        "engines (one per request and worker rank).",
+        "push_registrations",
+    ),
+    _counter(
+        "push_revoked_total",
+        "Push mode: decode-side leases revoked (the request was aborted, or its push did not "
+        "complete within three lease durations) while the prefill engine might still write.",
+        "push_revoked",
+    ),
+    _counter(
+        "pushes_ended_total",
+        "Push mode: requests whose KV the prefill engine pushed, by outcome: done (written and "
+        "acknowledged by the completion notice), failed (the write failed or the decoder's "
+        "lease was lost), unsent (no decoder registered in time, or the registration was "
+        "refused).",
+        label="outcome",
+        by={"done": "pushes_done", "failed": "pushes_failed", "unsent": "push_unsent"},
+    ),
+    _counter(
+        "kv_written_bytes_total",
+        "Push mode: bytes of KV cache the prefill engine wrote into decoders' blocks.",
+        "bytes_written",
+        unit="bytes",
+    ),
+    _counter(
+        "push_layer_writes_total",
+        "Push mode with push_layerwise: per-layer WRITEs the prefill engine posted while its "
+        "prefill ran.",
+        "push_layer_writes",
+    ),
+    _histogram(
+        "push_seconds",
+        "Push mode: seconds one push took to move a request's KV cache (the final WRITE's "
+        "own measure where the transport has one, else from its post to completion).",
+        "push_seconds",
+        "seconds",
+    ),
     # -- the scheduler half ----------------------------------------------------------------
     _counter(
         "scheduler_remote_requests_total",
