@@ -1382,6 +1382,18 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             deadline=now + 2 * self._options.handshake_timeout,
         )
         entry = self._ensure(load.remote, now, incarnation)
+        if (
+            entry.state is PeerState.READY
+            and incarnation is not None
+            and entry.incarnation not in (None, incarnation)
+        ):
+            # The connection is to another instance of P (it restarted): register with the
+            # one the router named, over a new connection.
+            self._run(
+                self._reconnect(Reconnect(engine=entry.engine_id, incarnation=incarnation), now),
+                now,
+            )
+            return
         self._push_peer(entry, now)
 
     def _push_peer(self, entry: RemoteEngine, now: float) -> None:
