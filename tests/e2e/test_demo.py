@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -17,17 +18,26 @@ pytest.importorskip("nixl_cu12", reason="the demo runs over NIXL")
 pytest.importorskip("kvframe_refengine", reason="the demo needs contrib/kvframe-refengine")
 
 
-def test_demo_passes_every_check() -> None:
+def run_demo_json(*args: str) -> dict[str, Any]:
+    """`kvframe demo --json --prompts 6 --lease 3 ARGS`; asserts every check passed and the
+    exit status is 0, and returns the result."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kvframe.cli", "demo", "--json", "--prompts", "6", "--lease", "3"],
+        [sys.executable, "-m", "kvframe.cli", "demo", "--json", "--prompts", "6", "--lease", "3",
+         *args],
         capture_output=True,
         text=True,
         timeout=300,
-    )
-    result = json.loads(proc.stdout)
+    )  # fmt: skip
+    result: dict[str, Any] = json.loads(proc.stdout)
     failed = [name for name, ok in result["checks"].items() if not ok]
     assert not failed, json.dumps(result, indent=1)
     assert proc.returncode == 0
+    return result
+
+
+def test_demo_passes_every_check() -> None:
+    result = run_demo_json()
+    assert result["mode"] == "pull"
     assert result["authenticated"] is True  # a fresh fleet key by default
     p1 = result["phase1"]
     assert p1["equal_outputs"] == p1["requests"] == 6

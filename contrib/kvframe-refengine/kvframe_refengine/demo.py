@@ -5,12 +5,20 @@
 1. starts a prefill engine (P), a decode engine (D) and a router, each its own process,
    P and D connected by kvframe's P/D connector over the NIXL transport;
 2. sends a batch of prompts through the router and checks that every disaggregated greedy
-   output equals a single-engine run of the same model token for token, then runs the leak
-   oracle on both engines (no live lease, every block free, no transfer left);
-3. sends a second batch, kills D with SIGKILL while P holds leases for requests D had queued,
-   and shows P reclaiming the leased blocks by the lease rules (within one heartbeat interval
-   plus one extension of D's last heartbeat), then runs the leak oracle on P;
+   output equals a single-engine run of the same model token for token and that every
+   request's KV came from P, then runs the leak oracle on both engines (no live lease, every
+   block free, no transfer left);
+3. sends a second batch, kills D with SIGKILL while P holds KV for requests D had queued,
+   and shows P freeing it by the rules of the mode, then runs the leak oracle on P;
 4. prints a table (``--json`` for machines).
+
+``--mode pull`` (the default): the router asks P, then D, and D READs the KV from P under a
+lease P holds; after the kill P reclaims the leased blocks within one heartbeat interval plus
+one extension of D's last heartbeat. ``--mode push``: the router sends both legs at once, D
+registers its blocks with P under a lease of D's own and P WRITEs the KV into them (the
+evidence that it did: D's ``loads_done``, P's ``pushes_done`` and ``bytes_written``); after the
+kill P frees the KV of requests whose D died within ``kv_lease_duration`` (P waits that long
+for a registration, and that long for D to confirm a registered lease).
 
 Every option is checked before any process starts (:func:`check_options`); a bad one is
 refused with exit status 2 and a message naming it. Each process starts in its own process
@@ -51,7 +59,10 @@ from kvframe.runtime.procs import ChildProcesses
 from kvframe_refengine.router import post_json
 from kvframe_refengine.tokenizer import encode
 
-__all__ = ["MAX_PROMPTS", "PHASE2_MAX_TOKENS", "check_options", "main", "run_demo"]
+__all__ = ["MAX_PROMPTS", "MODES", "PHASE2_MAX_TOKENS", "check_options", "main", "run_demo"]
+
+#: The demo's modes: the router's (:data:`kvframe_refengine.router.MODES`).
+MODES = ("pull", "push")
 
 #: The most prompts the demo takes: phase 2 sends twice as many requests at once, one client
 #: thread each, to engines that run 16 (P) and 2 (D) at a time.
@@ -94,6 +105,7 @@ def check_options(
     lease: float,
     transport: str,
     auth_key_file: str | None = None,
+    mode: str = "pull",
 ) -> None:
     """Check the demo's options before anything starts: the same checks the engines would make
     (the P/D connector's configuration, its lease floor and timing, from :mod:`kvframe.config`,
@@ -104,6 +116,8 @@ def check_options(
     Raises :class:`~kvframe.errors.ConfigError` whose message names the option, the value and
     what would work.
     """
+    if mode not in MODES:
+        raise ConfigError(f"--mode {mode}: expected one of {', '.join(MODES)}")
     if isinstance(num_prompts, bool) or not 1 <= num_prompts <= MAX_PROMPTS:
         raise ConfigError(
             f"--prompts {num_prompts}: expected 1..{MAX_PROMPTS} (phase 2 sends twice as "
@@ -234,6 +248,7 @@ def run_demo(
     kill: bool = True,
     log: Callable[[str], None] = print,
     auth_key_file: str | None = None,
+    mode: str = "pull",
 ) -> dict[str, Any]:
     """Run the demo; returns the results (what ``--json`` prints). Never raises for a failed
     check: ``result["ok"]`` says whether everything passed and ``result["checks"]`` which.
@@ -249,6 +264,7 @@ def run_demo(
         lease=lease,
         transport=transport,
         auth_key_file=auth_key_file,
+        mode=mode,
     )
     children = ChildProcesses(grace=10.0)
 
@@ -259,7 +275,7 @@ def run_demo(
     try:
         return _run(
             children, num_prompts, max_tokens, lease, transport, kill, quiet_when_stopping,
-            auth_key_file,
+            auth_key_file, mode,
         )  # fmt: skip
     finally:
         children.close()
@@ -274,6 +290,7 @@ def _run(
     kill: bool,
     log: Callable[[str], None],
     auth_key_file: str | None = None,
+    mode: str = "pull",
 ) -> dict[str, Any]:
     interval, extension = lease / 6, lease * 2 / 3
     ports = {k: _free_port() for k in ("prefill", "decode", "router")}
@@ -324,6 +341,8 @@ def _run(
                 base["prefill"],
                 "--decode",
                 base["decode"],
+                "--mode",
+                mode,
             ],
             log,
             children,
@@ -331,6 +350,7 @@ def _run(
     }
     checks: dict[str, bool] = {}
     result: dict[str, Any] = {
+        "mode": mode,
         "transport": transport,
         "lease_duration_s": lease,
         "authenticated": auth_key_file is not None,
@@ -341,7 +361,8 @@ def _run(
         pids = ", ".join(f"{k} {p.proc.pid}" for k, p in procs.items())
         log(
             f"starting prefill, decode and router on 127.0.0.1:{ports['prefill']}, "
-            f"{ports['decode']}, {ports['router']} (transport {transport}; pids {pids}) ..."
+            f"{ports['decode']}, {ports['router']} (transport {transport}, {mode} mode; pids "
+            f"{pids}) ..."
         )
         for p in procs.values():
             p.wait_ready(120)
@@ -352,8 +373,7 @@ def _run(
         responses = _send_batch(base["router"], prompts, max_tokens, log)
         ok_resps = [r for r in responses if r[0] == 200]
         checks["all requests served"] = len(ok_resps) == num_prompts
-        pulled = sum(1 for _, b in ok_resps if b["usage"]["external_tokens"] > 0)
-        checks["every request's KV was pulled from P"] = pulled == num_prompts
+        from_p = sum(1 for _, b in ok_resps if b["usage"]["external_tokens"] > 0)
 
         log("  reference: the same prompts on one engine, no disaggregation")
         from kvframe_refengine.server import build_engine
@@ -377,12 +397,24 @@ def _run(
         checks["leak oracle after phase 1 (P and D)"] = _wait_for(both_clean, 5 * lease)
         p_stats = _get(f"{base['prefill']}/stats")["connector"]
         d_stats = _get(f"{base['decode']}/stats")["connector"]
+        # D's time to first token counts from D's leg; the router says when that leg started
+        # (after P's answer in pull mode, at once in push mode).
         ttfts = [b["timing"].get("ttft_s", 0.0) for c, b in ok_resps]
-        prefill_s = [b["router_timing"]["prefill_s"] for c, b in ok_resps]
-        d_c = d_stats["counters"]
-        transfer_s = float(d_c.get("transfer_seconds", 0.0))
+        starts = [b["router_timing"]["decode_start_s"] for c, b in ok_resps]
+        d_c, p_c = d_stats["counters"], p_stats["counters"]
         loads = int(d_c.get("loads_done", 0))
-        totals = sorted(p + t for p, t in zip(prefill_s, ttfts, strict=True))
+        if mode == "push":  # P WRITEs into D's blocks: P measures the transfers
+            moved = int(p_c.get("bytes_written", 0))
+            transfer_s = float(p_c.get("push_seconds", 0.0))
+            pushed = int(p_c.get("pushes_done", 0))
+            checks["every request's KV was pushed by P (D's loads, P's pushes)"] = (
+                from_p == loads == pushed == num_prompts and moved > 0
+            )
+        else:
+            moved = int(d_c.get("bytes_read", 0))
+            transfer_s = float(d_c.get("transfer_seconds", 0.0))
+            checks["every request's KV was pulled from P"] = from_p == num_prompts
+        totals = sorted(s + t for s, t in zip(starts, ttfts, strict=True))
         mean_ttft = sum(totals) / len(totals) if totals else 0.0
         median_ttft = statistics.median(totals) if totals else 0.0
         p90_ttft = totals[max(0, math.ceil(0.9 * len(totals)) - 1)] if totals else 0.0
@@ -390,7 +422,7 @@ def _run(
             "requests": num_prompts,
             "served": len(ok_resps),
             "equal_outputs": matches,
-            "kv_bytes_moved": int(d_c.get("bytes_read", 0)),
+            "kv_bytes_moved": moved,
             "kv_loads": loads,
             "transfer_time_s": transfer_s,
             "load_wait_s": float(d_c.get("load_wait_seconds", 0.0)),
@@ -401,10 +433,15 @@ def _run(
             "transfer_share_of_ttft": (transfer_s / loads) / median_ttft
             if loads and median_ttft
             else 0.0,
-            "leases": _lease_counts(p_stats["counters"]),
         }
+        if mode == "push":
+            result["phase1"]["pushes"] = _push_counts(p_c, d_c)
+        else:
+            result["phase1"]["leases"] = _lease_counts(p_c)
 
-        if kill:
+        if kill and mode == "push":
+            result["phase2"] = _kill_phase_push(base, procs, prompts, lease, checks, log)
+        elif kill:
             result["phase2"] = _kill_phase(
                 base, procs, prompts, lease, interval, extension, checks, log
             )
@@ -445,6 +482,99 @@ def _lease_counts(c: dict[str, float]) -> dict[str, int]:
     }
 
 
+def _push_counts(p: dict[str, float], d: dict[str, float]) -> dict[str, int]:
+    # P's offers (finished prefills), D's registrations, P's WRITEs done and failed, P's KV
+    # freed with no registration, P's heartbeats of D's leases.
+    return {
+        "offered": int(p.get("push_sources", 0)),
+        "registered": int(d.get("push_registrations", 0)),
+        "registrations_received": int(p.get("push_registrations_received", 0)),
+        "done": int(p.get("pushes_done", 0)),
+        "failed": int(p.get("pushes_failed", 0)),
+        "unsent": int(p.get("push_unsent", 0)),
+        "heartbeats": int(p.get("push_heartbeats_sent", 0)),
+    }
+
+
+def _start_phase2(
+    base: dict[str, str], prompts: list[list[int]]
+) -> tuple[concurrent.futures.ThreadPoolExecutor, list[concurrent.futures.Future[Any]]]:
+    # Twice the prompts, long generations: D (two at a time) keeps most of them queued.
+    batch = prompts * 2
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(batch))
+    futs = [
+        pool.submit(
+            post_json,
+            f"{base['router']}/v1/completions",
+            {"prompt": p, "max_tokens": PHASE2_MAX_TOKENS},
+            120,
+        )
+        for p in batch
+    ]
+    return pool, futs
+
+
+def _end_phase2(
+    pool: concurrent.futures.ThreadPoolExecutor, futs: list[concurrent.futures.Future[Any]]
+) -> None:
+    for f in futs:
+        with contextlib.suppress(Exception):  # requests D was running died with it
+            f.result(timeout=30)
+    pool.shutdown(wait=True)
+
+
+def _kill_phase_push(
+    base: dict[str, str],
+    procs: dict[str, _Proc],
+    prompts: list[list[int]],
+    lease: float,
+    checks: dict[str, bool],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    log("phase 2: a long batch; D runs two at a time, P keeps the KV of the rest for D")
+
+    def p_counters() -> dict[str, float]:
+        c: dict[str, float] = _get(f"{base['prefill']}/stats")["connector"]["counters"]
+        return c
+
+    def held() -> int:
+        # Requests whose KV P keeps for D (offered, not yet pushed or given up).
+        gauges = _get(f"{base['prefill']}/stats")["connector_scheduler"]["gauges"]
+        return int(gauges.get("scheduler_leases_held", 0))
+
+    before = _push_counts(p_counters(), {})
+    pool, futs = _start_phase2(base, prompts)
+    got_kv = _wait_for(lambda: held() >= 2, 30, 0.02)
+    time.sleep(lease / 3)  # let D run its first two and P heartbeat what D registered
+    got_kv = got_kv and _wait_for(lambda: held() >= 1, 30, 0.005)
+    n_held = held()
+    log(f"  P keeps the KV of {n_held} requests for D; killing D (SIGKILL)")
+    killed_at = procs["decode"].kill()
+    freed = _wait_for(lambda: held() == 0, 3 * lease + 5, 0.02)
+    freed_s = time.monotonic() - killed_at
+    log(
+        f"  P freed the KV of every request whose D died {freed_s:.2f} s after the kill "
+        f"(push rule: within kv_lease_duration {lease:.2f} s: P's wait for a registration, "
+        "and for D to confirm a registered lease)"
+    )
+    _end_phase2(pool, futs)
+    after = _push_counts(p_counters(), {})
+    checks["P kept KV for D's queue when D died"] = got_kv and n_held > 0
+    checks["P freed the KV of every request whose D died by the push rules"] = (
+        freed and freed_s <= lease + 1.0
+    )
+    checks["leak oracle on P after D died"] = _wait_for(
+        lambda: bool(_get(f"{base['prefill']}/leaks")["clean"]), 5
+    )
+    delta = {k: after[k] - before[k] for k in after if k != "registered"}
+    return {
+        "kv_held_at_kill": n_held,
+        "freed_after_kill_s": freed_s,
+        "freed_bound_s": lease,
+        **delta,
+    }
+
+
 def _kill_phase(
     base: dict[str, str],
     procs: dict[str, _Proc],
@@ -461,18 +591,7 @@ def _kill_phase(
     def held() -> int:
         return int(_get(f"{base['prefill']}/stats")["connector"]["gauges"].get("leases_held", 0))
 
-    # Twice the prompts, long generations: D (two at a time) keeps most of them queued.
-    batch = prompts * 2
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(batch))
-    futs = [
-        pool.submit(
-            post_json,
-            f"{base['router']}/v1/completions",
-            {"prompt": p, "max_tokens": PHASE2_MAX_TOKENS},
-            120,
-        )
-        for p in batch
-    ]
+    pool, futs = _start_phase2(base, prompts)
     got_leases = _wait_for(lambda: held() >= 2, 30, 0.02)
     time.sleep(2 * interval)  # let heartbeats flow for a while
     # Kill right after seeing leases held (D reads a queued request as soon as a slot frees).
@@ -488,10 +607,7 @@ def _kill_phase(
         f"(lease rule: within extension {extension:.2f} s + interval {interval:.2f} s "
         f"of D's last heartbeat)"
     )
-    for f in futs:
-        with contextlib.suppress(Exception):  # requests D was running died with it
-            f.result(timeout=30)
-    pool.shutdown(wait=True)
+    _end_phase2(pool, futs)
     after = _lease_counts(_get(f"{base['prefill']}/stats")["connector"]["counters"])
     checks["P held leases for D's queue when D died"] = got_leases and n_held > 0
     checks["P reclaimed all leased blocks by the lease rules"] = (
@@ -510,7 +626,7 @@ def _kill_phase(
 
 
 def _table(result: dict[str, Any]) -> str:
-    rows: list[tuple[str, str]] = []
+    rows: list[tuple[str, str]] = [("mode", str(result.get("mode", "pull")))]
     p1 = result.get("phase1")
     if p1:
         rows += [
@@ -523,10 +639,15 @@ def _table(result: dict[str, Any]) -> str:
                 "KV transfer time, total / per request",
                 f"{p1['transfer_time_s'] * 1e3:.2f} ms / {p1['mean_transfer_s'] * 1e3:.3f} ms",
             ),
-            (
-                "KV loads as D's engine saw them (post → seen done)",
-                f"{p1['load_wait_s'] * 1e3:.2f} ms in all",
-            ),
+        ]
+        if "leases" in p1:
+            rows.append(
+                (
+                    "KV loads as D's engine saw them (post → seen done)",
+                    f"{p1['load_wait_s'] * 1e3:.2f} ms in all",
+                )
+            )
+        rows += [
             (
                 "time to first token (router), median / p90",
                 f"{p1['median_ttft_s'] * 1e3:.1f} ms / {p1['p90_ttft_s'] * 1e3:.1f} ms",
@@ -535,13 +656,37 @@ def _table(result: dict[str, Any]) -> str:
                 "mean transfer as a share of median TTFT",
                 f"{100 * p1['transfer_share_of_ttft']:.2f} %",
             ),
+        ]
+        if "leases" in p1:
+            rows.append(
+                (
+                    "leases granted / renewed / consumed / expired",
+                    "{granted} / {renewed} / {consumed} / {expired}".format(**p1["leases"]),
+                )
+            )
+        if "pushes" in p1:
+            rows.append(
+                (
+                    "pushes offered / registered / done / failed / unsent",
+                    "{offered} / {registered} / {done} / {failed} / {unsent}".format(
+                        **p1["pushes"]
+                    ),
+                )
+            )
+    p2 = result.get("phase2")
+    if p2 and "kv_held_at_kill" in p2:
+        rows += [
+            ("requests whose KV P kept when D was killed", str(p2["kv_held_at_kill"])),
             (
-                "leases granted / renewed / consumed / expired",
-                "{granted} / {renewed} / {consumed} / {expired}".format(**p1["leases"]),
+                "freed after the kill (bound)",
+                f"{p2['freed_after_kill_s']:.2f} s ({p2['freed_bound_s']:.2f} s)",
+            ),
+            (
+                "phase 2 on P: offered / registered / done / failed / unsent",
+                "{offered} / {registrations_received} / {done} / {failed} / {unsent}".format(**p2),
             ),
         ]
-    p2 = result.get("phase2")
-    if p2:
+    elif p2:
         rows += [
             ("leases held by P when D was killed", str(p2["leases_held_at_kill"])),
             (
@@ -577,6 +722,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--transport", default="nixl", help="a transport that works across processes (nixl)"
     )
+    ap.add_argument(
+        "--mode", default="pull",
+        help="pull: D reads P's KV after P answered (default); push: both legs at once, P "
+        "writes into D's blocks",
+    )  # fmt: skip
     ap.add_argument("--no-kill", action="store_true", help="skip the D-killed phase")
     ap.add_argument(
         "--auth-key-file", default=None,
@@ -607,6 +757,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_tokens=args.max_tokens,
                     lease=args.lease,
                     transport=args.transport,
+                    mode=args.mode,
                 )
                 key_file = os.path.join(keydir, "fleet.key")
                 KeyRing.generate_file(key_file, "demo")
@@ -619,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
                 kill=not args.no_kill,
                 log=log,
                 auth_key_file=key_file,
+                mode=args.mode,
             )
     except ConfigError as exc:
         print(f"kvframe demo: {exc}", file=sys.stderr)
