@@ -45,6 +45,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvframe.bench.pipeline",
         "decode-side KV loads layer by layer vs whole transfer before compute, vs max(c, t)",
     ),
+    "push": (
+        "kvframe.bench.push",
+        "D's time to first token: pull vs push vs progressive push, vs max(compute, transfer)",
+    ),
     "transfer": (
         "kvframe.bench.transfer",
         "cross-process READ: kvframe NIXL transport vs raw NIXL vs memcpy, and post cost",
