@@ -496,9 +496,24 @@ def _push_counts(p: dict[str, float], d: dict[str, float]) -> dict[str, int]:
     }
 
 
-def _start_phase2(
-    base: dict[str, str], prompts: list[list[int]]
-) -> tuple[concurrent.futures.ThreadPoolExecutor, list[concurrent.futures.Future[Any]]]:
+@attrs.frozen
+class _Kill:
+    held_before: bool  # P held KV (two requests' or more) once the batch was under way
+    held_at_kill: int
+    freed: bool  # nothing held any more, within 3 leases + 5 s of the kill
+    freed_after_s: float
+
+
+def _kill_while_held(
+    base: dict[str, str],
+    procs: dict[str, _Proc],
+    prompts: list[list[int]],
+    held: Callable[[], int],
+    settle_s: float,
+    lease: float,
+    say_held: Callable[[int], str],
+    log: Callable[[str], None],
+) -> _Kill:
     # Twice the prompts, long generations: D (two at a time) keeps most of them queued.
     batch = prompts * 2
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(batch))
@@ -511,16 +526,20 @@ def _start_phase2(
         )
         for p in batch
     ]
-    return pool, futs
-
-
-def _end_phase2(
-    pool: concurrent.futures.ThreadPoolExecutor, futs: list[concurrent.futures.Future[Any]]
-) -> None:
+    got = _wait_for(lambda: held() >= 2, 30, 0.02)
+    time.sleep(settle_s)
+    # Kill right after seeing KV held (D reads a queued request as soon as a slot frees).
+    got = got and _wait_for(lambda: held() >= 1, 30, 0.005)
+    n_held = held()
+    log(say_held(n_held))
+    killed_at = procs["decode"].kill()
+    freed = _wait_for(lambda: held() == 0, 3 * lease + 5, 0.02)
+    freed_s = time.monotonic() - killed_at
     for f in futs:
         with contextlib.suppress(Exception):  # requests D was running died with it
             f.result(timeout=30)
     pool.shutdown(wait=True)
+    return _Kill(got, n_held, freed, freed_s)
 
 
 def _kill_phase_push(
@@ -543,33 +562,28 @@ def _kill_phase_push(
         return int(gauges.get("scheduler_leases_held", 0))
 
     before = _push_counts(p_counters(), {})
-    pool, futs = _start_phase2(base, prompts)
-    got_kv = _wait_for(lambda: held() >= 2, 30, 0.02)
-    time.sleep(lease / 3)  # let D run its first two and P heartbeat what D registered
-    got_kv = got_kv and _wait_for(lambda: held() >= 1, 30, 0.005)
-    n_held = held()
-    log(f"  P keeps the KV of {n_held} requests for D; killing D (SIGKILL)")
-    killed_at = procs["decode"].kill()
-    freed = _wait_for(lambda: held() == 0, 3 * lease + 5, 0.02)
-    freed_s = time.monotonic() - killed_at
+    # Settle: let D run its first two and P heartbeat what D registered.
+    k = _kill_while_held(
+        base, procs, prompts, held, lease / 3, lease,
+        lambda n: f"  P keeps the KV of {n} requests for D; killing D (SIGKILL)", log,
+    )  # fmt: skip
     log(
-        f"  P freed the KV of every request whose D died {freed_s:.2f} s after the kill "
-        f"(push rule: within kv_lease_duration {lease:.2f} s: P's wait for a registration, "
-        "and for D to confirm a registered lease)"
+        f"  P freed the KV of every request whose D died {k.freed_after_s:.2f} s after the "
+        f"kill (push rule: within kv_lease_duration {lease:.2f} s: P's wait for a "
+        "registration, and for D to confirm a registered lease)"
     )
-    _end_phase2(pool, futs)
     after = _push_counts(p_counters(), {})
-    checks["P kept KV for D's queue when D died"] = got_kv and n_held > 0
+    checks["P kept KV for D's queue when D died"] = k.held_before and k.held_at_kill > 0
     checks["P freed the KV of every request whose D died by the push rules"] = (
-        freed and freed_s <= lease + 1.0
+        k.freed and k.freed_after_s <= lease + 1.0
     )
     checks["leak oracle on P after D died"] = _wait_for(
         lambda: bool(_get(f"{base['prefill']}/leaks")["clean"]), 5
     )
     delta = {k: after[k] - before[k] for k in after if k != "registered"}
     return {
-        "kv_held_at_kill": n_held,
-        "freed_after_kill_s": freed_s,
+        "kv_held_at_kill": k.held_at_kill,
+        "freed_after_kill_s": k.freed_after_s,
         "freed_bound_s": lease,
         **delta,
     }
@@ -591,23 +605,23 @@ def _kill_phase(
     def held() -> int:
         return int(_get(f"{base['prefill']}/stats")["connector"]["gauges"].get("leases_held", 0))
 
-    pool, futs = _start_phase2(base, prompts)
-    got_leases = _wait_for(lambda: held() >= 2, 30, 0.02)
-    time.sleep(2 * interval)  # let heartbeats flow for a while
-    # Kill right after seeing leases held (D reads a queued request as soon as a slot frees).
-    got_leases = got_leases and _wait_for(lambda: held() >= 1, 30, 0.005)
-    n_held = held()
-    log(f"  P holds {n_held} leases for requests queued on D; killing D (SIGKILL)")
-    killed_at = procs["decode"].kill()
-    reclaimed = _wait_for(lambda: held() == 0, 3 * lease + 5, 0.02)
-    reclaim_s = time.monotonic() - killed_at
+    # Settle: let heartbeats flow for a while.
+    k = _kill_while_held(
+        base, procs, prompts, held, 2 * interval, lease,
+        lambda n: f"  P holds {n} leases for requests queued on D; killing D (SIGKILL)", log,
+    )  # fmt: skip
+    got_leases, n_held, reclaimed, reclaim_s = (
+        k.held_before,
+        k.held_at_kill,
+        k.freed,
+        k.freed_after_s,
+    )
     bound = extension + interval
     log(
         f"  P reclaimed every leased block {reclaim_s:.2f} s after the kill "
         f"(lease rule: within extension {extension:.2f} s + interval {interval:.2f} s "
         f"of D's last heartbeat)"
     )
-    _end_phase2(pool, futs)
     after = _lease_counts(_get(f"{base['prefill']}/stats")["connector"]["counters"])
     checks["P held leases for D's queue when D died"] = got_leases and n_held > 0
     checks["P reclaimed all leased blocks by the lease rules"] = (
