@@ -1,7 +1,8 @@
 """``kvframe bench push``: D's time to first token in pull mode, push mode and progressive push.
 
 Three reference-engine servers (the HTTP stack of :mod:`kvframe_refengine.server`, the P/D
-connector over NIXL, one torch thread each) are started once and serve every arm of the run:
+connector over NIXL, one torch thread each, the model of :data:`MODEL_SHAPE`, prefill in
+chunks of 512 tokens: the engine's default) are started once and serve every arm of the run:
 
 - **P** (``kv_producer``) and **P layerwise** (``kv_producer`` with
   ``kv_connector_extra_config.push_layerwise: true``): identical flags otherwise, both pinned to
@@ -9,36 +10,49 @@ connector over NIXL, one torch thread each) are started once and serve every arm
 - **D** (``kv_consumer``, ``kv_load_failure_policy: fail``), pinned to another CPU (the same one
   when the benchmark may use only one), shared by every arm.
 
-Every thread's CPU affinity is read back from ``/proc/PID/task/*/status`` after the warm-up and
-again at the end; the run stops if a thread is anywhere else. For each prompt length the arms
-run in turn, their order rotated every round (round 0 warms up and is dropped):
+One D for every arm, and a second P rather than a restart, so that the arms alternate round by
+round under the same conditions (a P restart would also change P's incarnation mid-run). Every
+thread's CPU affinity is read back from ``/proc/PID/task/*/status`` after the warm-up round and
+at the end; the run stops if a thread may run anywhere else. For each prompt length the arms
+run in turn on fresh prompts of that length, their order rotated every round (round 0 warms up
+and is dropped), and after each one the benchmark waits until the engines are idle (no
+request, no pending connector work):
 
 - **pull** — the router's pull contract: P's leg (``do_remote_decode``, ``max_tokens`` 1), then
   D's leg with the ``kv_transfer_params`` P answered; D READs the KV;
 - **push** — both legs sent at once (P's first, D's right after it): P's leg with
   ``transfer_mode: push`` and a fresh ``push_id``, D's with the same ``push_id`` and P's address
   from P's ``GET /v1/kv_address``; P WRITEs the whole KV into D's blocks once its prefill ended;
-- **progressive push** — the same legs to P layerwise, which writes each layer's blocks as its
-  prefill computes them;
+- **progressive push** — the same legs to P layerwise, which writes each layer's blocks as each
+  prefill chunk computes them (once D's registration and lease confirmation have reached it);
 - **compute alone** — P's leg alone with no ``kv_transfer_params``: the prefill without any KV
-  leaving P (P's compute, through the same HTTP stack).
+  leaving P, through the same HTTP stack.
 
-**TTFT** is measured by the benchmark's client: from sending the first leg to receiving D's
-answer (``max_tokens`` 1, so D's answer is its first token), over HTTP/1.1 connections opened
-before the clock starts. **Transfer alone** is P's WRITE of the whole KV in the push arm (the
-connector's ``push_seconds`` observation on P, from its ``GET /stats``: posted to seen done,
-after P's prefill, while nothing else runs); D's READ in the pull arm (``transfer_seconds`` on
-D) is reported beside it. The ideal progressive push is ``max(compute, transfer)``;
-**overlap efficiency** is ``ideal / progressive push`` and **transfer hidden** is
-``(push - progressive push) / transfer``: the share of the transfer that progressive push took
-off D's critical path. Every figure is a median (p90 beside it) over the rounds; the ratios are
+Figures (seconds):
+
+- **TTFT** (``ttft_s``): the benchmark's client, from sending the first leg to receiving D's
+  answer (``max_tokens`` 1: D's answer is its first token), over HTTP/1.1 connections opened
+  before the clock starts; **prefill** (``prefill_s``): to P's answer; **tail** (``tail_s``):
+  D's answer minus P's, what remains after P's prefill (in pull D's whole leg);
+- **compute alone** (``compute_s``): the compute arm's time to P's answer;
+- **transfer alone** (``transfer_s``): P's WRITE of the whole KV in the push arm (the
+  connector's ``push_seconds`` observation on P, from its ``GET /stats``: posted to seen done,
+  after P's prefill, while nothing else runs); **D's READ** (``read_s``): ``transfer_seconds``
+  on D in the pull arm;
+- **ideal** (``ideal_s``): ``max(compute, transfer)`` of the medians, what progressive push
+  would take if the transfer overlapped the compute entirely and nothing else cost time (D's
+  own step for the last token and the protocol's round trips are not in it);
+  **overlap efficiency**: ``ideal / progressive push``.
+
+Each figure is a median with its p90 over the measured rounds; the ratios (``push_speedup``
+``pull / push``, ``progressive_speedup`` ``pull / progressive``, ``overlap_efficiency``) are
 ratios of medians.
 
 Every sample checks that KV moved: D's answer counts ``prompt_tokens - 1`` external tokens
 (loaded, not computed: D's failure policy is ``fail``, so a failed load is an error, never a
-silent recomputation) and the connectors' counters grew (D's ``loads_done``; ``bytes_read`` on
-D in pull mode, ``bytes_written`` and ``pushes_done`` on P in push mode). After each sample the
-benchmark waits until both engines are idle (no request, no pending connector work).
+silent recomputation), and P's ``pushes_done`` grew in the push arms; ``moved`` reports the
+counters. A failure ends the run with :class:`BenchError` (``kvframe bench push`` prints it
+as one line, with the failing engine's log tail, and exits 1).
 
 JSON keys (``--json``)::
 
@@ -48,17 +62,21 @@ JSON keys (``--json``)::
                  "threads": {"P": int, "P_layerwise": int, "D": int}, "verified": true},
      "load_average": {"start": float, "end": float},
      "cases": [{"prompt_tokens", "kv_bytes",
-                "ttft_s": {"pull": S, "push": S, "progressive": S},
+                "arms": {"pull" | "push" | "progressive": {
+                    "ttft_s": S, "prefill_s": S, "tail_s": S,
+                    "moved": {"requests", "loads_done", "bytes", "external_tokens",
+                              "layer_writes"}}},
                 "compute_s": S, "transfer_s": S, "read_s": S, "ideal_s": float,
-                "push_speedup": pull / push, "progressive_speedup": pull / progressive,
-                "overlap_efficiency": ideal / progressive,
-                "moved": {"pull" | "push" | "progressive":
-                          {"requests", "loads_done", "bytes", "external_tokens", "layer_writes"}}}]}
+                "push_speedup": float, "progressive_speedup": float,
+                "overlap_efficiency": float}]}
 
-where ``S`` is ``{"median": float, "p90": float, "samples": [float, ...]}`` in seconds,
-``kv_bytes`` the bytes of one request's KV that crossed (D's READ in the pull arm), ``moved``
-sums over the measured rounds (``bytes``: D's ``bytes_read`` for pull, P's ``bytes_written``
-for the push arms), and ``ideal_s = max(compute_s.median, transfer_s.median)``.
+where ``S`` is ``{"median": float, "p90": float, "samples": [float, ...]}``; ``kv_bytes`` is
+one request's KV that crossed (D's READ in the pull arm: the whole blocks of
+``prompt_tokens - 1`` tokens); ``moved`` sums over the measured rounds: D's ``loads_done``
+and external tokens; ``bytes`` is D's ``bytes_read`` in pull and P's ``bytes_written`` (the
+final WRITE only) in the push arms; ``layer_writes`` is P's ``push_layer_writes``. ``pinning``
+gives each engine's CPUs, the benchmark's own (its client is not pinned) and each engine's
+thread count at the end; ``load_average`` the 1-minute load average before and after.
 """
 
 from __future__ import annotations
@@ -88,6 +106,7 @@ __all__ = [
     "FULL_CASES",
     "MODEL_SHAPE",
     "QUICK_CASES",
+    "BenchError",
     "measure",
     "run",
 ]
@@ -119,6 +138,11 @@ _QUICK_REPEATS = 1
 _ARMS = ("pull", "push", "progressive", "compute")
 _TTFT_ARMS = ("pull", "push", "progressive")
 _ENGINES = ("P", "P_layerwise", "D")
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not measure (an engine failed, refused a leg, or the KV did not
+    arrive); the message says what happened, with the engine's log tail where it has one."""
 
 
 # -- the engine processes -----------------------------------------------------------------
@@ -188,7 +212,7 @@ class _Server:
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(
+                raise BenchError(
                     f"the push benchmark's engine {self.name} exited with status "
                     f"{self.proc.returncode}: {self.log_tail()}"
                 )
@@ -200,7 +224,7 @@ class _Server:
                     self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
                     self.conn.connect()
                     return
-        raise RuntimeError(f"the push benchmark's engine {self.name} did not start in time")
+        raise BenchError(f"the push benchmark's engine {self.name} did not start in time")
 
     def log_tail(self) -> str:
         self.log.flush()
@@ -218,7 +242,7 @@ class _Server:
         resp = self.conn.getresponse()
         raw = resp.read()
         if resp.status != 200:
-            raise RuntimeError(
+            raise BenchError(
                 f"engine {self.name} answered {what} with {resp.status}: "
                 f"{raw[:500].decode(errors='replace')}; its log: {self.log_tail()}"
             )
@@ -260,7 +284,7 @@ def _check_pinning(
         seen = _affinity(srv.proc.pid)
         stray = {tid: sorted(c) for tid, c in seen.items() if c != want[name]}
         if stray:
-            raise RuntimeError(
+            raise BenchError(
                 f"engine {name} should run on CPUs {sorted(want[name])} only, but threads "
                 f"{stray} may run elsewhere (from /proc/{srv.proc.pid}/task/*/status)"
             )
@@ -292,7 +316,7 @@ def _settle(servers: list[_Server], timeout: float = 60.0) -> None:
     while not all(_idle(s) for s in servers):
         if time.monotonic() > deadline:
             states = {s.name: s.ask("GET", "/stats")["engine"] for s in servers}
-            raise RuntimeError(f"the engines did not become idle within {timeout:g} s: {states}")
+            raise BenchError(f"the engines did not become idle within {timeout:g} s: {states}")
         time.sleep(0.005)
 
 
@@ -326,7 +350,7 @@ def _answers(p: _Server, d: _Server) -> dict[str, tuple[dict[str, Any], float]]:
     while pending:
         ready, _, _ = select.select(list(pending), [], [], 120)
         if not ready:
-            raise RuntimeError(f"no answer from {', '.join(s.name for s in pending.values())}")
+            raise BenchError(f"no answer from {', '.join(s.name for s in pending.values())}")
         now = time.perf_counter()
         for sock in ready:
             srv = pending.pop(sock)
@@ -369,7 +393,7 @@ def _push(p: _Server, d: _Server, prompt: list[int], address: Mapping[str, Any])
     after_p, after_d = _counters(p), _counters(d)
     if _delta(after_p, before_p, "pushes_done") < 1:
         pushes = {k: v for k, v in after_p.items() if k.startswith("push")}
-        raise RuntimeError(
+        raise BenchError(
             f"engine {p.name} counted no finished push for a push-mode request (its push "
             f"counters: {pushes}); its log: {p.log_tail()}"
         )
@@ -482,7 +506,7 @@ def measure(
                     seed += 1
                     sample = runs[arm](_prompt(n, seed))
                     if arm in _TTFT_ARMS and sample.external_tokens != n - 1:
-                        raise RuntimeError(
+                        raise BenchError(
                             f"{arm}: D loaded {sample.external_tokens} tokens of a {n}-token "
                             f"prompt, not {n - 1}: the KV did not arrive"
                         )
@@ -608,7 +632,11 @@ def run(args: argparse.Namespace) -> int:
     repeats = args.repeats
     if repeats is None:
         repeats = _QUICK_REPEATS if args.quick else _FULL_REPEATS
-    report = measure(QUICK_CASES if args.quick else FULL_CASES, repeats)
+    try:
+        report = measure(QUICK_CASES if args.quick else FULL_CASES, repeats)
+    except BenchError as exc:
+        print(f"kvframe bench push: {exc}", file=sys.stderr)
+        return 1
     report["quick"] = bool(args.quick)
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
