@@ -9,6 +9,10 @@ a clock, sleeps, starts a thread, opens a socket or logs.
 - :mod:`kvframe.core.wire` — the heartbeat / lease-ack wire format.
 - :mod:`kvframe.core.holder` — P's side of the P/D protocol (:class:`LeaseHolder`).
 - :mod:`kvframe.core.reader` — D's side of the P/D protocol (:class:`LeaseReader`).
+- :mod:`kvframe.core.push` — push mode: the registration wire format and P's matching
+  (:class:`~kvframe.core.push.PushSource`).
+- :mod:`kvframe.core.receiver` — push mode, D's side
+  (:class:`~kvframe.core.receiver.PushReceiver`).
 - :mod:`kvframe.core.requests` — the P/D scheduler's request states.
 - :mod:`kvframe.core.machine` — transition tables as data, shared by the machines above.
 """

@@ -102,6 +102,15 @@ from kvframe.core.reader import (
     SendMessage,
     StopRead,
 )
+from kvframe.core.receiver import (
+    FreeNow,
+    PushEnded,
+    PushReceiver,
+    ReceiverAction,
+    ReceiveState,
+    Revoke,
+    SendRegistration,
+)
 from kvframe.errors import CodecError, KVFrameError, PeerUnreachableError, TransportError
 from kvframe.protocol.codec import Codec
 from kvframe.protocol.messages import ConnectorMetadata, KVEvent, Stats
@@ -192,21 +201,14 @@ class _Pre:
 
 @attrs.define(eq=False)
 class _PushIn:
-    """D, push mode: one request's destination blocks, held under D's own lease."""
+    """D, push mode: what the worker keeps of one push (the decisions are the receiver's)."""
 
-    request_id: str
     lease_id: str
-    addr: RemoteEngineAddr
-    rank: int
+    engine: str
+    block_ids: tuple[tuple[int, ...], ...]
     registration: bytes
-    deadline: float
-    """Not yet sent: fail at this time; sent: revoke at this time (the push's overall cap)."""
     sent_to: str | None = None
     """The prefill engine's transport peer the registration went to."""
-    revoked: bool = False
-    aborted: bool = False
-    reason: str | None = None
-    """Why it failed, when the prefill engine said (a refusal)."""
 
 
 @attrs.define(eq=False)
@@ -307,7 +309,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._layer_index: dict[str, int] = {}
         # D, push mode: destination blocks held under D's own leases
         self._pushes: dict[str, _PushIn] = {}  # request id -> push
-        self._push_leases: dict[str, str] = {}  # D's lease id -> request id
+        self._push_leases: set[str] = set()  # D's live push lease ids
+        self._receiver = PushReceiver(
+            send_timeout=2 * options.handshake_timeout, cap=3 * self._policy.duration
+        )
         self._push_blocks: dict[int, set[str]] = {}  # block -> live push lease ids
         self._keys = options.keys
         if self._keys is None:
@@ -632,7 +637,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._run_push(self._push.tick(now), now)
             self._run_writer(self._writer.tick(now), now)
             self._settle_writes()
-        self._lease_output(self._holder.expire(now))
+        self._lease_output(self._holder.expire(now), now)
 
     def _poll(self, rids: Iterable[str]) -> list[tuple[str, XferStatus, XferHandle]]:
         return [
@@ -764,7 +769,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._count("heartbeats_received")
             out = self._holder.receive(sender, msg, now)
             self._reply(sender, out.replies)
-            self._lease_output(out)
+            self._lease_output(out, now)
             return
         entry = self._engines.by_peer(sender) if self._engines is not None else None
         writer = sender in self._readers
@@ -785,13 +790,17 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if entry is not None:
             self._run(self._reader.receive(entry.engine_id, msg, now), now)
 
-    def _lease_output(self, out: HolderOutput[tuple[str, tuple[tuple[int, ...], ...]]]) -> None:
+    def _lease_output(
+        self, out: HolderOutput[tuple[str, tuple[tuple[int, ...], ...]]], now: float
+    ) -> None:
         for lease in out.ended:
-            self._lease_ended(lease)
+            self._lease_ended(lease, now)
 
-    def _lease_ended(self, lease: Lease[tuple[str, tuple[tuple[int, ...], ...]]]) -> None:
+    def _lease_ended(
+        self, lease: Lease[tuple[str, tuple[tuple[int, ...], ...]]], now: float
+    ) -> None:
         if lease.request_id in self._push_leases:
-            self._push_ended(lease)
+            self._push_lease_ended(lease, now)
             return
         self._finished_sending.add(lease.payload[0])
         if self._region_bases:
@@ -1335,9 +1344,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
 
     # -- D, push mode: registering and holding the destination blocks ----------------------
     def _engine_busy(self, engine: str) -> bool:
-        return self._reader.engine_busy(engine) or any(
-            p.addr.engine_id == engine for p in self._pushes.values()
-        )
+        return self._reader.engine_busy(engine) or self._receiver.engine_busy(engine)
 
     def _push_add(self, load: PDLoad, now: float) -> None:
         rid = load.request_id
@@ -1364,8 +1371,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._fail_blocks(rid, load.local_block_ids, f"cannot register for push: {exc}")
             return
         self._holder.grant(lease_id, now, (rid, load.local_block_ids))
+        self._push_leases.add(lease_id)
         self._count("push_registrations")
-        self._push_leases[lease_id] = rid
         if self._region_bases:
             for group in load.local_block_ids:
                 for b in group:
@@ -1374,13 +1381,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             load.remote_incarnations[rank] if rank < len(load.remote_incarnations) else None
         )
         self._pushes[rid] = _PushIn(
-            request_id=rid,
             lease_id=lease_id,
-            addr=load.remote,
-            rank=rank,
+            engine=load.remote.engine_id,
+            block_ids=load.local_block_ids,
             registration=registration,
-            deadline=now + 2 * self._options.handshake_timeout,
         )
+        self._receiver.add(rid, load.remote.engine_id, lease_id, now)
         entry = self._ensure(load.remote, now, incarnation)
         if (
             entry.state is PeerState.READY
@@ -1397,68 +1403,58 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._push_peer(entry, now)
 
     def _push_peer(self, entry: RemoteEngine, now: float) -> None:
-        for push in list(self._pushes.values()):
-            if push.sent_to is not None or push.addr.engine_id != entry.engine_id:
-                continue
-            if entry.state is PeerState.READY and entry.peer is not None:
-                sealed = self._seal(entry.session_key, push.registration)
-                try:
-                    if sealed is None:
-                        raise TransportError("the connection is not authenticated")
-                    self._transport.send_notification(entry.peer, sealed)
-                except TransportError as exc:
-                    self._push_local_end(push, now, f"sending the registration failed: {exc}")
-                    continue
-                push.sent_to = entry.peer
-                # From now on the prefill engine may write: the cap on the whole push.
-                push.deadline = now + 3 * self._policy.duration
-                self._holder.connected(entry.peer)
-            elif entry.state is PeerState.FAILED:
-                self._push_local_end(
-                    push, now, f"no connection to the prefill engine: {entry.error or 'failed'}"
-                )
+        if entry.state is PeerState.READY and entry.peer is not None:
+            self._run_receiver(self._receiver.peer_ready(entry.engine_id, now), now)
+        elif entry.state is PeerState.FAILED:
+            self._run_receiver(
+                self._receiver.peer_failed(entry.engine_id, entry.error or "failed", now), now
+            )
 
-    def _push_local_end(self, push: _PushIn, now: float, reason: str) -> None:
-        # Nobody was told of the blocks (the registration never left): free them at once.
-        push.reason = reason
-        self._lease_output(self._holder.abort(push.lease_id, now))
+    def _run_receiver(self, actions: list[ReceiverAction], now: float) -> None:
+        todo = collections.deque(actions)
+        while todo:
+            action = todo.popleft()
+            push = self._pushes.get(action.request_id)
+            if isinstance(action, SendRegistration):
+                assert push is not None
+                todo.extend(self._send_registration(action.request_id, push, now))
+            elif isinstance(action, Revoke):
+                assert push is not None
+                self._holder.revoke(action.lease_id, now)
+                self._count("push_revoked")
+                if push.sent_to is not None:
+                    notice = wire.LeaseLost(
+                        echo_seq=0,
+                        holder_now=now,
+                        reason=wire.LostReason.ABORTED,
+                        handles=(lease_handle(action.lease_id),),
+                    )
+                    self._reply(push.sent_to, [notice])
+            elif isinstance(action, FreeNow):
+                self._lease_output(self._holder.abort(action.lease_id, now), now)
+            elif isinstance(action, PushEnded):
+                self._push_finished(action)
+
+    def _send_registration(self, rid: str, push: _PushIn, now: float) -> list[ReceiverAction]:
+        entry = self._entry(push.engine)
+        try:
+            if entry is None or entry.peer is None or entry.state is not PeerState.READY:
+                raise TransportError("no connection to the prefill engine")
+            sealed = self._seal(entry.session_key, push.registration)
+            if sealed is None:
+                raise TransportError("the connection is not authenticated")
+            self._transport.send_notification(entry.peer, sealed)
+        except TransportError as exc:
+            return self._receiver.send_failed(rid, str(exc), now)
+        push.sent_to = entry.peer
+        self._holder.connected(entry.peer)
+        return []
 
     def _push_abort(self, rid: str, now: float) -> None:
-        push = self._pushes[rid]
-        push.aborted = True
-        if push.sent_to is None:
-            self._push_local_end(push, now, "aborted by the engine")
-        else:
-            self._push_revoke(push, now)
-
-    def _push_revoke(self, push: _PushIn, now: float) -> None:
-        # The prefill engine may be writing: stop renewing, tell it, and keep the blocks until
-        # it says it stopped (a release or its completion) or the lease expires.
-        if push.revoked or not self._holder.revoke(push.lease_id, now):
-            return
-        push.revoked = True
-        self._count("push_revoked")
-        assert push.sent_to is not None
-        notice = wire.LeaseLost(
-            echo_seq=0,
-            holder_now=now,
-            reason=wire.LostReason.ABORTED,
-            handles=(lease_handle(push.lease_id),),
-        )
-        self._reply(push.sent_to, [notice])
+        self._run_receiver(self._receiver.abort(rid, now), now)
 
     def _push_tick(self, now: float) -> None:
-        for push in list(self._pushes.values()):
-            if push.deadline > now or push.revoked:
-                continue
-            if push.sent_to is None:
-                self._push_local_end(push, now, "no connection to the prefill engine in time")
-            else:
-                push.reason = (
-                    f"the prefill engine did not complete the push within "
-                    f"{3 * self._policy.duration:g} s"
-                )
-                self._push_revoke(push, now)
+        self._run_receiver(self._receiver.tick(now), now)
 
     def _on_push_message(self, sender: str, payload: bytes, now: float) -> None:
         try:
@@ -1474,17 +1470,18 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count("push_registrations_received")
             self._run_push(self._push.register(sender, msg, now), now)
             return
-        rid = self._push_leases.get(msg.lease_id)
+        rid = self._receiver.request_of(msg.lease_id)
         push = self._pushes.get(rid) if rid is not None else None
         if push is None or push.sent_to != sender:
             self._count("notifications_unroutable")
             return
-        push.reason = f"{msg.reason.text()} (push refused: {msg.reason.name.lower()})"
-        self._lease_output(self._holder.abort(push.lease_id, now))
+        reason = f"{msg.reason.text()} (push refused: {msg.reason.name.lower()})"
+        self._run_receiver(self._receiver.refused(push.engine, msg.lease_id, reason, now), now)
 
-    def _push_ended(self, lease: Lease[tuple[str, tuple[tuple[int, ...], ...]]]) -> None:
-        rid = self._push_leases.pop(lease.request_id)
-        push = self._pushes.pop(rid, None)
+    def _push_lease_ended(
+        self, lease: Lease[tuple[str, tuple[tuple[int, ...], ...]]], now: float
+    ) -> None:
+        self._push_leases.discard(lease.request_id)
         if self._region_bases:
             for group in lease.payload[1]:
                 for b in group:
@@ -1493,21 +1490,19 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                         held.discard(lease.request_id)
                         if not held:
                             del self._push_blocks[b]
-        self._finished_recving.add(rid)
-        engine = push.addr.engine_id if push is not None else None
-        if push is not None and push.aborted:
-            self._count("loads_aborted", engine=engine)
-            return
-        if lease.state is LeaseState.CONSUMED and (push is None or not push.revoked):
+        self._run_receiver(self._receiver.lease_ended(lease.request_id, lease.state, now), now)
+
+    def _push_finished(self, action: PushEnded) -> None:
+        push = self._pushes.pop(action.request_id, None)
+        self._finished_recving.add(action.request_id)
+        engine = action.engine
+        if action.state is ReceiveState.DONE:
             self._count("loads_done", engine=engine)
-            return
-        if push is not None and push.reason is not None:
-            reason = push.reason
-        elif lease.state is LeaseState.EXPIRED:
-            reason = "the prefill engine did not write within the lease (it died or stalled)"
+        elif action.state is ReceiveState.ABORTED:
+            self._count("loads_aborted", engine=engine)
         else:
-            reason = "the prefill engine gave up the write (it failed or was abandoned)"
-        self._fail_blocks(rid, lease.payload[1], reason, engine)
+            blocks = push.block_ids if push is not None else ()
+            self._fail_blocks(action.request_id, blocks, action.reason or "failed", engine)
 
     def _fail_blocks(
         self,
