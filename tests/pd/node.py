@@ -20,6 +20,8 @@ from typing import Any
 
 import msgpack
 
+from kvframe.core.reader import ReadState
+from kvframe.spi.transport import Op, XferHandle, XferStatus
 from tests.pd.driver import Driver, view
 
 _LEN = struct.Struct(">I")
@@ -73,6 +75,23 @@ def main() -> None:
         out.flush()
 
     paused_until = 0.0
+    hold: tuple[str, float] | None = None
+    # Transfers posted while a "*_posted" hold is armed: polled as pending until the stall.
+    frozen: set[int] = set()
+    xport = drv.worker.transport
+    real_post, real_poll = xport.post, xport.poll
+
+    def post(op: Op, *args: Any, **kw: Any) -> XferHandle:
+        handle: XferHandle = real_post(op, *args, **kw)
+        if hold is not None and hold[0] == f"{op.value}_posted":
+            frozen.add(id(handle))
+        return handle
+
+    def poll(handle: XferHandle) -> XferStatus:
+        return XferStatus.pending() if id(handle) in frozen else real_poll(handle)
+
+    xport.post = post  # type: ignore[method-assign]
+    xport.poll = poll  # type: ignore[method-assign]
     reply({"ready": True, "pid": os.getpid()})
     while True:
         ready, _, _ = select.select([fd_in], [], [], 0.001)
@@ -148,6 +167,59 @@ def main() -> None:
                 elif op == "load_state":
                     state = drv.worker.reader.state(cmd["rid"])
                     reply({"state": state.value if state is not None else None})
+                elif op == "address":
+                    # P: the fields of a push-mode D leg that name this engine.
+                    reply({"address": drv.sched.kv_address()})
+                elif op == "push_prefill":
+                    # P: finish a request with a push leg (finish_reason "abort": P gave up).
+                    drv.fill(cmd["blocks"], cmd["seed"])
+                    delay, params = drv.sched.request_finished(
+                        view(
+                            cmd["rid"],
+                            cmd["tokens"],
+                            cmd["leg"],
+                            finish_reason=cmd.get("finish_reason", "length"),
+                        ),
+                        (tuple(cmd["blocks"]),),
+                    )
+                    reply({"delay": delay, "params": params})
+                elif op == "push_start":
+                    # D: a request with a push leg arrives and gets its blocks at once.
+                    req = view(cmd["rid"], cmd["tokens"], cmd["leg"], arrival_time=clock())
+                    drv.sched.on_new_request(req)
+                    n_ext, is_async = drv.sched.get_num_new_matched_tokens(req, 0)
+                    if n_ext:
+                        drv.sched.update_state_after_alloc(req, (tuple(cmd["blocks"]),), n_ext)
+                    reply({"external": n_ext, "async": is_async})
+                elif op == "push_state":
+                    # The push machines and the leak oracle's inputs, now.
+                    w = drv.worker
+                    for k, v in w.get_stats().counters.items():
+                        counters[k] = counters.get(k, 0) + v
+                    rid = cmd.get("rid")
+                    wstate = w.writer.state(rid) if rid is not None else None
+                    rstate = w.reader.state(rid) if rid is not None else None
+                    reply(
+                        {
+                            "writer": wstate.value if wstate is not None else None,
+                            "reader": rstate.value if rstate is not None else None,
+                            "writes": len(w.writer),
+                            "writes_posted": w.writer.loads(ReadState.POSTED),
+                            "reads": len(w.reader),
+                            "push_waiting": len(w.push_source),
+                            "leases_live": w.holder.live_count,
+                            "pending": drv.sched.has_pending_work(),
+                            "counters": counters,
+                            "paused": time.monotonic() < paused_until,
+                        }
+                    )
+                elif op == "hold":
+                    # Stop stepping for ``seconds`` once ``when`` happened in a step:
+                    # "write_posted" / "read_posted" (a WRITE / READ was posted: no poll sees
+                    # it complete in that step, so it is in flight when the stall starts) or
+                    # "counter:NAME" (the step's counters include NAME, e.g. leases_renewed).
+                    hold = (str(cmd["when"]), float(cmd["seconds"]))
+                    reply({})
                 elif op == "exit":
                     reply({})
                     break
@@ -159,6 +231,15 @@ def main() -> None:
             continue
         o = drv.step()
         now = time.monotonic()
+        if hold is not None:
+            when, seconds = hold
+            if (when.endswith("_posted") and frozen) or (
+                when.startswith("counter:") and o.stats.counters.get(when[8:], 0)
+            ):
+                paused_until = now + seconds
+                hold = None
+                frozen.clear()
+                times["held"] = now
         for rid in o.finished_sending:
             finished_sending.append(rid)
             times.setdefault(f"sent:{rid}", now)

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.ucx
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+MATRIX = HERE / "check_ucx_pd_matrix.py"
 
 if importlib.util.find_spec("ucxx") is None or importlib.util.find_spec("kvframe_ucx") is None:
     pytest.skip(
@@ -30,8 +31,8 @@ if importlib.util.find_spec("ucxx") is None or importlib.util.find_spec("kvframe
     )
 
 
-def test_ucx_suite_in_its_own_interpreter() -> None:
-    assert "ucxx" not in sys.modules, "ucxx was loaded into the main test process"
+def _child_pytest(targets: list[str], timeout: float, least: int) -> None:
+    """Run ``targets`` in a child pytest; fail with its output unless ``least`` passed."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -42,17 +43,28 @@ def test_ucx_suite_in_its_own_interpreter() -> None:
             "no:cacheprovider",
             "-o",
             "python_files=check_*.py",
-            str(HERE),
+            *targets,
         ],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         check=False,
     )
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     summary = re.search(r"(\d+) passed", proc.stdout)
     assert summary is not None, tail
-    assert int(summary.group(1)) >= 50, tail  # the checks were all collected
+    assert int(summary.group(1)) >= least, tail  # the checks were all collected
     assert "failed" not in proc.stdout, tail
+
+
+def test_ucx_suite_in_its_own_interpreter() -> None:
+    assert "ucxx" not in sys.modules, "ucxx was loaded into the main test process"
+    _child_pytest(["--ignore", str(MATRIX), str(HERE)], timeout=240, least=50)
+
+
+def test_ucx_pd_matrix_in_its_own_interpreter() -> None:
+    """The cross-process P/D matrix over UCX (check_ucx_pd_matrix.py), in a child of its own:
+    its nodes take about as long as every other UCX check together."""
+    _child_pytest([str(MATRIX)], timeout=300, least=14)
