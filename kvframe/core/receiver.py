@@ -234,6 +234,10 @@ class PushReceiver:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._pushes
 
+    def count(self, state: ReceiveState) -> int:
+        """Pushes not ended in ``state``."""
+        return sum(1 for p in self._pushes.values() if p.state is state)
+
     def state(self, request_id: str) -> ReceiveState | None:
         """The state of a push not ended, else ``None``."""
         push = self._pushes.get(request_id)

@@ -333,6 +333,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "prefill ran.",
         "push_layer_writes",
     ),
+    _gauge(
+        "pushes_open",
+        "Push mode: requests whose KV the prefill engine keeps for a push now (waiting for the "
+        "decoder's registration or being written).",
+        "pushes_open",
+    ),
     _histogram(
         "push_seconds",
         "Push mode: seconds one push took to move a request's KV cache (the final WRITE's "

@@ -585,9 +585,16 @@ class PDConnectorScheduler(KVConnectorScheduler):
         ``remote_incarnations``, ``tp_size``, ``transport``). A router adds
         ``do_remote_prefill``, ``transfer_mode: "push"`` and the request's ``push_id``.
 
-        :raises ConfigError: the engine never forwarded its workers' handshake metadata and
-            the side-channel port is 0 (the address is not known).
+        :raises ConfigError: a decode-only engine (it has none), or the engine never forwarded
+            its workers' handshake metadata and the side-channel port is 0 (the address is
+            not known).
         """
+        if not self._config.is_producer:
+            raise ConfigError(
+                f"engine {self._engine_id!r} is a decode-only engine (kv_role "
+                f"{self._config.kv_role!r}): it has no push address; ask a prefill engine "
+                "(kv_producer or kv_both)"
+            )
         ports = tuple(self._ports[r] for r in sorted(self._ports))
         base = self._options.side_channel_port
         if base == 0 and not ports:

@@ -209,6 +209,7 @@ class _PushIn:
     registration: bytes
     sent_to: str | None = None
     """The prefill engine's transport peer the registration went to."""
+    sent_at: float = 0.0
 
 
 @attrs.define(eq=False)
@@ -565,11 +566,15 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._server_seen = totals
         counters = {k: v for k, v in self._counters.items() if v}
         self._counters.clear()
-        in_flight = len(self._reader.loads(ReadState.POSTED))
+        in_flight = len(self._reader.loads(ReadState.POSTED)) + self._receiver.count(
+            ReceiveState.SENT
+        )
+        waiting = len(self._reader) + len(self._receiver) - in_flight
         gauges: dict[str, float] = {
-            "leases_held": self._holder.live_count,
+            "leases_held": self._holder.live_count - len(self._push_leases),
             "loads_in_flight": in_flight,
-            "loads_waiting": len(self._reader) - in_flight,
+            "loads_waiting": waiting,
+            "pushes_open": len(self._push) + len(self._writes),
             "remote_engines": len(self._engines) if self._engines is not None else 0,
         }
         return Stats(counters=counters, gauges=gauges)
@@ -1433,7 +1438,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             elif isinstance(action, FreeNow):
                 self._lease_output(self._holder.abort(action.lease_id, now), now)
             elif isinstance(action, PushEnded):
-                self._push_finished(action)
+                self._push_finished(action, now)
 
     def _send_registration(self, rid: str, push: _PushIn, now: float) -> list[ReceiverAction]:
         entry = self._entry(push.engine)
@@ -1447,6 +1452,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         except TransportError as exc:
             return self._receiver.send_failed(rid, str(exc), now)
         push.sent_to = entry.peer
+        push.sent_at = now
         self._holder.connected(entry.peer)
         return []
 
@@ -1492,12 +1498,15 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                             del self._push_blocks[b]
         self._run_receiver(self._receiver.lease_ended(lease.request_id, lease.state, now), now)
 
-    def _push_finished(self, action: PushEnded) -> None:
+    def _push_finished(self, action: PushEnded, now: float) -> None:
         push = self._pushes.pop(action.request_id, None)
         self._finished_recving.add(action.request_id)
         engine = action.engine
         if action.state is ReceiveState.DONE:
             self._count("loads_done", engine=engine)
+            if push is not None and push.sent_to is not None:
+                # From the registration to P's completion notice: what D waited for its KV.
+                self._observe("load_wait_seconds", max(0.0, now - push.sent_at))
         elif action.state is ReceiveState.ABORTED:
             self._count("loads_aborted", engine=engine)
         else:
