@@ -358,6 +358,8 @@ class DSide:
         if push.revoked or not self.holder.revoke(push.lease_id, now):
             return
         push.revoked = True
+        if any(tr.lid == push.lease_id for tr in self.w.flying()):
+            self.w.outcomes["revoked under a WRITE"] += 1
         assert push.sent_to is not None
         notice = wire.LeaseLost(
             echo_seq=0,
@@ -730,6 +732,7 @@ class World:
     def stop(self, tr: Transfer) -> None:
         if tr.state == "flight":
             tr.state = "stopped"
+            self.outcomes["WRITE stopped"] += 1
         tr.released = True
 
     def land(self, tr: Transfer) -> None:
@@ -794,11 +797,17 @@ class World:
     # -- deaths -------------------------------------------------------------------------------
     def p_dies(self) -> None:
         self.p.alive = False
+        if self.flying():
+            self.outcomes["P died under a WRITE"] += 1
+        if self.reportable():
+            self.outcomes["P died after a WRITE landed"] += 1
         for tr in self.flying():
             tr.stop_by = max(self.t, self.p.clock.when(tr.bound_p))
 
     def d_dies(self) -> None:
         self.d.alive = False
+        if any(tr.d is self.d for tr in self.flying()):
+            self.outcomes["D died under a WRITE"] += 1
 
     def d_restarts(self, clock: Clock) -> None:
         assert not self.d.alive
@@ -925,7 +934,13 @@ DT = st.one_of(
 )
 NBLOCKS = st.integers(1, 3)
 FIRSTS = st.integers(0, 2)
-FLOWS = st.sampled_from(["later", "legs", "settle", "write", "write"])
+THEN = st.sampled_from(
+    [
+        *("", "", "", "p_dies", "d_dies", "d_aborts", "handshake_again"),
+        *("landed_p_dies", "landed_d_dies", "landed_d_aborts"),
+    ]
+)
+FLOWS = st.sampled_from(["later", "legs", "settle", "settle", "write", "write"])
 RARELY = st.sampled_from([False] * 7 + [True])
 KINDS = st.sampled_from(
     ["ok"] * 8 + ["prompt", "digest", "blocks", "no_p", "no_d", "twice_d", "all_local"]
@@ -953,7 +968,7 @@ class PushProtocol(RuleBasedStateMachine):
         p_clock=CLOCKS,
         d_clock=CLOCKS,
         require_digest=st.booleans(),
-        requests=st.lists(st.tuples(KINDS, NBLOCKS, FIRSTS, FLOWS), min_size=1, max_size=3),
+        requests=st.lists(st.tuples(KINDS, NBLOCKS, FIRSTS, FLOWS, THEN), min_size=1, max_size=3),
     )
     def setup(
         self,
@@ -963,7 +978,7 @@ class PushProtocol(RuleBasedStateMachine):
         p_clock: tuple[float, float],
         d_clock: tuple[float, float],
         require_digest: bool,
-        requests: list[tuple[str, int, int, str]],
+        requests: list[tuple[str, int, int, str, str]],
     ) -> None:
         self.world = World(
             ordered=ordered,
@@ -982,13 +997,16 @@ class PushProtocol(RuleBasedStateMachine):
         nblocks=NBLOCKS,
         first=FIRSTS,
         flow=FLOWS,
+        then=THEN,
     )
-    def request(self, kind: str, nblocks: int, first: int, flow: str) -> None:
+    def request(self, kind: str, nblocks: int, first: int, flow: str, then: str) -> None:
         """The router sends both legs with one push id (``no_p``/``no_d``: one leg is lost;
         ``twice_d``: the decode leg reaches D twice). ``flow``: the legs wait for later rules,
         or arrive at once (``legs``), then a calm moment follows (``settle``: D's handshake
         completes if it is under way, the network delivers in order), and the WRITE lands
-        and is polled (``write``)."""
+        and is polled (``write``). ``then``, after a ``settle``: while the WRITE is in flight
+        (or after it landed, before P polled it: ``landed_``), P or D dies, D aborts, or D
+        handshakes again."""
         req = self.w.new_request(kind, nblocks, first)
         if kind != "no_p":
             self.p_legs.append(req)
@@ -1006,6 +1024,23 @@ class PushProtocol(RuleBasedStateMachine):
         if flow == "legs":
             return
         self.calm(land=flow == "write")
+        mine = [tr for tr in self.w.flying() if tr.rid in self.w.poffers]
+        if flow != "settle" or not then or not mine or not (self.w.p.alive and self.w.d.alive):
+            return
+        tr = mine[-1]
+        if then.startswith("landed_"):
+            self.land(tr, report=False)
+            then = then.removeprefix("landed_")
+        if then == "p_dies":
+            self.w.p_dies()
+        elif then == "d_dies":
+            self.w.d_dies()
+        elif then == "d_aborts":
+            rid = tr.lid.removesuffix("-lease")
+            if rid in self.w.d.pushes:
+                self.w.d.push_abort(rid)
+        else:
+            self.handshake_again()
 
     def calm(self, *, land: bool) -> None:
         w = self.w
@@ -1084,6 +1119,22 @@ class PushProtocol(RuleBasedStateMachine):
         """D dies: it does nothing more; what it sent may still arrive."""
         if really:
             self.w.d_dies()
+
+    @precondition(lambda self: bool(self.w.flying()) and self.w.p.alive and self.w.d.alive)
+    @rule(side=st.sampled_from(["P", "D"]))
+    def dies_mid_write(self, side: str) -> None:
+        """P or D dies while a WRITE is in flight."""
+        if side == "P":
+            self.w.p_dies()
+        else:
+            self.w.d_dies()
+
+    @precondition(lambda self: bool(self.w.reportable()) and self.w.p.alive and self.w.d.alive)
+    @rule(side=st.sampled_from(["P", "D"]))
+    def dies_after_write(self, side: str) -> None:
+        """P or D dies after a WRITE landed, before P polled it (its notice may be in
+        flight)."""
+        self.dies_mid_write(side)
 
     @precondition(lambda self: not self.w.d.alive and len(self.w.ds) < 3)
     @rule(clock=CLOCKS)
