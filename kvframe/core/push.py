@@ -388,6 +388,10 @@ class PushSource:
         self._by_request: dict[str, str] = {}  # request id -> push id (offers waiting)
         self._waiting: dict[str, _Waiting] = {}  # push id -> registration
         self._gone: OrderedDict[str, RefuseReason] = OrderedDict()  # push id -> why refused
+        # push id -> (engine, lease id) of the registration it was matched with: a copy of
+        # that registration (a transport that delivers twice, a replay) is ignored, never
+        # refused: a refusal would make D free the blocks the write is landing in.
+        self._matched: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._counts: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -396,7 +400,8 @@ class PushSource:
 
     def take_counts(self) -> dict[str, int]:
         """Counts since the last call (``push_matched``, ``push_refused``,
-        ``push_unregistered``)."""
+        ``push_unregistered``, ``push_duplicates``: copies of a registration already taken,
+        ignored)."""
         out, self._counts = self._counts, {}
         return out
 
@@ -475,8 +480,14 @@ class PushSource:
         """D's registration arrived from ``engine`` (the transport peer it came from)."""
         t = check_now(now)
         pid = reg.push_id
+        waiting = self._waiting.get(pid)
+        if self._matched.get(pid) == (engine, reg.lease_id) or (
+            waiting is not None and (waiting.engine, waiting.reg.lease_id) == (engine, reg.lease_id)
+        ):
+            self._count("push_duplicates")
+            return []  # a copy of a registration already taken
         gone = self._gone.get(pid)
-        if gone is not None or pid in self._waiting:
+        if gone is not None or waiting is not None:
             self._count("push_refused")
             why = RefuseReason.DUPLICATE if gone is None or gone is RefuseReason.DUPLICATE else gone
             return [Refuse(engine=engine, lease_id=reg.lease_id, reason=why)]
@@ -559,6 +570,7 @@ class PushSource:
         for pid, w in list(self._waiting.items()):
             if w.deadline <= t:
                 del self._waiting[pid]
+                self._remember(pid, RefuseReason.UNKNOWN)  # a late copy is refused again
                 self._count("push_refused")
                 out.append(
                     Refuse(engine=w.engine, lease_id=w.reg.lease_id, reason=RefuseReason.UNKNOWN)
@@ -580,6 +592,9 @@ class PushSource:
                 EndSource(request_id=offer.request_id, reason=refuse.text()),
             ]
         self._remember(push_id, RefuseReason.DUPLICATE)
+        self._matched[push_id] = (w.engine, reg.lease_id)
+        while len(self._matched) > self._capacity:
+            self._matched.popitem(last=False)
         self._count("push_matched")
         first = reg.first_block
         local = tuple(

@@ -675,6 +675,16 @@ class LeaseReader:
         self._send_release(engine, free, t, out)
         return out
 
+    def spend(self, engine: str, lease_ids: Iterable[str], now: float) -> None:
+        """Never use these leases of ``engine`` again, and tell the holder nothing: a load
+        that names one later fails at once as a used ticket, whatever bound was confirmed
+        (push mode: P refused the registration, and D freed the blocks on the refusal)."""
+        self._advance(now)
+        for lid in dict.fromkeys(lease_ids):
+            ticket = self._ticket(engine, lid)
+            ticket.spent = True
+            ticket.bound = -math.inf
+
     def receive(self, engine: str, message: wire.Message, now: float) -> list[Action]:
         """A decoded notification from ``engine``: acknowledgements raise confirmed bounds
         (only for heartbeats this reader sent to that engine), loss notices end the loads that

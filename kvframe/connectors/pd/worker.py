@@ -557,6 +557,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count(name, n)
         for name, n in self._holder.take_counts().items():
             self._count(name, n)
+        for name, n in self._push.take_counts().items():
+            if name != "push_refused":  # counted where each refusal is sent
+                self._count(name, n)
+        for name, n in self._writer.take_counts().items():
+            self._count(f"push_writer_{name}", n)
         if self._server is not None:
             # The server thread's totals, as counts since the last report.
             srv = self._server
@@ -1111,6 +1116,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 )
                 refusal = PushRefused(lease_id=action.lease_id, reason=action.reason)
                 self._send_raw(action.engine, pushwire.encode(refusal))
+                # The writer never uses that lease again, whatever bound it confirmed.
+                self._writer.spend(action.engine, [action.lease_id], now)
             elif isinstance(action, EndSource):
                 self._finished_sending.add(action.request_id)
                 self._count("push_unsent")
