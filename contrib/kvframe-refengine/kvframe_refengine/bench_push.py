@@ -89,7 +89,6 @@ import secrets
 import select
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -433,12 +432,12 @@ def _cpus() -> tuple[frozenset[int], frozenset[int]]:
 
 
 def _start(
-    children: ChildProcesses, logdir: str, name: str, spec: Mapping[str, Any], cpus: frozenset[int]
+    children: ChildProcesses, logdir: Path, name: str, spec: Mapping[str, Any], cpus: frozenset[int]
 ) -> _Server:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    log = open(os.path.join(logdir, f"{name}.log"), "w+b")  # noqa: SIM115 (closed with the run)
+    log = (logdir / f"{name}.log").open("w+b")  # closed when the run ends
 
     proc = children.popen(
         [
@@ -467,7 +466,7 @@ def measure(
     p_cpus, d_cpus = _cpus()
     want = {"P": p_cpus, "P_layerwise": p_cpus, "D": d_cpus}
     children = ChildProcesses()
-    logdir = tempfile.mkdtemp(prefix="kvframe-bench-push-")
+    logdir = children.mkdtemp(prefix="kvframe-bench-push-")  # removed with the children
     servers: dict[str, _Server] = {}
     progress.note(f"starting P, P layerwise (CPU {sorted(p_cpus)}) and D (CPU {sorted(d_cpus)})")
     try:
@@ -520,12 +519,9 @@ def measure(
         for srv in servers.values():
             if srv.conn is not None:
                 srv.conn.close()
-        children.close()
         for srv in servers.values():
             srv.log.close()
-        for f in Path(logdir).iterdir():
-            f.unlink()
-        os.rmdir(logdir)
+        children.close()
     return {
         "benchmark": "push",
         "version": 1,
