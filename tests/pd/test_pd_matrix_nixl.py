@@ -456,36 +456,29 @@ def test_p_killed_before_registration_and_mid_transfer(
         victim.close()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_p_killed_mid_transfer_with_d_stalled(pair: Pair, transport: str, mode: str) -> None:
-    """The transfer is in flight because D stalls (push: D stalls right after confirming its
-    lease, P posts the WRITE, which lands only with D's progress; pull: D stalls right after
-    posting the READ); P dies during the stall. When D resumes it fails the load (push: its
-    lease was renewed by nobody, expired; pull: the read's peer is gone or its bound passed)
-    and nothing lands in the blocks afterwards."""
+def test_p_killed_mid_write_with_d_stalled(pair: Pair, transport: str) -> None:
+    """Push: the WRITE is in flight because D stalls right after confirming its lease (P
+    posts the WRITE, whose bytes land only with D's progress); P dies during the stall. When
+    D resumes it fails the load (its lease was renewed by nobody: expired) and nothing lands
+    in the blocks afterwards. (Pull's death of P mid-READ is the ``mid`` request above.)"""
     d = pair.d
     victim = spawn(transport, "kv_producer", "Pw")
     try:
-        warm_up(victim, d, mode, 62)
-        req = Req(mode, list(range(20, 36)), list(range(20, 36)))
+        warm_up(victim, d, "push", 62)
+        req = Req("push", list(range(20, 36)), list(range(20, 36)))
         req.finish(victim)
         stall = LEASE
-        completed = False
-        if mode == "push":
-            d.call("hold", when="counter:leases_renewed", seconds=stall)
-            req.start(d)
-            completed = wait_posted(victim, req)
-        else:
-            d.call("hold", when="read_posted", seconds=stall)
-            req.start(d)
+        d.call("hold", when="counter:leases_renewed", seconds=stall)
+        req.start(d)
+        completed = wait_posted(victim, req)
         assert wait_state(d, lambda s: s["paused"])["paused"]
         killed = victim.kill()
-        st = req.d_ended(d, timeout=stall + READ_BOUND + SLACK)
-        bound = stall + (LEASE if mode == "push" else READ_BOUND)
-        assert st["times"][f"recv:{req.rid_d}"] - killed <= bound + SLACK
+        st = req.d_ended(d, timeout=stall + LEASE + SLACK)
+        assert st["times"][f"recv:{req.rid_d}"] - killed <= stall + LEASE + SLACK
         if completed:
-            # P saw its WRITE complete and sent the notice before it died: both travel in
-            # order to D, which finds the whole KV (and only then the notice) when it resumes.
+            # P saw its WRITE complete and sent the notice before it died (over NIXL a small
+            # WRITE completes on the writer once its bytes left): bytes and notice travel in
+            # order to D, which finds the whole KV, and only then the notice, when it resumes.
             assert req.rid_d not in st["failures"], st["failures"]
             assert not set(req.d_blocks) & set(st["invalid"])
         else:
@@ -494,6 +487,29 @@ def test_p_killed_mid_transfer_with_d_stalled(pair: Pair, transport: str, mode: 
         leak_free(d)
     finally:
         victim.close()
+
+
+def test_p_stalled_mid_write_past_the_lease(pair: Pair) -> None:
+    """Push: P stalls right after posting its WRITE, for longer than D's lease, and then
+    resumes (it does not die). D fails the load when its lease expires (nobody renewed it)
+    and the engine reuses the blocks; when P resumes, nothing of its WRITE may land in them
+    (the fence: a WRITE never lands after D gave its blocks up)."""
+    p, d = pair.p, pair.d
+    req = Req("push", list(range(20, 36)), list(range(46, 62)))
+    req.finish(p)
+    stall = 2 * LEASE
+    p.call("hold", when="write_posted", seconds=stall)
+    req.start(d)
+    wait_state(p, lambda s: s["paused"] and s["writer"] == "posted", rid=req.rid_p)
+    st = req.d_ended(d, timeout=LEASE + SLACK)
+    req.failed(st)
+    d.call("poke", blocks=req.d_blocks, seed=next(_n))
+    reused = digest(d, req.d_blocks)
+    st = req.p_ended(p, timeout=stall + EXTENSION + SLACK)  # P resumed and gave up the WRITE
+    time.sleep(0.2)
+    assert digest(d, req.d_blocks) == reused, "P's WRITE landed after D's lease ended"
+    once(st, req.rid_p, "finished_sending")
+    leak_free(p, d)
 
 
 # -- D dies ------------------------------------------------------------------------------
