@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -72,3 +73,46 @@ def test_repeats_must_be_a_positive_count(capsys: pytest.CaptureFixture[str]) ->
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--repeats: '0': expected a whole number of rounds >= 1" in err
+
+
+def test_figures_and_table_from_samples() -> None:
+    from kvframe_refengine import bench_push as bp
+
+    def samples(ttft: float, prefill: float, transfer: float, tokens: int = 127) -> list[Any]:
+        return [
+            bp._Sample(
+                ttft + i,
+                prefill_s=prefill + i,
+                transfer_s=transfer,
+                external_tokens=tokens,
+                loads_done=1.0,
+                bytes=2.0**21,
+            )
+            for i in range(3)
+        ]
+
+    got = {
+        "pull": samples(10.0, 6.0, 0.5),
+        "push": samples(8.0, 6.0, 1.0),
+        "progressive": samples(7.0, 6.0, 0.0),
+        "compute": samples(5.0, 5.0, 0.0, tokens=0),
+    }
+    case = bp._case(128, got)
+    assert case["arms"]["pull"]["ttft_s"]["median"] == 11.0
+    assert case["arms"]["push"]["tail_s"]["samples"] == [2.0, 2.0, 2.0]
+    assert case["compute_s"]["median"] == 6.0
+    assert case["transfer_s"]["median"] == 1.0
+    assert case["read_s"]["median"] == 0.5
+    assert case["ideal_s"] == 6.0
+    assert case["overlap_efficiency"] == pytest.approx(6.0 / 8.0)
+    assert case["push_speedup"] == pytest.approx(11.0 / 9.0)
+    assert case["arms"]["progressive"]["moved"]["requests"] == 3
+    report = {
+        "repeats": 3,
+        "pinning": {"P": [0], "D": [1]},
+        "load_average": {"start": 0.1, "end": 0.2},
+        "cases": [case],
+    }
+    table = bp._table(report)
+    assert "| 128 tokens | 2.0 MiB | 11000.0 / " in table
+    assert "75 % |" in table
