@@ -60,6 +60,8 @@ def test_quick_json_shape_and_every_arm_moved_kv() -> None:
             assert moved["bytes"] == repeats * case["kv_bytes"], arm
     assert case["transfer_s"]["median"] > 0
     assert case["read_s"]["median"] > 0
+    assert case["compute_s"] == case["arms"]["push"]["prefill_s"]
+    assert len(case["compute_alone_s"]["samples"]) == repeats
     assert case["ideal_s"] == max(case["compute_s"]["median"], case["transfer_s"]["median"])
     ttft = {arm: a["ttft_s"]["median"] for arm, a in case["arms"].items()}
     assert case["push_speedup"] == pytest.approx(ttft["pull"] / ttft["push"])
@@ -100,11 +102,12 @@ def test_figures_and_table_from_samples() -> None:
     case = bp._case(128, got)
     assert case["arms"]["pull"]["ttft_s"]["median"] == 11.0
     assert case["arms"]["push"]["tail_s"]["samples"] == [2.0, 2.0, 2.0]
-    assert case["compute_s"]["median"] == 6.0
+    assert case["compute_s"]["median"] == 7.0  # P's prefill in the push arm
+    assert case["compute_alone_s"]["median"] == 6.0
     assert case["transfer_s"]["median"] == 1.0
     assert case["read_s"]["median"] == 0.5
-    assert case["ideal_s"] == 6.0
-    assert case["overlap_efficiency"] == pytest.approx(6.0 / 8.0)
+    assert case["ideal_s"] == 7.0
+    assert case["overlap_efficiency"] == pytest.approx(7.0 / 8.0)
     assert case["push_speedup"] == pytest.approx(11.0 / 9.0)
     assert case["arms"]["progressive"]["moved"]["requests"] == 3
     report = {
@@ -115,4 +118,4 @@ def test_figures_and_table_from_samples() -> None:
     }
     table = bp._table(report)
     assert "| 128 tokens | 2.0 MiB | 11000.0 / " in table
-    assert "75 % |" in table
+    assert "| 88 % | 6000.0 / " in table

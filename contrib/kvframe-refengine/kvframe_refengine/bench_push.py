@@ -34,7 +34,9 @@ Figures (seconds):
   answer (``max_tokens`` 1: D's answer is its first token), over HTTP/1.1 connections opened
   before the clock starts; **prefill** (``prefill_s``): to P's answer; **tail** (``tail_s``):
   D's answer minus P's, what remains after P's prefill (in pull D's whole leg);
-- **compute alone** (``compute_s``): the compute arm's time to P's answer;
+- **compute** (``compute_s``): P's prefill in the push arm (its ``prefill_s``: P writes only
+  after it, and D runs its leg meanwhile as in progressive push); **compute alone**
+  (``compute_alone_s``): the compute arm's time to P's answer, beside it (P alone, D idle);
 - **transfer alone** (``transfer_s``): P's WRITE of the whole KV in the push arm (the
   connector's ``push_seconds`` observation on P, from its ``GET /stats``: posted to seen done,
   after P's prefill, while nothing else runs); **D's READ** (``read_s``): ``transfer_seconds``
@@ -66,7 +68,8 @@ JSON keys (``--json``)::
                     "ttft_s": S, "prefill_s": S, "tail_s": S,
                     "moved": {"requests", "loads_done", "bytes", "external_tokens",
                               "layer_writes"}}},
-                "compute_s": S, "transfer_s": S, "read_s": S, "ideal_s": float,
+                "compute_s": S, "compute_alone_s": S, "transfer_s": S, "read_s": S,
+                "ideal_s": float,
                 "push_speedup": float, "progressive_speedup": float,
                 "overlap_efficiency": float}]}
 
@@ -560,7 +563,7 @@ def _case(n: int, got: Mapping[str, list[_Sample]]) -> dict[str, Any]:
         }
         for arm in _TTFT_ARMS
     }
-    compute = _summary([s.ttft_s for s in got["compute"]])
+    compute = arms["push"]["prefill_s"]
     transfer = _summary([s.transfer_s for s in got["push"]])
     ideal = max(compute["median"], transfer["median"])
     pull, push, prog = (arms[a]["ttft_s"]["median"] for a in _TTFT_ARMS)
@@ -569,6 +572,7 @@ def _case(n: int, got: Mapping[str, list[_Sample]]) -> dict[str, Any]:
         "kv_bytes": got["pull"][0].bytes,
         "arms": arms,
         "compute_s": compute,
+        "compute_alone_s": _summary([s.ttft_s for s in got["compute"]]),
         "transfer_s": transfer,
         "read_s": _summary([s.transfer_s for s in got["pull"]]),
         "ideal_s": ideal,
@@ -589,10 +593,10 @@ def _table(report: dict[str, Any]) -> str:
         f"{report['repeats']} rounds; P on CPU {pin['P']}, D on CPU {pin['D']}; load average "
         f"{load['start']:.2f} -> {load['end']:.2f})",
         "",
-        "| prompt | KV | pull | push | progressive push | compute alone (P) "
+        "| prompt | KV | pull | push | progressive push | compute (P's prefill in push) "
         "| transfer alone (P's WRITE) | ideal max(c, t) | push speed-up "
-        "| progressive speed-up | overlap efficiency |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| progressive speed-up | overlap efficiency | compute alone (P only) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report["cases"]:
         a = c["arms"]
@@ -601,7 +605,8 @@ def _table(report: dict[str, Any]) -> str:
             f"| {_ms(a['pull']['ttft_s'])} | {_ms(a['push']['ttft_s'])} "
             f"| {_ms(a['progressive']['ttft_s'])} | {_ms(c['compute_s'])} "
             f"| {_ms(c['transfer_s'])} | {c['ideal_s'] * 1e3:.1f} | {c['push_speedup']:.2f}x "
-            f"| {c['progressive_speedup']:.2f}x | {100 * c['overlap_efficiency']:.0f} % |"
+            f"| {c['progressive_speedup']:.2f}x | {100 * c['overlap_efficiency']:.0f} % "
+            f"| {_ms(c['compute_alone_s'])} |"
         )
     lines += [
         "",
