@@ -18,7 +18,8 @@ not recompute an aborted request).
 - **Told, fenced.** Once sent, P may write at any time its lease is confirmed, so the push
   ends only when the *lease* ends (:meth:`PushReceiver.lease_ended`): P's completion notice
   consumed it (done), P released it (it will not write, or stopped: failed), or it expired
-  (failed). An abort, or the overall cap, **revokes** it (:class:`Revoke`: no more renewals,
+  (failed; P may have died or stalled with a WRITE in flight, so D first cuts it off:
+  :class:`Fence`). An abort, or the overall cap, **revokes** it (:class:`Revoke`: no more renewals,
   P is told) and still waits for the lease to end; a refusal from P (it never wrote) frees at
   once.
 - **Bounded.** An unsent registration ends after ``send_timeout``; a sent one is revoked after
@@ -44,6 +45,7 @@ from kvframe.errors import InvalidTransitionError
 
 __all__ = [
     "RECEIVE_TRANSITIONS",
+    "Fence",
     "FreeNow",
     "PushEnded",
     "PushReceiver",
@@ -106,6 +108,18 @@ RECEIVE_TRANSITIONS: TransitionTable[ReceiveState, ReceiveEvent] = TransitionTab
             effect="no connection within send_timeout: free at once",
         ),
         Step(source=_S.UNSENT, event=_E.ABORT, target=_S.ABORTED, effect="free at once"),
+        Step(
+            source=_S.UNSENT,
+            event=_E.EXPIRED,
+            target=_S.FAILED,
+            effect="the lease ran out before the registration left (nobody can write)",
+        ),
+        Step(
+            source=_S.UNSENT,
+            event=_E.RELEASED,
+            target=_S.FAILED,
+            effect="the lease ended before the registration left (nobody can write)",
+        ),
         Step(
             source=_S.SENT,
             event=_E.CONSUMED,
@@ -188,6 +202,18 @@ class FreeNow:
 
 
 @attrs.frozen(kw_only=True)
+class Fence:
+    """D's lease of push ``request_id`` expired while P may still have a WRITE in flight (P
+    died or stalled: it neither completed nor said it stopped). Before the blocks are
+    reported free, cut P ``engine`` off: drop the connection, which cancels whatever of P's
+    transfers this side still serves (a two-sided transport's receives posted into the
+    blocks), and make the next use handshake again."""
+
+    request_id: str
+    engine: str
+
+
+@attrs.frozen(kw_only=True)
 class PushEnded:
     """Push ``request_id`` ended (``DONE``, ``FAILED`` or ``ABORTED``): report it to the engine
     (``finished_recving``; for ``FAILED`` its blocks as invalid and ``reason``). Exactly once
@@ -199,7 +225,7 @@ class PushEnded:
     reason: str | None = None
 
 
-ReceiverAction: TypeAlias = SendRegistration | Revoke | FreeNow | PushEnded
+ReceiverAction: TypeAlias = SendRegistration | Revoke | FreeNow | Fence | PushEnded
 """Anything :class:`PushReceiver` asks its caller to do."""
 
 
@@ -364,7 +390,20 @@ class PushReceiver:
         rid = self._by_lease.get(lease_id)
         push = self._pushes.get(rid) if rid is not None else None
         out: list[ReceiverAction] = []
-        if push is None or push.state is ReceiveState.UNSENT:
+        if push is None:
+            return out
+        if push.state is ReceiveState.UNSENT:
+            # Only its expiry can end it (P never heard of it): nothing to fence, nothing left
+            # to free; the push fails now instead of registering a dead lease later.
+            event = ReceiveEvent.EXPIRED if state is LeaseState.EXPIRED else ReceiveEvent.RELEASED
+            self._end(
+                push,
+                event,
+                out,
+                "D's lease ran out before its registration could be "
+                "sent (the handshake took longer than kv_lease_duration)",
+                free=False,
+            )
             return out
         event = {
             LeaseState.CONSUMED: ReceiveEvent.CONSUMED,
@@ -376,6 +415,8 @@ class PushReceiver:
             ReceiveEvent.RELEASED: "the prefill engine gave up the write (it failed, or its "
             "request was abandoned)",
         }.get(event)
+        if event is ReceiveEvent.EXPIRED:
+            out.append(Fence(request_id=push.request_id, engine=push.engine))
         self._end(push, event, out, reason, free=False)
         return out
 

@@ -69,10 +69,11 @@ Assumptions (the code cannot be fenced without them; each is a rule here):
   ``max_drift`` the machines' default (``DEFAULT_MAX_DRIFT``, as the worker builds them);
 - **D (dead memory)**: after D dies its memory is nobody's: writes into it are not checked.
 
-Every message is duplicated here, registrations included. Excluded (a bug, shown by
-:func:`test_layer_writes_outlive_their_bound_while_the_final_write_confirms`): a prefill that
-finishes while its layer WRITEs are in flight and the final write cannot post at once; the
-model lands those layer WRITEs first.
+Every message is duplicated here, registrations included. (A prefill that finishes while its
+layer WRITEs are in flight and the final write cannot post at once left those WRITEs unwatched
+until the writer's confirm timeout: found by this model, see
+:func:`test_layer_writes_outlive_their_bound_while_the_final_write_confirms`; they now stay
+watched, and stopped at their bound, until the final write takes them.)
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ from kvframe.core.reader import (
     StopRead,
 )
 from kvframe.core.receiver import (
+    Fence,
     FreeNow,
     PushEnded,
     PushReceiver,
@@ -283,6 +285,7 @@ class WriteRec:
     lease_id: str
     local_block_ids: tuple[tuple[int, ...], ...]
     remote_block_ids: tuple[tuple[int, ...], ...]
+    first_block: int = 0
     transfer: Transfer | None = None
     notice: bytes | None = None
     pre: list[Transfer] = attrs.Factory(list)
@@ -404,6 +407,11 @@ class DSide:
                     self.reply(push.sent_to, [notice])
             elif isinstance(action, FreeNow):
                 self.lease_output(self.holder.abort(action.lease_id, now))
+            elif isinstance(action, Fence):
+                # _fence drops the connection to P: on a two-sided transport that cancels the
+                # receives D serves; the model's WRITEs are one-sided (NIXL, the stricter
+                # case), so nothing it holds in flight stops here.
+                self.w.outcomes["fenced"] += 1
             else:
                 assert isinstance(action, PushEnded)
                 self.push_finished(action)
@@ -578,24 +586,13 @@ class PSide:
                 rec = self.w.dpushes.get(action.lease_id.removesuffix("-lease"))
                 assert rec is not None
                 assert rec.blocks == action.remote_block_ids
-                local, remote = action.local_block_ids, action.remote_block_ids
-                pre = self.pre.pop(action.lease_id, None)
-                handles: list[Transfer] = []
-                if pre is not None and pre.peer == action.engine:
-                    # What every layer already has needs no second write.
-                    skip = min(pre.written) - action.first_block
-                    if skip > 0:
-                        local = tuple(g[skip:] for g in local)
-                        remote = tuple(g[skip:] for g in remote)
-                    handles = pre.handles
-                elif pre is not None:
-                    self.release_all(pre.handles)
+                # the layer WRITEs stay in self.pre (watched) until the final write posts
                 self.writes[action.request_id] = WriteRec(
                     peer=action.engine,
                     lease_id=action.lease_id,
-                    local_block_ids=local,
-                    remote_block_ids=remote,
-                    pre=handles,
+                    local_block_ids=action.local_block_ids,
+                    remote_block_ids=action.remote_block_ids,
+                    first_block=action.first_block,
                 )
                 self.run_writer(
                     self.writer.add(action.request_id, action.engine, action.lease_id, self.now())
@@ -627,6 +624,7 @@ class PSide:
                 wr = self.writes.get(action.request_id)
                 if wr is not None:
                     self.stop_write(wr)
+                    self.drop_pre(wr.lease_id)
             elif isinstance(action, LoadEnded):
                 self.write_ended(action)
             else:
@@ -636,8 +634,19 @@ class PSide:
     def post_write(self, action: PostRead) -> list[Action]:
         now = self.now()
         wr = self.writes[action.request_id]
-        local = [b for g in wr.local_block_ids for b in g]
-        remote = [b for g in wr.remote_block_ids for b in g]
+        local_groups, remote_groups = wr.local_block_ids, wr.remote_block_ids
+        pre = self.pre.pop(wr.lease_id, None)
+        if pre is not None and pre.peer == wr.peer:
+            # What every layer already has needs no second write.
+            skip = min(pre.written) - wr.first_block
+            if skip > 0:
+                local_groups = tuple(g[skip:] for g in local_groups)
+                remote_groups = tuple(g[skip:] for g in remote_groups)
+            wr.pre = pre.handles
+        elif pre is not None:
+            self.release_all(pre.handles)
+        local = [b for g in local_groups for b in g]
+        remote = [b for g in remote_groups for b in g]
         notice = wire.encode(action.notification)
         lid = wr.lease_id
         assert action.notification.handles == (lease_handle(lid),)
@@ -722,6 +731,7 @@ class PSide:
         wr = self.writes.pop(action.request_id, None)
         if wr is not None:
             self.stop_write(wr)
+            self.drop_pre(wr.lease_id)
         self.w.p_finished(action.request_id)
 
     # -- push_layerwise ------------------------------------------------------------------------
@@ -1276,17 +1286,6 @@ class PushProtocol(RuleBasedStateMachine):
         p = self.w.p
         if not p.alive:
             return
-        found = p.push.registration(req.push_id)
-        if found is not None and not abandon:
-            peer, reg = found
-            bound = p.writer.confirmed_bound(peer, reg.lease_id)
-            layers = [tr for tr in self.w.flying() if tr.kind == "layer" and tr.rid == req.push_id]
-            if layers and bound - p.now() < WRITER_TIMEOUTS.margin:
-                # Excluded: the final write cannot post at once and nothing stops its layer
-                # WRITEs at their bound (see test_layer_writes_outlive_their_bound_...).
-                for tr in layers:
-                    self.w.land(tr)
-                self.w.outcomes["layer WRITEs landed before an unconfirmed offer"] += 1
         if abandon:
             self.w.p.abandon(req.push_id)
         else:
@@ -1534,15 +1533,6 @@ def test_a_duplicated_registration_must_not_free_blocks_under_a_write() -> None:
 
 
 # -- progressive push: layer WRITEs handed to a final write that cannot post yet ---------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: layer WRITEs handed to the final write (StartWrite moves _Pre.handles into "
-    "_Write.pre) are watched by nobody while the final write waits for a confirmation: "
-    "_poll_pre no longer sees them and _write_status is polled only once posted, so they "
-    "outlive their confirmed bound until the writer's confirm timeout, and D may free the "
-    "blocks under them",
-)
 def test_layer_writes_outlive_their_bound_while_the_final_write_confirms() -> None:
     """push_layerwise: D's registration waits at P, its lease is confirmed, P writes a layer
     early; the acknowledgements then stop coming (dropped), so when P's prefill finishes its

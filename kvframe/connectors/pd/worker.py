@@ -103,6 +103,7 @@ from kvframe.core.reader import (
     StopRead,
 )
 from kvframe.core.receiver import (
+    Fence,
     FreeNow,
     PushEnded,
     PushReceiver,
@@ -175,8 +176,12 @@ class _Write:
 
     peer: str
     """The decoder's transport peer (the writer machine's engine key)."""
+    lease_id: str
+    """D's lease the write is under."""
     local_block_ids: tuple[tuple[int, ...], ...]
     remote_block_ids: tuple[tuple[int, ...], ...]
+    first_block: int = 0
+    """The index in P's block list of ``local_block_ids``' first block."""
     handle: XferHandle | None = None
     posted_at: float = 0.0
     notice: bytes | None = None
@@ -620,6 +625,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._posted_now = []
         self._writes_posted_now = []
         for peer in self._gone_reader_peers:
+            for lid in [lid for lid, pre in self._pre.items() if pre.peer == peer]:
+                self._drop_pre(lid)
             self._run_push(self._push.peer_gone(peer, now), now)
             self._run_writer(
                 self._writer.peer_failed(peer, "the decoder connected again", now), now
@@ -1086,23 +1093,14 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _run_push(self, actions: list[PushAction], now: float) -> None:
         for action in actions:
             if isinstance(action, StartWrite):
-                local, remote = action.local_block_ids, action.remote_block_ids
-                pre = self._pre.pop(action.lease_id, None)
-                handles: list[XferHandle] = []
-                if pre is not None and pre.peer == action.engine:
-                    # What every layer already has needs no second write.
-                    skip = min(pre.written) - action.first_block
-                    if skip > 0:
-                        local = tuple(g[skip:] for g in local)
-                        remote = tuple(g[skip:] for g in remote)
-                    handles = pre.handles
-                elif pre is not None:
-                    self._release_all(pre.handles)
+                # Layer WRITEs made during the prefill stay watched (_poll_pre: stopped at
+                # their bound or on failure) until the final WRITE is posted and takes them.
                 self._writes[action.request_id] = _Write(
                     peer=action.engine,
-                    local_block_ids=local,
-                    remote_block_ids=remote,
-                    pre=handles,
+                    lease_id=action.lease_id,
+                    local_block_ids=action.local_block_ids,
+                    remote_block_ids=action.remote_block_ids,
+                    first_block=action.first_block,
                 )
                 self._run_writer(
                     self._writer.add(action.request_id, action.engine, action.lease_id, now),
@@ -1156,6 +1154,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 if wr is not None:
                     # Stops the WRITEs: when this returns no byte of them lands any more.
                     self._stop_write(wr)
+                    self._drop_pre(wr.lease_id)
             elif isinstance(action, LoadEnded):
                 self._write_ended(action)
             # Reconnect: never asked (the writer gives no incarnation)
@@ -1163,8 +1162,20 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _post_write(self, action: PostRead, now: float) -> list[Action]:
         wr = self._writes[action.request_id]
         peer = wr.peer
-        local = [b for g in wr.local_block_ids for b in g]
-        remote = [b for g in wr.remote_block_ids for b in g]
+        local_groups, remote_groups = wr.local_block_ids, wr.remote_block_ids
+        pre = self._pre.pop(wr.lease_id, None)
+        if pre is not None and pre.peer == peer:
+            # What every layer already has needs no second write; the layer WRITEs still
+            # moving become part of this one (posted under the same confirmed bound).
+            skip = min(pre.written) - wr.first_block
+            if skip > 0:
+                local_groups = tuple(g[skip:] for g in local_groups)
+                remote_groups = tuple(g[skip:] for g in remote_groups)
+            wr.pre = pre.handles
+        elif pre is not None:
+            self._release_all(pre.handles)
+        local = [b for g in local_groups for b in g]
+        remote = [b for g in remote_groups for b in g]
         notice = self._seal(self._peer_keys.get(peer), wire.encode(action.notification))
         if notice is None or self._local is None:
             return self._writer.transfer_failed(
@@ -1347,6 +1358,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         wr = self._writes.pop(action.request_id, None)
         if wr is not None:
             self._stop_write(wr)
+            self._drop_pre(wr.lease_id)
         self._finished_sending.add(action.request_id)
         if action.state is ReadState.DONE:
             self._count("pushes_done")
@@ -1444,6 +1456,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     self._reply(push.sent_to, [notice])
             elif isinstance(action, FreeNow):
                 self._lease_output(self._holder.abort(action.lease_id, now), now)
+            elif isinstance(action, Fence):
+                if push is not None and push.sent_to is not None:
+                    self._fence(push.sent_to, action.engine, now)
             elif isinstance(action, PushEnded):
                 self._push_finished(action, now)
 
@@ -1462,6 +1477,18 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         push.sent_at = now
         self._holder.connected(entry.peer)
         return []
+
+    def _fence(self, peer: str, engine: str, now: float) -> None:
+        # A two-sided transport (UCX) serves a peer's WRITE by posting receives into the
+        # blocks; removing the peer cancels them, so nothing lands after the blocks are freed.
+        # (A one-sided WRITE, NIXL's, is fenced by the writer's confirmed bound alone.)
+        self._count("push_fenced", engine=engine)
+        self._event("pd.push_fenced", engine=engine)
+        with contextlib.suppress(TransportError):
+            self._transport.remove_peer(peer)
+        entry = self._engines.by_peer(peer) if self._engines is not None else None
+        if entry is not None:
+            self._run(self._peer_broke(entry, "cut off: a push lease expired under it", now), now)
 
     def _push_abort(self, rid: str, now: float) -> None:
         self._run_receiver(self._receiver.abort(rid, now), now)
