@@ -316,7 +316,6 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         # D, push mode: destination blocks held under D's own leases
         self._pushes: dict[str, _PushIn] = {}  # request id -> push
         self._push_leases: set[str] = set()  # D's live push lease ids
-        self._writer_peers: set[str] = set()  # P peers this holder has taken registrations to
         self._receiver = PushReceiver(
             send_timeout=2 * options.handshake_timeout, cap=3 * self._policy.duration
         )
@@ -908,6 +907,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _poll_peers(self, now: float) -> None:
         assert self._engines is not None
         for entry in self._engines.poll(now, self._engine_busy):
+            if entry.state is PeerState.READY and entry.peer is not None:
+                # A new connection: a writer's heartbeats over it (push mode) start a new
+                # sequence at this holder.
+                self._holder.connected(entry.peer)
             if self._pushes:
                 self._push_peer(entry, now)
             if entry.state is PeerState.READY:
@@ -1476,10 +1479,6 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             return self._receiver.send_failed(rid, str(exc), now)
         push.sent_to = entry.peer
         push.sent_at = now
-        if entry.peer not in self._writer_peers:
-            # A new connection to this writer: its heartbeats' sequence numbers start again.
-            self._writer_peers.add(entry.peer)
-            self._holder.connected(entry.peer)
         return []
 
     def _fence(self, peer: str, engine: str, now: float) -> None:
@@ -1488,7 +1487,6 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         # (A one-sided WRITE, NIXL's, is fenced by the writer's confirmed bound alone.)
         self._count("push_fenced", engine=engine)
         self._event("pd.push_fenced", engine=engine)
-        self._writer_peers.discard(peer)
         with contextlib.suppress(TransportError):
             self._transport.remove_peer(peer)
         entry = self._engines.by_peer(peer) if self._engines is not None else None
