@@ -95,13 +95,16 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
 from kvframe.bench._stats import p90
 from kvframe.bench.progress import Progress
 from kvframe.runtime.procs import ChildProcesses
+
+if TYPE_CHECKING:
+    from kvframe_refengine.server import EngineService
 
 __all__ = [
     "BLOCK",
@@ -162,7 +165,6 @@ def serve(spec: Mapping[str, Any]) -> int:
     from kvframe.config import KVTransferConfig
     from kvframe_refengine.engine import Engine, EngineConfig
     from kvframe_refengine.model import ModelConfig
-    from kvframe_refengine.server import EngineService
     from kvframe_refengine.server import serve as serve_http
 
     extra: dict[str, Any] = {"transport": "nixl", "side_channel_port": 0}
@@ -190,7 +192,7 @@ def serve(spec: Mapping[str, Any]) -> int:
         ),
         kv,
     )
-    service = EngineService(engine, engine_id=spec["engine_id"], role=spec["role"])
+    service = _quiet_service()(engine, engine_id=spec["engine_id"], role=spec["role"])
     httpd = serve_http(service, "127.0.0.1", 0)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -200,6 +202,30 @@ def serve(spec: Mapping[str, Any]) -> int:
     httpd.shutdown()
     service.close()
     return 0
+
+
+def _quiet_service() -> type[EngineService]:
+    from kvframe_refengine import server
+
+    class QuietService(server.EngineService):
+        """The reference server's service, except that an engine with nothing to do waits for
+        a command instead of polling its queue with a zero timeout.
+
+        ``Engine.idle_wait`` answers 0 after a step that ran tokens, and only a later step
+        resets that; the server's loop steps only while there is unfinished work, so an engine
+        whose last step ran tokens (D after every request, P after one with no KV to keep)
+        spins a CPU at 100 % until its next request. Left alone, the spinning engine's CPU
+        work would fall on the arms that leave it idle (D during pull's P leg and compute
+        alone) and not on the others. Once the server's loop waits there itself this changes
+        nothing."""
+
+        def _idle_wait(self) -> float:
+            wait = float(super()._idle_wait())
+            if wait == 0 and not self.engine.has_unfinished_work():
+                return server._IDLE_BLOCK
+            return wait
+
+    return QuietService
 
 
 @attrs.define(eq=False)
