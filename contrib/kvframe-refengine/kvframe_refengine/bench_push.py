@@ -163,9 +163,9 @@ def serve(spec: Mapping[str, Any]) -> int:
     import threading
 
     from kvframe.config import KVTransferConfig
+    from kvframe_refengine import _http, server
     from kvframe_refengine.engine import Engine, EngineConfig
     from kvframe_refengine.model import ModelConfig
-    from kvframe_refengine.server import serve as serve_http
 
     extra: dict[str, Any] = {"transport": "nixl", "side_channel_port": 0}
     if spec.get("layerwise"):
@@ -193,7 +193,13 @@ def serve(spec: Mapping[str, Any]) -> int:
         kv,
     )
     service = _quiet_service()(engine, engine_id=spec["engine_id"], role=spec["role"])
-    httpd = serve_http(service, "127.0.0.1", 0)
+    # The reference server's handler writes an answer's headers and its body in two sends;
+    # with Nagle's algorithm on, the body then waits for the client's delayed ACK of the
+    # headers (up to 40 ms on Linux) whenever the client is in delayed-ACK mode, a delay that
+    # falls on some answers and not others: TCP_NODELAY, as HTTP servers usually set.
+    handler = server._handler(service)
+    handler.disable_nagle_algorithm = True
+    httpd = _http.start("127.0.0.1", 0, handler, "http")
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
