@@ -11,7 +11,12 @@ chunks of 512 tokens: the engine's default) are started once and serve every arm
   when the benchmark may use only one), shared by every arm.
 
 One D for every arm, and a second P rather than a restart, so that the arms alternate round by
-round under the same conditions (a P restart would also change P's incarnation mid-run). Every
+round under the same conditions (a P restart would also change P's incarnation mid-run). The
+servers are the reference server's ``EngineService`` and HTTP handler with two corrections
+that matter for latency (each a no-op once the server does the same): an idle engine waits for
+a command instead of spinning (see ``_quiet_service``), and answers go out with
+``TCP_NODELAY`` (the handler's headers and body are two sends, and Nagle's algorithm held the
+body up to 40 ms for the client's delayed ACK). Every
 thread's CPU affinity is read back from ``/proc/PID/task/*/status`` after the warm-up round and
 at the end; the run stops if a thread may run anywhere else. For each prompt length the arms
 run in turn on fresh prompts of that length, their order rotated every round (round 0 warms up
