@@ -104,7 +104,6 @@ from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
-from kvframe.bench._stats import p90
 from kvframe.bench.progress import Progress
 from kvframe.runtime.procs import ChildProcesses
 
@@ -459,9 +458,16 @@ def _compute(p: _Server, prompt: list[int]) -> _Sample:
 
 
 def _summary(samples: list[float]) -> dict[str, Any]:
+    # p90 as every kvframe benchmark computes it (inclusive method: never extrapolated beyond
+    # the largest sample; one sample is its own p90).
     import statistics
 
-    return {"median": statistics.median(samples), "p90": p90(samples), "samples": samples}
+    p90 = (
+        samples[0]
+        if len(samples) < 2
+        else statistics.quantiles(samples, n=10, method="inclusive")[8]
+    )
+    return {"median": statistics.median(samples), "p90": p90, "samples": samples}
 
 
 def _cpus() -> tuple[frozenset[int], frozenset[int]]:
