@@ -459,7 +459,7 @@ class Engine:
     def idle_wait(self, cap: float = 0.05) -> float | None:
         """How long a serving loop may sleep before the next :meth:`step`, in seconds:
 
-        - ``0`` after a step that ran tokens (more work is ready);
+        - ``0`` after a step that ran tokens while requests remain (more work is ready);
         - ``idle_sleep_s`` while requests wait on the connector (a load in flight), or while
           the connector says it must step at once (``next_deadline()`` now or past);
         - until the connector's ``next_deadline()`` (at most ``cap``) when it has pending work
@@ -469,10 +469,10 @@ class Engine:
         A loop that sleeps must wake up early for a new request (the reference server's loop
         waits on its command queue with this timeout).
         """
-        if self._last_step_ran_tokens:
-            return 0.0
         if self.scheduler.has_requests():
-            return self.config.idle_sleep_s
+            # More work is ready right after a step that ran tokens; otherwise the requests
+            # wait on the connector (a load in flight).
+            return 0.0 if self._last_step_ran_tokens else self.config.idle_sleep_s
         sched = self.connector_scheduler
         if sched is None or not sched.has_pending_work():
             return None

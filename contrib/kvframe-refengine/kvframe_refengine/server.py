@@ -153,8 +153,9 @@ class EngineService:
                 self._run_commands(wait=self._idle_wait())
                 if not self.engine.has_unfinished_work():
                     continue
-                now = time.monotonic()
-                for out in self.engine.step():  # contains what a step raises
+                outputs = self.engine.step()  # contains what a step raises
+                now = time.monotonic()  # after the step that made the outputs
+                for out in outputs:
                     self._on_output(out, now)
         except BaseException as exc:  # the engine is unusable: fail every waiter loudly
             self._die(exc)
