@@ -12,11 +12,9 @@ chunks of 512 tokens: the engine's default) are started once and serve every arm
 
 One D for every arm, and a second P rather than a restart, so that the arms alternate round by
 round under the same conditions (a P restart would also change P's incarnation mid-run). The
-servers are the reference server's ``EngineService`` and HTTP handler with two corrections
-that matter for latency (each a no-op once the server does the same): an idle engine waits for
-a command instead of spinning (see ``_quiet_service``), and answers go out with
-``TCP_NODELAY`` (the handler's headers and body are two sends, and Nagle's algorithm held the
-body up to 40 ms for the client's delayed ACK). Every
+servers are the reference server's ``EngineService`` and HTTP handler, as they are (this
+benchmark found two of their latency bugs, since fixed there: an idle engine spun a CPU, and
+Nagle's algorithm held an answer's body up to 40 ms for the client's delayed ACK). Every
 thread's CPU affinity is read back from ``/proc/PID/task/*/status`` after the warm-up round and
 at the end; the run stops if a thread may run anywhere else. For each prompt length the arms
 run in turn on fresh prompts of that length, their order rotated every round (round 0 warms up
@@ -108,7 +106,7 @@ from kvframe.bench.progress import Progress
 from kvframe.runtime.procs import ChildProcesses
 
 if TYPE_CHECKING:
-    from kvframe_refengine.server import EngineService
+    pass
 
 __all__ = [
     "BLOCK",
@@ -196,13 +194,8 @@ def serve(spec: Mapping[str, Any]) -> int:
         ),
         kv,
     )
-    service = _quiet_service()(engine, engine_id=spec["engine_id"], role=spec["role"])
-    # The reference server's handler writes an answer's headers and its body in two sends;
-    # with Nagle's algorithm on, the body then waits for the client's delayed ACK of the
-    # headers (up to 40 ms on Linux) whenever the client is in delayed-ACK mode, a delay that
-    # falls on some answers and not others: TCP_NODELAY, as HTTP servers usually set.
+    service = server.EngineService(engine, engine_id=spec["engine_id"], role=spec["role"])
     handler = server._handler(service)
-    handler.disable_nagle_algorithm = True
     httpd = _http.start("127.0.0.1", 0, handler, "http")
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -212,30 +205,6 @@ def serve(spec: Mapping[str, Any]) -> int:
     httpd.shutdown()
     service.close()
     return 0
-
-
-def _quiet_service() -> type[EngineService]:
-    from kvframe_refengine import server
-
-    class QuietService(server.EngineService):
-        """The reference server's service, except that an engine with nothing to do waits for
-        a command instead of polling its queue with a zero timeout.
-
-        ``Engine.idle_wait`` answers 0 after a step that ran tokens, and only a later step
-        resets that; the server's loop steps only while there is unfinished work, so an engine
-        whose last step ran tokens (D after every request, P after one with no KV to keep)
-        spins a CPU at 100 % until its next request. Left alone, the spinning engine's CPU
-        work would fall on the arms that leave it idle (D during pull's P leg and compute
-        alone) and not on the others. Once the server's loop waits there itself this changes
-        nothing."""
-
-        def _idle_wait(self) -> float:
-            wait = float(super()._idle_wait())
-            if wait == 0 and not self.engine.has_unfinished_work():
-                return server._IDLE_BLOCK
-            return wait
-
-    return QuietService
 
 
 @attrs.define(eq=False)
