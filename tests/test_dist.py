@@ -164,7 +164,7 @@ def test_plugins_lists_the_nixl_and_ucx_transports(checked: str) -> None:
 @_slow
 def test_demo_runs_from_the_wheels(checked: str) -> None:
     demo = checked.split("\nstarting prefill, decode and router on ", 1)[1]
-    assert "(transport nixl;" in demo
+    assert "(transport nixl, pull mode;" in demo
     assert "token-for-token equal: 1/1" in demo
     assert re.search(r"^\[PASS\] outputs equal single-engine greedy outputs$", demo, re.MULTILINE)
     assert "[FAIL]" not in demo

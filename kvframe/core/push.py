@@ -82,8 +82,11 @@ __all__ = [
 ]
 
 MAGIC = b"KP"
+"""The first two bytes of every push message (heartbeat messages start with ``b"KH"``)."""
 VERSION = 1
+"""The format version this module writes and reads."""
 MAX_PUSH_MESSAGE_BYTES = 16 * 1024
+"""Largest encoded push message (about 4,000 block ids in a registration)."""
 #: What a push id and a lease id in a registration may be made of.
 PUSH_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _MAX_GROUPS = 64
@@ -339,6 +342,7 @@ class Keepalive:
 
 
 PushAction: TypeAlias = StartWrite | Refuse | EndSource | Keepalive
+"""Anything :class:`PushSource` asks its caller to do."""
 
 
 @attrs.define(eq=False)

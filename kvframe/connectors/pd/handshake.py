@@ -109,6 +109,7 @@ __all__ = [
     "decode_frame",
     "encode_frame",
     "handshake",
+    "layout_digest",
 ]
 
 #: The side-channel protocol version; a peer speaking another one is refused before its
