@@ -595,14 +595,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 f"{self._config.kv_role!r}): it has no push address; ask a prefill engine "
                 "(kv_producer or kv_both)"
             )
-        ports = tuple(self._ports[r] for r in sorted(self._ports))
-        base = self._options.side_channel_port
-        if base == 0 and not ports:
-            raise ConfigError(
-                "kv_connector_extra_config.side_channel_port is 0 (a free port per worker) but "
-                "the engine never called set_xfer_handshake_metadata(); give a fixed port or "
-                "forward the workers' handshake metadata"
-            )
+        ports, base = self._side_channel()
         out: dict[str, Any] = {
             "remote_engine_id": self._engine_id,
             "remote_host": self._options.side_channel_host,
@@ -619,14 +612,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def _params_for(
         self, request: RequestView, lease_id: str, block_ids: BlockIds
     ) -> dict[str, Any]:
-        ports = tuple(self._ports[r] for r in sorted(self._ports))
-        base = self._options.side_channel_port
-        if base == 0 and not ports:
-            raise ConfigError(
-                "kv_connector_extra_config.side_channel_port is 0 (a free port per worker) but "
-                "the engine never called set_xfer_handshake_metadata(); give a fixed port or "
-                "forward the workers' handshake metadata"
-            )
+        ports, base = self._side_channel()
         params = RemotePrefillParams(
             remote_engine_id=self._engine_id,
             remote_request_id=lease_id,
@@ -649,6 +635,19 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if self._options.keys is not None:
             params = params.signed(self._options.keys)
         return params.to_dict()
+
+    def _side_channel(self) -> tuple[tuple[int, ...], int]:
+        # The workers' ports (rank order) and the configured base port; ConfigError when
+        # neither says where P listens.
+        ports = tuple(self._ports[r] for r in sorted(self._ports))
+        base = self._options.side_channel_port
+        if base == 0 and not ports:
+            raise ConfigError(
+                "kv_connector_extra_config.side_channel_port is 0 (a free port per worker) but "
+                "the engine never called set_xfer_handshake_metadata(); give a fixed port or "
+                "forward the workers' handshake metadata"
+            )
+        return ports, base
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, bytes]) -> None:
         for rank, blob in metadata.items():

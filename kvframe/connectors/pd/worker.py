@@ -483,6 +483,27 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             "before reading or writing its blocks)"
         )
 
+    def _index(
+        self, index: dict[int, set[str]], lease_id: str, block_ids: tuple[tuple[int, ...], ...]
+    ) -> None:
+        # The access check's index (block -> its live leases), kept only when it is installed.
+        if self._region_bases:
+            for group in block_ids:
+                for b in group:
+                    index.setdefault(b, set()).add(lease_id)
+
+    def _unindex(
+        self, index: dict[int, set[str]], lease: Lease[tuple[str, tuple[tuple[int, ...], ...]]]
+    ) -> None:
+        if self._region_bases:
+            for group in lease.payload[1]:
+                for b in group:
+                    held = index.get(b)
+                    if held is not None:
+                        held.discard(lease.request_id)
+                        if not held:
+                            del index[b]
+
     def get_handshake_metadata(self) -> bytes | None:
         if self._server is None:
             return None
@@ -684,10 +705,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         for grant in meta.grants:
             self._holder.grant(grant.lease_id, now, (grant.request_id, grant.block_ids))
             self._count("leases_granted")
-            if self._region_bases:  # the access check's index: block -> its live leases
-                for group in grant.block_ids:
-                    for b in group:
-                        self._block_leases.setdefault(b, set()).add(grant.lease_id)
+            self._index(self._block_leases, grant.lease_id, grant.block_ids)
         for src in meta.push_sources:
             self._count("push_sources")
             self._run_push(
@@ -820,14 +838,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._push_lease_ended(lease, now)
             return
         self._finished_sending.add(lease.payload[0])
-        if self._region_bases:
-            for group in lease.payload[1]:
-                for b in group:
-                    held = self._block_leases.get(b)
-                    if held is not None:
-                        held.discard(lease.request_id)
-                        if not held:
-                            del self._block_leases[b]
+        self._unindex(self._block_leases, lease)
         self._count(_ENDED_COUNTER.get(lease.state, "leases_ended"))
 
     def _reply(self, peer: str, messages: Iterable[wire.Message]) -> None:
@@ -1073,13 +1084,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         elif action.state is ReadState.ABORTED:
             self._count("loads_aborted", engine=engine)
         else:
-            if rd is not None:
-                for group in rd.spec.local_block_ids:
-                    self._invalid.update(group)
-            reason = action.reason or "failed"
-            self._failures[action.request_id] = reason
-            self._count("loads_failed", engine=engine)
-            self._event("pd.load_failed", request_id=action.request_id, reason=reason)
+            blocks = rd.spec.local_block_ids if rd is not None else ()
+            self._fail_blocks(action.request_id, blocks, action.reason or "failed", engine)
 
     def _reconnect(self, action: Reconnect, now: float) -> list[Action]:
         entry = self._entry(action.engine)
@@ -1401,10 +1407,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._holder.grant(lease_id, now, (rid, load.local_block_ids))
         self._push_leases.add(lease_id)
         self._count("push_registrations")
-        if self._region_bases:
-            for group in load.local_block_ids:
-                for b in group:
-                    self._push_blocks.setdefault(b, set()).add(lease_id)
+        self._index(self._push_blocks, lease_id, load.local_block_ids)
         incarnation = (
             load.remote_incarnations[rank] if rank < len(load.remote_incarnations) else None
         )
@@ -1525,14 +1528,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self, lease: Lease[tuple[str, tuple[tuple[int, ...], ...]]], now: float
     ) -> None:
         self._push_leases.discard(lease.request_id)
-        if self._region_bases:
-            for group in lease.payload[1]:
-                for b in group:
-                    held = self._push_blocks.get(b)
-                    if held is not None:
-                        held.discard(lease.request_id)
-                        if not held:
-                            del self._push_blocks[b]
+        self._unindex(self._push_blocks, lease)
         self._run_receiver(self._receiver.lease_ended(lease.request_id, lease.state, now), now)
 
     def _push_finished(self, action: PushEnded, now: float) -> None:
