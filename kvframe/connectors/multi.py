@@ -292,6 +292,16 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         for rid in output.finished_sending:
             self._holding.discard(rid)
 
+    def reclaim_blocks(self, num_blocks: int, now: float) -> int:
+        """Ask the children in order (the first gives back first) until ``num_blocks`` are
+        covered; returns the sum of what they give back."""
+        given = 0
+        for child in self._children:
+            if given >= num_blocks:
+                break
+            given += child.reclaim_blocks(num_blocks - given, now)
+        return given
+
     def request_finished(
         self, request: RequestView, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:

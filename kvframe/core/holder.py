@@ -19,7 +19,13 @@ answers the readers (decode workers) that talk to it through the transport's not
 - :meth:`LeaseHolder.revoke` (push mode, where D holds its destination blocks) stops renewing a
   lease the holder no longer wants written: heartbeats naming it are answered ``ABORTED``, and
   it still ends only by the reader's done notice or its expiry, so the blocks stay put while a
-  write the reader already posted may still land.
+  write the reader already posted may still land;
+- :meth:`LeaseHolder.keep` (bidirectional mode, where D keeps a finished turn's blocks for the
+  next turn's prefill engine) grants a lease for a fixed ``ttl`` that nobody heartbeats; the
+  first heartbeat that claims it *restarts* it as an ordinary lease (:meth:`LeaseTable.restart`:
+  it then ends within one extension of the claimant's last heartbeat), and
+  :meth:`LeaseHolder.evict` gives it back early when the engine needs the memory: at once while
+  nobody has claimed it, else as :meth:`revoke` does.
 
 Like the lease table it is sans-I/O: every call takes ``now`` (the holder's monotonic clock) and
 returns what happened (:class:`HolderOutput`); :meth:`LeaseHolder.next_deadline` says when to
@@ -115,6 +121,7 @@ class LeaseHolder(Generic[_PayloadT]):
         self._guard = HeartbeatGuard(max_drift)
         self._claims: dict[int, str] = {}  # live lease handle -> the reader that claimed it
         self._revoked: set[int] = set()  # live lease handles no longer renewed
+        self._kept: set[int] = set()  # live kept (TTL) lease handles nobody has claimed yet
         self._heartbeats = 0
         self._stale = 0
         self._ignored = 0
@@ -183,10 +190,49 @@ class LeaseHolder(Generic[_PayloadT]):
         self._revoked.add(lease_handle(lease_id))
         return True
 
+    def kept(self, lease_id: str) -> bool:
+        """Whether ``lease_id`` is a live kept lease (:meth:`keep`) that no reader has claimed
+        yet (it still runs on its ``ttl``)."""
+        return lease_handle(lease_id) in self._kept
+
+    @property
+    def kept_count(self) -> int:
+        """Live kept leases nobody has claimed yet."""
+        return len(self._kept)
+
     # -- inputs --------------------------------------------------------------------------
     def grant(self, lease_id: str, now: float, payload: _PayloadT) -> Lease[_PayloadT]:
         """Grant a lease (see :meth:`LeaseTable.grant`; raises as it does, changing nothing)."""
         return self._table.grant(lease_id, now, payload)
+
+    def keep(self, lease_id: str, now: float, payload: _PayloadT, ttl: float) -> Lease[_PayloadT]:
+        """Grant a *kept* lease: it lives ``ttl`` seconds (``decoder_kv_blocks_ttl``) with no
+        heartbeat at all. The first heartbeat that names it claims it for its reader and
+        restarts it as an ordinary lease as of the heartbeat's send time (``sent +
+        extension``, which may be earlier than the ttl's end): from then on it follows that
+        reader's heartbeats, so it outlives the ttl while the reader keeps heartbeating and
+        ends within one extension when the reader goes silent. A heartbeat that arrives after
+        the ttl's end renews nothing (the reader is told ``EXPIRED``). Raises as
+        :meth:`LeaseTable.grant` does (and for a ``ttl`` that is not a positive finite
+        number), changing nothing."""
+        lease = self._table.grant(lease_id, now, payload, ttl=ttl)
+        self._kept.add(lease.handle)
+        return lease
+
+    def evict(self, lease_id: str, now: float) -> HolderOutput[_PayloadT]:
+        """The engine needs the memory of the live lease ``lease_id`` back early.
+
+        A kept lease nobody has claimed ends at once (``ABORTED``: no reader holds a bound on
+        it, and a reader that names it later is told ``ABORTED`` and recomputes). Any other
+        live lease is revoked (:meth:`revoke`): its claimant is told ``ABORTED`` at its next
+        heartbeat, and it ends at its reader's done notice or its expiry, at most one
+        extension after the claimant's last heartbeat, because a read posted under a bound
+        this holder confirmed may still be running. Unknown or ended ids are a no-op."""
+        handle = lease_handle(lease_id)
+        if handle in self._kept:
+            return self.abort(lease_id, now)
+        self.revoke(lease_id, now)
+        return HolderOutput()
 
     def connected(self, reader: str) -> None:
         """A reader (re)connected: its sequence numbers start again. Claims it holds stay."""
@@ -209,10 +255,11 @@ class LeaseHolder(Generic[_PayloadT]):
         """Reclaim every lease whose expiry is ``<= now``."""
         ended = self._table.expire(now)
         claims = self._claims
-        if claims or self._revoked:
+        if claims or self._revoked or self._kept:
             for lease in ended:
                 claims.pop(lease.handle, None)
                 self._revoked.discard(lease.handle)
+                self._kept.discard(lease.handle)
         return HolderOutput(ended=tuple(ended))
 
     def abort(self, lease_id: str, now: float) -> HolderOutput[_PayloadT]:
@@ -220,8 +267,10 @@ class LeaseHolder(Generic[_PayloadT]):
         ended ids are a no-op."""
         if self._table.state(lease_id) is not LeaseState.LIVE:
             return HolderOutput()
-        self._claims.pop(lease_handle(lease_id), None)
-        self._revoked.discard(lease_handle(lease_id))
+        handle = lease_handle(lease_id)
+        self._claims.pop(handle, None)
+        self._revoked.discard(handle)
+        self._kept.discard(handle)
         return HolderOutput(ended=(self._table.abort(lease_id, now),))
 
     # -- internals -----------------------------------------------------------------------
@@ -256,6 +305,8 @@ class LeaseHolder(Generic[_PayloadT]):
                 mine = [h for h in mine if h not in self._revoked]
                 lost[wire.LostReason.ABORTED] = revoked
                 self._ignored += len(revoked)
+        if self._kept:
+            self._restart_kept(mine, now, sent_at)
         result = self._table.renew_handles(mine, now, sent_at=sent_at)
         if theirs:
             lost[wire.LostReason.CLAIMED] = theirs
@@ -280,6 +331,15 @@ class LeaseHolder(Generic[_PayloadT]):
         replies += _lost_notices(msg.seq, now, lost)
         return HolderOutput(replies=tuple(replies))
 
+    def _restart_kept(self, handles: list[int], now: float, sent_at: float) -> None:
+        # A kept lease's first heartbeat claims it: it lives by that reader's heartbeats now.
+        kept, table = self._kept, self._table
+        for h in handles:
+            if h in kept:
+                rid = table.request_id_for(h)
+                if rid is None or table.restart(rid, now, sent_at=sent_at) is not None:
+                    kept.discard(h)
+
     def _done(self, reader: str, msg: wire.LeaseDone, now: float) -> HolderOutput[_PayloadT]:
         lost: dict[wire.LostReason, list[int]] = {}
         ended: list[Lease[_PayloadT]] = []
@@ -298,6 +358,7 @@ class LeaseHolder(Generic[_PayloadT]):
                 continue
             self._claims.pop(h, None)
             self._revoked.discard(h)
+            self._kept.discard(h)
             if msg.reason is wire.DoneReason.READ:
                 ended.append(table.consume(rid, now))
             else:

@@ -617,11 +617,16 @@ class LeaseTable(Generic[_PayloadT]):
         return self._lb
 
     # -- events ---------------------------------------------------------------------------
-    def grant(self, request_id: str, now: float, payload: _PayloadT) -> Lease[_PayloadT]:
-        """Grant a lease on ``request_id``'s blocks: it expires at ``now + duration`` unless
-        renewed.
+    def grant(
+        self, request_id: str, now: float, payload: _PayloadT, *, ttl: float | None = None
+    ) -> Lease[_PayloadT]:
+        """Grant a lease on ``request_id``'s blocks: it expires at ``now + duration`` (or
+        ``now + ttl``) unless renewed.
 
         :param payload: kept with the lease and handed back when it ends (e.g. block ids).
+        :param ttl: the lease's first life in seconds instead of the policy's ``duration``
+            (a finite number > 0): bidirectional mode keeps a decoder's blocks for
+            ``decoder_kv_blocks_ttl`` this way (see :meth:`restart`).
         :returns: the new live lease (with its :attr:`~Lease.handle`).
         :raises InvalidTransitionError: the id holds a live lease, or one that ended and is
             still remembered (request ids are single-use). The table is unchanged.
@@ -631,6 +636,9 @@ class LeaseTable(Generic[_PayloadT]):
         """
         handle = lease_handle(request_id)
         check_now(now)
+        life = self._policy.duration if ttl is None else check_now(ttl, "ttl")
+        if life <= 0:
+            raise LeaseError(f"ttl must be > 0 seconds, got {ttl!r}")
         self._transition(request_id, LeaseEvent.GRANT, handle)
         other = self._handles.get(handle)
         if other >= 0:
@@ -639,7 +647,7 @@ class LeaseTable(Generic[_PayloadT]):
                 f"{self._ids[other]!r}; draw another id"
             )
         t = self._clock.advance(now)
-        expiry = t + self._policy.duration
+        expiry = t + life
         slot = self._alloc_slot()
         self._ids[slot] = request_id
         self._payloads[slot] = payload
@@ -748,6 +756,31 @@ class LeaseTable(Generic[_PayloadT]):
         renewed.flags.writeable = False
         exp_arr.flags.writeable = False
         return HandleRenewResult(renewed=renewed, expiries=exp_arr, ignored=ignored)
+
+    def restart(
+        self, request_id: str, now: float, *, sent_at: float | None = None
+    ) -> float | None:
+        """Make a live lease an ordinary heartbeated one from now: its expiry becomes
+        ``sent + extension`` (``sent`` as in :meth:`renew`), *earlier or later* than before.
+
+        Bidirectional mode grants a decoder's kept blocks with a long ``ttl`` (nobody
+        heartbeats them between turns); the first heartbeat of the prefill engine that pulls
+        them restarts the lease, so from then on it lives by that engine's heartbeats and
+        ends within one extension of its last one.
+
+        :returns: the new expiry, or ``None`` (nothing changed) when the id has no live lease,
+            its expiry has passed (``expire`` reclaims it; a restart never revives one), or
+            the heartbeat is stale (``sent + extension <= now``: it would end the lease).
+        :raises LeaseError: ``now`` or ``sent_at`` is not finite.
+        """
+        t, candidate = self._renew_times(now, sent_at)
+        slot = self._slot.get(request_id)
+        if slot is None or self._exp[slot] <= t or candidate <= t:
+            return None
+        self._exp[slot] = candidate
+        self._lb = min(self._lb, candidate)
+        self._lb_exact = False
+        return candidate
 
     def consume(self, request_id: str, now: float) -> Lease[_PayloadT]:
         """The reader reported completion: end the lease as ``CONSUMED``; release the blocks

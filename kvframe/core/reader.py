@@ -323,7 +323,17 @@ class _Peer:
 class _Ticket:
     """What this reader knows of one remote lease."""
 
-    __slots__ = ("bound", "handle", "lost", "lost_at", "spent", "touched", "urgent_at", "user")
+    __slots__ = (
+        "bound",
+        "cap",
+        "handle",
+        "lost",
+        "lost_at",
+        "spent",
+        "touched",
+        "urgent_at",
+        "user",
+    )
 
     def __init__(self, handle: int) -> None:
         self.handle = handle
@@ -332,6 +342,8 @@ class _Ticket:
         """When it was last named (heartbeat, load, release): an answer may still come."""
         self.bound = -math.inf
         """Confirmed lower bound of the lease's end, reader's clock."""
+        self.cap = math.inf
+        """No bound is ever later than this (``not_after`` of :meth:`LeaseReader.add`)."""
         self.lost: wire.LostReason | None = None
         self.lost_at = 0.0
         self.spent = False
@@ -459,11 +471,20 @@ class LeaseReader:
         now: float,
         *,
         incarnation: str | None = None,
+        not_after: float | None = None,
     ) -> list[Action]:
         """A load to carry out: read ``lease_id`` from ``engine`` into the request's blocks.
 
         ``incarnation`` names the holder instance that granted the lease (from the ticket);
         a connection to another instance is replaced first (:class:`Reconnect`).
+
+        ``not_after`` (this reader's clock) caps every bound the holder confirms: the read is
+        posted only with ``margin`` left before it, a read completing after it is discarded
+        (``TRANSFER_LATE``), and a load still waiting ``margin`` before it times out. A
+        prefill engine pulling a decoder's kept blocks passes the decoder's expiry mapped
+        through the clock-offset estimate (:meth:`DecoderBlocksTTL.reader_deadline
+        <kvframe.core.clock.DecoderBlocksTTL.reader_deadline>`). A load whose cap is already
+        that close fails at once (``TIMEOUT``, and the lease is released).
 
         :raises InvalidTransitionError: ``request_id`` has a load that has not ended.
         :raises LeaseError: an id is empty or ``now`` is not finite. Nothing changes on error.
@@ -472,6 +493,7 @@ class LeaseReader:
             if not isinstance(value, str) or not value:
                 raise LeaseError(f"{name} must be a non-empty str, got {value!r}")
         check_now(now)
+        cap = math.inf if not_after is None else check_now(not_after, "not_after")
         if request_id in self._loads:
             raise InvalidTransitionError(
                 f"load {request_id!r} is already {self._loads[request_id].state.value}; it "
@@ -511,6 +533,23 @@ class LeaseReader:
         if ticket.lost is not None:
             self._end(load, ReadEvent.LOST, t, out, reason=_lost_text(ticket.lost))
             return out
+        if cap < math.inf:
+            ticket.cap = min(ticket.cap, cap)
+            ticket.bound = min(ticket.bound, ticket.cap)
+            load.hard = min(load.hard, ticket.cap - self._t.margin)
+            load.deadline = min(load.deadline, load.hard)
+            if load.hard <= t:
+                self._count("loads_past_cap")
+                self._end(
+                    load,
+                    ReadEvent.TIMEOUT,
+                    t,
+                    out,
+                    reason=f"the blocks are kept only until {ticket.cap:.3f} on this clock "
+                    f"(their holder's expiry, corrected for clock offset), and a read needs "
+                    f"{self._t.margin:g} s of it; recompute instead",
+                )
+                return out
         peer = self._peers.get(engine)
         if peer is not None and peer.ready:
             if incarnation is not None and peer.incarnation not in (None, incarnation):
@@ -709,7 +748,10 @@ class LeaseReader:
                     ReadState.WAITING_PEER: "no connection to the prefill engine within "
                     f"{self._t.peer_timeout:g} s",
                     ReadState.CONFIRMING: "the prefill engine did not confirm the lease within "
-                    f"{self._t.confirm_timeout:g} s",
+                    f"{self._t.confirm_timeout:g} s"
+                    if load.hard > t
+                    else "the lease was not confirmed before the kept blocks' corrected "
+                    "expiry (not_after) less the read margin",
                     ReadState.POSTED: "the read did not complete before the confirmed lease "
                     "bound or the transfer timeout",
                 }.get(load.state, "timed out")
@@ -890,7 +932,7 @@ class LeaseReader:
             ticket = tickets.get((engine, lid)) if lid is not None else None
             if ticket is None or ticket.lost is not None:
                 continue
-            ticket.bound = max(ticket.bound, sent + remaining)
+            ticket.bound = min(ticket.cap, max(ticket.bound, sent + remaining))
             load = self._loads.get(ticket.user) if ticket.user is not None else None
             if load is None:
                 continue

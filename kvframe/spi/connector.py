@@ -397,7 +397,10 @@ class KVConnectorScheduler(abc.ABC):
           later :class:`~kvframe.protocol.messages.ConnectorOutput` lists the request in
           ``finished_sending`` (a producer holding the blocks under a lease for a remote
           reader). The connector guarantees that report comes, at the latest when the lease
-          expires (``kv_lease_duration``, bounded by ``decoder_kv_blocks_ttl``).
+          expires: for the P/D connector one extension (``kv_lease_duration * 2 // 3``)
+          after the reader's last heartbeat, or, for a decoder's blocks kept for a
+          conversation's next turn that no prefill engine claimed, ``decoder_kv_blocks_ttl``
+          after the request finished (see ``docs/leases.md``).
         - ``kv_transfer_params``: JSON-compatible values returned to the client with the
           response (what a decoder needs to pull the KV), or ``None``.
 
@@ -407,6 +410,21 @@ class KVConnectorScheduler(abc.ABC):
         event. Default: ``(False, None)``.
         """
         return False, None
+
+    def reclaim_blocks(self, num_blocks: int, now: float) -> int:
+        """The engine is short of ``num_blocks`` free blocks for running requests: give back
+        blocks held only for possible future use.
+
+        The P/D connector gives back a decoder's blocks kept for a conversation's next turn
+        (bidirectional mode), oldest turn first, until ``num_blocks`` are covered or none is
+        left; blocks a transfer may still touch are never among them. The blocks are freed
+        the usual way, through ``finished_sending`` of a coming step (normally the next one),
+        so the engine retries its allocation after that. ``now`` is the engine's clock.
+
+        Returns how many blocks will be so reported (0 when nothing can be given back).
+        Must not raise. Default: 0.
+        """
+        return 0
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, bytes]) -> None:  # noqa: B027
         """Called once after start-up with every worker rank's

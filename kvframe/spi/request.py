@@ -124,6 +124,11 @@ class RequestView:
     """The prompt's token ids when the engine gives them (empty otherwise): the engine's own
     sequence, not copied, which connectors only read. The P/D connector binds its tickets to the
     prompt with them (``remote_prompt_digest``), so a ticket cannot serve another prompt."""
+    output_token_ids: Sequence[int] = attrs.field(default=(), eq=False, hash=False, repr=False)
+    """The tokens the request has generated so far, in order, when the engine gives them
+    (empty otherwise; the engine's own sequence, which connectors only read). A decoder that
+    keeps a conversation's KV for its next turn (bidirectional mode) binds the kept blocks to
+    prompt and answer with them."""
     arrival_time: float = attrs.field(default=0.0, validator=_finite)
     """When the request arrived, in seconds on the engine's clock (the same clock as ``now``
     in :class:`~kvframe.spi.connector.SchedulerStep`)."""
