@@ -10,6 +10,13 @@ worker's objects: it sends a :class:`ScheduledBatch` and gets a :class:`StepResu
 block it will ever need (prompt plus ``max_tokens - 1`` tokens) on top of what running requests
 have reserved, so allocation never fails mid-flight and nothing is ever preempted. A tiny
 engine buys simplicity with some idle capacity.
+
+**Blocks held for later go first.** When a waiting request does not fit, the scheduler asks
+the connector to give back blocks it holds only for possible future use
+(``KVConnectorScheduler.reclaim_blocks(short_by, now)``: a decoder's blocks kept for a
+conversation's next turn), at most once per step and only for what the connector has not
+already promised. The connector frees them through ``finished_sending`` of a coming step; the
+request is admitted in the step after that, when the blocks are free.
 """
 
 from __future__ import annotations
@@ -29,7 +36,18 @@ from kvframe.spi.request import RequestView
 from kvframe_refengine.block_pool import BlockPool
 from kvframe_refengine.request import FinishReason, Request, RequestOutput, RequestStatus
 
-__all__ = ["HeldBlocks", "ScheduledBatch", "ScheduledSeq", "Scheduler", "StepResult"]
+__all__ = [
+    "RECLAIM_PATIENCE_STEPS",
+    "HeldBlocks",
+    "ScheduledBatch",
+    "ScheduledSeq",
+    "Scheduler",
+    "StepResult",
+]
+
+RECLAIM_PATIENCE_STEPS = 8
+"""Steps the scheduler waits for blocks the connector promised (``reclaim_blocks``) before it
+stops counting on them and may ask again (the SPI says they come within a step or two)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -141,7 +159,14 @@ class Scheduler:
             "load_failures": 0,
             "requests_refused": 0,
             "unknown_finished_reports": 0,
+            "reclaim_asked_blocks": 0,
+            "reclaim_promised_blocks": 0,
         }
+        self._reclaim_pending = 0
+        """Blocks the connector promised to free (``reclaim_blocks``) not yet seen freed."""
+        self._reclaim_since = 0
+        """The step of the latest promise (for :data:`RECLAIM_PATIENCE_STEPS`)."""
+        self._reclaim_asked_step = -1
 
     # -- views -------------------------------------------------------------------------------
     def view(self, req: Request, finish_reason: str | None = None) -> RequestView:
@@ -151,6 +176,7 @@ class Scheduler:
             request_id=req.request_id,
             num_prompt_tokens=len(req.prompt),
             prompt_token_ids=req.prompt,
+            output_token_ids=req.output,
             num_computed_tokens=req.num_computed_tokens,
             block_ids=(tuple(req.block_ids),),
             block_hashes=tuple(req.block_hashes),
@@ -362,6 +388,7 @@ class Scheduler:
         need_blocks = req.num_lifetime_blocks - len(hits)
         available = self.pool.num_free - self.pool.num_touch_would_take(hits) - self._reserved()
         if need_blocks > available:
+            self._reclaim(need_blocks - available)
             return False
         self.pool.touch(hits)
         computed = num_local + ext
@@ -390,6 +417,25 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return True
+
+    def _reclaim(self, short_by: int) -> None:
+        """A waiting request is ``short_by`` blocks short: ask the connector for blocks it
+        holds for later use (once per step, only beyond what it already promised)."""
+        if self.connector is None or self._reclaim_asked_step == self.step_number:
+            return
+        self._reclaim_asked_step = self.step_number
+        if self.step_number - self._reclaim_since > RECLAIM_PATIENCE_STEPS:
+            self._reclaim_pending = 0  # never came: stop counting on it
+        ask = short_by - self._reclaim_pending
+        if ask <= 0:
+            return
+        self.counters["reclaim_asked_blocks"] += ask
+        promised = self.connector.reclaim_blocks(ask, self._clock())
+        if type(promised) is not int or promised <= 0:
+            return
+        self.counters["reclaim_promised_blocks"] += promised
+        self._reclaim_pending += promised
+        self._reclaim_since = self.step_number
 
     def _computed_after_load(self, req: Request, computed: int) -> int:
         # The last-prompt-token rule: a load that covers the whole prompt still leaves the
@@ -525,6 +571,7 @@ class Scheduler:
         if not (held.wait_sending or held.wait_recving):
             del self.held[rid]
             self.pool.free(held.block_ids)
+            self._reclaim_pending = max(0, self._reclaim_pending - len(held.block_ids))
 
     # -- checks ------------------------------------------------------------------------------
     def describe_leaks(self) -> list[str]:
