@@ -757,9 +757,7 @@ class LeaseTable(Generic[_PayloadT]):
         exp_arr.flags.writeable = False
         return HandleRenewResult(renewed=renewed, expiries=exp_arr, ignored=ignored)
 
-    def restart(
-        self, request_id: str, now: float, *, sent_at: float | None = None
-    ) -> float | None:
+    def restart(self, request_id: str, now: float, *, sent_at: float | None = None) -> float | None:
         """Make a live lease an ordinary heartbeated one from now: its expiry becomes
         ``sent + extension`` (``sent`` as in :meth:`renew`), *earlier or later* than before.
 

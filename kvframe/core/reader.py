@@ -533,23 +533,8 @@ class LeaseReader:
         if ticket.lost is not None:
             self._end(load, ReadEvent.LOST, t, out, reason=_lost_text(ticket.lost))
             return out
-        if cap < math.inf:
-            ticket.cap = min(ticket.cap, cap)
-            ticket.bound = min(ticket.bound, ticket.cap)
-            load.hard = min(load.hard, ticket.cap - self._t.margin)
-            load.deadline = min(load.deadline, load.hard)
-            if load.hard <= t:
-                self._count("loads_past_cap")
-                self._end(
-                    load,
-                    ReadEvent.TIMEOUT,
-                    t,
-                    out,
-                    reason=f"the blocks are kept only until {ticket.cap:.3f} on this clock "
-                    f"(their holder's expiry, corrected for clock offset), and a read needs "
-                    f"{self._t.margin:g} s of it; recompute instead",
-                )
-                return out
+        if cap < math.inf and not self._cap(load, ticket, cap, t, out):
+            return out
         peer = self._peers.get(engine)
         if peer is not None and peer.ready:
             if incarnation is not None and peer.incarnation not in (None, incarnation):
@@ -558,6 +543,44 @@ class LeaseReader:
                 self._enter_confirming(load, t, out)
         self._flush(t, out)
         return out
+
+    def cap(self, request_id: str, not_after: float, now: float) -> list[Action]:
+        """Cap load ``request_id``'s bounds at ``not_after`` (as ``add``'s ``not_after``), for
+        a cap known only once the peer's clock offset is: call it before :meth:`peer_ready`.
+        A cap only ever lowers. Unknown or ended loads: a no-op.
+
+        :raises LeaseError: ``not_after`` or ``now`` is not finite.
+        """
+        cap = check_now(not_after, "not_after")
+        t = self._advance(now)
+        out: list[Action] = []
+        load = self._loads.get(request_id)
+        if load is not None:
+            self._cap(load, self._tickets[(load.engine, load.lease_id)], cap, t, out)
+        return out
+
+    def _cap(self, load: _Load, ticket: _Ticket, cap: float, t: float, out: list[Action]) -> bool:
+        # Lower the ticket's cap; end the load at once when a read can no longer fit.
+        ticket.cap = min(ticket.cap, cap)
+        ticket.bound = min(ticket.bound, ticket.cap)
+        load.hard = min(load.hard, ticket.cap - self._t.margin)
+        load.deadline = min(load.deadline, load.hard)
+        if load.state is ReadState.POSTED:
+            load.bound = min(load.bound, ticket.cap)
+            return True
+        if load.hard > t:
+            return True
+        self._count("loads_past_cap")
+        self._end(
+            load,
+            ReadEvent.TIMEOUT,
+            t,
+            out,
+            reason=f"the blocks are kept only until {ticket.cap:.3f} on this clock (their "
+            f"holder's expiry, corrected for clock offset), and a read needs "
+            f"{self._t.margin:g} s of it; recompute instead",
+        )
+        return False
 
     def abort(self, request_id: str, now: float) -> list[Action]:
         """The engine aborted the request. A load that already ended (or never existed) is a

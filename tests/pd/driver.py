@@ -33,6 +33,7 @@ class Driver:
         transport: str = "inprocess",
         extra: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ttl: float | None = None,
     ) -> None:
         self.config = KVTransferConfig.from_dict(
             {
@@ -40,6 +41,7 @@ class Driver:
                 "kv_role": role,
                 "engine_id": engine_id,
                 "kv_lease_duration": lease,
+                **({"decoder_kv_blocks_ttl": ttl} if ttl is not None else {}),
                 "kv_connector_extra_config": {"transport": transport, **(extra or {})},
             }
         )

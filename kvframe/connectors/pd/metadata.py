@@ -135,6 +135,10 @@ class PDLoad:
     """Push mode: the prompt's length in tokens."""
     prompt_digest: str = ""
     """Push mode: the prompt's digest (``''``: the engine gives no token ids)."""
+    kept_until: float | None = None
+    """Bidirectional mode (P pulling a conversation's history): the decoder's kept-blocks
+    expiry on the *decoder's* clock. The worker maps it through its clock-offset estimate of
+    that engine and reads only before the result (``None``: an ordinary lease)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -158,6 +162,10 @@ class PDGrant:
     lease_id: str
     """The lease id D names in its heartbeats (random, bounded: see ``docs/pd.md``)."""
     block_ids: BlockIds = attrs.field(converter=_blocks)
+    ttl: float | None = None
+    """Bidirectional mode, D: keep the blocks this many seconds for the conversation's next
+    turn (a kept lease: :meth:`~kvframe.core.holder.LeaseHolder.keep`); ``None``: an ordinary
+    lease."""
 
 
 @attrs.frozen(kw_only=True)
@@ -213,6 +221,9 @@ class PDMetadata(ConnectorMetadata):
     """P: push ids whose requests ended without KV to push: refuse their registrations."""
     push_progress: tuple[PDPushProgress, ...] = attrs.field(default=(), converter=_progress)
     """P (``push_layerwise``): push-mode requests this step computes, layer by layer."""
+    evictions: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    """D, bidirectional mode: lease ids of kept blocks the engine wants back
+    (:meth:`~kvframe.core.holder.LeaseHolder.evict`)."""
 
     @property
     def is_empty(self) -> bool:
@@ -225,6 +236,7 @@ class PDMetadata(ConnectorMetadata):
             or self.push_sources
             or self.push_abandoned
             or self.push_progress
+            or self.evictions
         )
 
 

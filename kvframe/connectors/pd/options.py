@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from kvframe.connectors.pd.auth import KeyRing
+from kvframe.core.clock import DecoderBlocksTTL
 from kvframe.core.lease import LeasePolicy
 from kvframe.errors import ConfigError
 
@@ -32,10 +33,29 @@ class PDOptions:
     push_layerwise: bool = False
     """Push mode, P: write each layer's finished blocks as the prefill computes them (the
     transfer overlaps the prefill), not the whole KV once the request finished."""
+    symmetric_leases: bool = False
+    """Bidirectional mode, P: heartbeat a decoder's kept blocks from the moment a next-turn
+    request that pulls them enters the scheduler (they then stay while P is busy and go within
+    one extension when P is gone), not only once the load is allocated."""
+    kv_recompute_threshold: int = 64
+    """Bidirectional mode, P: pull a conversation's history from D only when the shared prefix
+    is at least this many tokens (a shorter one is recomputed)."""
+    ttl_safety_margin: float | None = None
+    """Bidirectional mode, P: seconds subtracted from D's kept-blocks expiry (after the clock
+    offset correction and its uncertainty) before P relies on it; ``None``:
+    ``min(30, decoder_kv_blocks_ttl / 4)``."""
     auth_key_file: str | None = None
     """The fleet key file (see :mod:`kvframe.connectors.pd.auth`); ``None``: unauthenticated."""
     keys: KeyRing | None = attrs.field(default=None, repr=False)
     """The keys read from :attr:`auth_key_file` when the options were parsed."""
+
+    def decoder_ttl(self, decoder_kv_blocks_ttl: float) -> DecoderBlocksTTL:
+        """The kept-blocks rule for ``decoder_kv_blocks_ttl``: the ttl with
+        :attr:`ttl_safety_margin` (default ``min(30, ttl / 4)``). Raises
+        :class:`~kvframe.errors.ConfigError` for a margin at or above the ttl."""
+        ttl = decoder_kv_blocks_ttl
+        margin = self.ttl_safety_margin
+        return DecoderBlocksTTL.from_config(ttl, min(30.0, ttl / 4) if margin is None else margin)
 
     def margin(self, policy: LeasePolicy) -> float:
         """Seconds of confirmed lease D requires before it posts a read."""
@@ -108,7 +128,30 @@ class PDOptions:
         layerwise = extra.get("push_layerwise", False)
         if not isinstance(layerwise, bool):
             raise ConfigError(f"{_PATH}.push_layerwise = {layerwise!r}; expected true or false")
+        symmetric = extra.get("symmetric_leases", False)
+        if not isinstance(symmetric, bool):
+            raise ConfigError(f"{_PATH}.symmetric_leases = {symmetric!r}; expected true or false")
+        threshold = extra.get("kv_recompute_threshold", 64)
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ConfigError(
+                f"{_PATH}.kv_recompute_threshold = {threshold!r}; expected a whole number of "
+                "tokens >= 0 (0 pulls any shared prefix)"
+            )
+        safety = extra.get("ttl_safety_margin")
+        if safety is not None and (
+            isinstance(safety, bool)
+            or not isinstance(safety, int | float)
+            or not math.isfinite(safety)
+            or safety < 0
+        ):
+            raise ConfigError(
+                f"{_PATH}.ttl_safety_margin = {safety!r}; expected a finite number of seconds "
+                ">= 0, smaller than decoder_kv_blocks_ttl (leave it out for min(30, ttl / 4))"
+            )
         return cls(
+            symmetric_leases=symmetric,
+            kv_recompute_threshold=threshold,
+            ttl_safety_margin=None if safety is None else float(safety),
             push_layerwise=layerwise,
             auth_key_file=key_file,
             keys=KeyRing.from_file(key_file) if key_file else None,

@@ -36,9 +36,11 @@ __all__ = [
     "MAX_TOKEN_CHARS",
     "PushPrefillParams",
     "RemotePrefillParams",
+    "history_of",
     "prompt_digest",
     "push_id_of",
     "transfer_mode",
+    "wants_keep",
     "wants_remote_decode",
     "wants_remote_prefill",
 ]
@@ -81,6 +83,27 @@ def prompt_digest(token_ids: Sequence[int], n: int) -> str | None:
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
     """True when the router asked this (prefill) engine to keep the KV for a remote decoder."""
     return bool(params) and params is not None and params.get("do_remote_decode") is True
+
+
+def wants_keep(params: Mapping[str, Any] | None) -> bool:
+    """True when the router asked this (decode) engine to keep the request's KV for the
+    conversation's next turn (``keep_for_next_turn``, bidirectional mode)."""
+    return bool(params) and params is not None and params.get("keep_for_next_turn") is True
+
+
+def history_of(params: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``kv_transfer_params.kv_history``: the parameters a decoder returned for the
+    conversation's previous turn (bidirectional mode), or ``None`` when absent.
+    :class:`~kvframe.errors.ConfigError` when present but not an object."""
+    if not params or "kv_history" not in params:
+        return None
+    history = params["kv_history"]
+    if not isinstance(history, Mapping):
+        raise ConfigError(
+            f"kv_transfer_params.kv_history = {_short(history)}; expected the object the "
+            "decode engine returned for the conversation's previous turn, passed unchanged"
+        )
+    return history
 
 
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
@@ -144,6 +167,12 @@ class RemotePrefillParams:
     ticket: str = ""
     """``kvframe_ticket``: P's signature over every other field (see
     :mod:`kvframe.connectors.pd.auth`); empty when P has no fleet key."""
+    kept_until: float | None = None
+    """Bidirectional mode: the ticket is of a decoder's blocks kept for a conversation's next
+    turn, until this reading of the *decoder's* clock (``None``: an ordinary pull ticket)."""
+    kept_ttl: float | None = None
+    """Bidirectional mode: ``decoder_kv_blocks_ttl`` of the decoder that kept the blocks (a
+    router may forget the conversation's parameters that long after the answer)."""
 
     def port_for(self, rank: int) -> int:
         """The side-channel port of P's worker ``rank``."""
@@ -177,6 +206,8 @@ class RemotePrefillParams:
                 if self.remote_prompt_digest
                 else {}
             ),
+            **({"kept_until": self.kept_until} if self.kept_until is not None else {}),
+            **({"kept_ttl": self.kept_ttl} if self.kept_ttl is not None else {}),
             **({TICKET_FIELD: self.ticket} if self.ticket else {}),
         }
 
@@ -297,6 +328,12 @@ class RemotePrefillParams:
                 f"kv_transfer_params.remote_incarnations = {_short(inc_raw)}; expected a list "
                 f"of at most {MAX_RANKS} non-empty strings of at most {MAX_TOKEN_CHARS} characters"
             )
+        kept: dict[str, float] = {}
+        for key in ("kept_until", "kept_ttl"):
+            if key in params:
+                kept[key] = seconds(key)
+        if kept.get("kept_ttl", 1.0) <= 0:
+            raise ConfigError(f"kv_transfer_params.kept_ttl = {kept['kept_ttl']}; expected > 0")
         lease_id = non_empty("remote_request_id")
         if len(lease_id.encode("utf-8", "surrogatepass")) > MAX_LEASE_ID_BYTES:
             raise ConfigError(
@@ -318,6 +355,8 @@ class RemotePrefillParams:
             lease_expires_at=seconds("lease_expires_at"),
             remote_prompt_digest=digest,
             ticket=ticket,
+            kept_until=kept.get("kept_until"),
+            kept_ttl=kept.get("kept_ttl"),
         )
 
 

@@ -34,9 +34,11 @@ from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.params import (
     PushPrefillParams,
     RemotePrefillParams,
+    history_of,
     prompt_digest,
     push_id_of,
     transfer_mode,
+    wants_keep,
     wants_remote_decode,
     wants_remote_prefill,
 )
@@ -67,6 +69,8 @@ class _Incoming:
     params: RemotePrefillParams | PushPrefillParams
     addr: RemoteEngineAddr
     state: DecodeRequestState = DecodeRequestState.WAITING
+    history: bool = False
+    """Bidirectional mode: P pulls a conversation's history from the decoder that kept it."""
 
     def move(self, event: DecodeRequestEvent, request_id: str) -> None:
         self.state = DECODE_REQUEST_TRANSITIONS.next(self.state, event, request_id)
@@ -91,6 +95,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             warn_unauthenticated("scheduler")
         self._engine_id: str = config.engine_id
         self._policy = LeasePolicy.from_duration(config.kv_lease_duration)
+        self._ttl = options.decoder_ttl(config.decoder_kv_blocks_ttl)
         self._tracker = HeartbeatTracker.from_policy(self._policy)
         self._now = 0.0
         self._stepped = False
@@ -104,6 +109,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # digest, their blocks so far)
         self._push_live: dict[str, tuple[str, int, str, list[list[int]]]] = {}
         self._incarnations: dict[int, str] = {}
+        # D, bidirectional mode: requests whose blocks are kept for a next turn, oldest first
+        # (local request id -> (lease id, blocks)), and the lease ids to give back now.
+        self._kept: dict[str, tuple[str, int]] = {}
+        self._evictions: list[str] = []
         # D side
         self._incoming: dict[str, _Incoming] = {}
         self._loads: list[PDLoad] = []
@@ -125,7 +134,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         inc = self._incoming.get(request.request_id)
         if inc is not None:
             return inc
-        if not (self._config.is_consumer and wants_remote_prefill(request.kv_transfer_params)):
+        params_in = request.kv_transfer_params
+        history = bool(params_in) and params_in is not None and "kv_history" in params_in
+        if not history and not (self._config.is_consumer and wants_remote_prefill(params_in)):
             return None
         if request.request_id in self._rejected:
             return None  # refused once already (and counted then): prefilled locally
@@ -142,10 +153,11 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self._rejected[request.request_id] = None
             if len(self._rejected) > _REMEMBER_REJECTED:
                 del self._rejected[next(iter(self._rejected))]
-            self._count("bad_params")
+            kind = "history_refused" if history else "bad_params"
+            self._count(kind)
             self._events.append(
                 KVEvent(
-                    kind="pd.bad_params",
+                    kind=f"pd.{kind}",
                     data={"request_id": request.request_id, "error": str(exc)},
                 )
             )
@@ -157,15 +169,70 @@ class PDConnectorScheduler(KVConnectorScheduler):
             ports=params.remote_ports,
             tp_size=params.tp_size,
         )
-        inc = _Incoming(params=params, addr=addr)
+        inc = _Incoming(params=params, addr=addr, history=history)
         self._incoming[request.request_id] = inc
         return inc
 
     def _validated(self, request: RequestView) -> RemotePrefillParams | PushPrefillParams:
         assert request.kv_transfer_params is not None
+        if "kv_history" in request.kv_transfer_params:
+            return self._validated_history(request)
         if transfer_mode(request.kv_transfer_params) == "push":
             return self._validated_push(request)
         return self._validated_pull(request)
+
+    def _validated_history(self, request: RequestView) -> RemotePrefillParams:
+        # P, bidirectional mode: the decoder's ticket of the conversation so far. Pulled only
+        # when it is a kept-blocks ticket of this engine's fleet, the new prompt really starts
+        # with the tokens it covers, and they are at least kv_recompute_threshold.
+        history = history_of(request.kv_transfer_params)
+        assert history is not None
+        if not self._config.is_consumer:
+            raise ConfigError(
+                f"kv_transfer_params.kv_history: engine {self._engine_id!r} has kv_role "
+                f"{self._config.kv_role!r} and cannot pull a conversation's history; give "
+                "prefill engines of multi-turn conversations kv_role kv_both"
+            )
+        params = RemotePrefillParams.from_dict(history)
+        if params.kept_until is None:
+            raise ConfigError(
+                "kv_transfer_params.kv_history has no kept_until: it is not a decoder's "
+                "kept-blocks ticket; pass the kv_transfer_params the decode engine returned "
+                "for the conversation's previous turn, unchanged"
+            )
+        if self._options.keys is not None:
+            params.verify(self._options.keys)
+        self._check_peer(params.transport, params.tp_size, params.remote_ports)
+        if len(params.remote_block_ids) != self._engine.num_kv_groups:
+            raise ConfigError(
+                f"kv_transfer_params.kv_history.remote_block_ids has "
+                f"{len(params.remote_block_ids)} KV groups; this engine has "
+                f"{self._engine.num_kv_groups}"
+            )
+        mine = prompt_digest(request.prompt_token_ids, params.remote_num_tokens)
+        if not request.prompt_token_ids or mine != params.remote_prompt_digest:
+            raise ConfigError(
+                f"kv_transfer_params.kv_history covers {params.remote_num_tokens} tokens but "
+                "this prompt does not start with them (a client or a reasoning model that "
+                "rewrote the conversation, or another conversation's history): recomputed"
+            )
+        loadable = self._loadable(request, params)
+        threshold = self._options.kv_recompute_threshold
+        if loadable < threshold or loadable <= 0:
+            raise ConfigError(
+                f"kv_transfer_params.kv_history shares {loadable} tokens with this prompt, "
+                f"fewer than kv_recompute_threshold ({threshold}): recomputed"
+            )
+        most = math.ceil(params.remote_num_tokens / self._engine.block_size) + 1
+        need = math.ceil(loadable / self._engine.block_size)
+        for g, group in enumerate(params.remote_block_ids):
+            if not need <= len(group) <= most:
+                raise ConfigError(
+                    f"kv_transfer_params.kv_history.remote_block_ids[{g}] has {len(group)} "
+                    f"blocks; {need} to {most} are expected for {params.remote_num_tokens} "
+                    "tokens"
+                )
+        return params
 
     def _validated_push(self, request: RequestView) -> PushPrefillParams:
         # P checks the prompt (against the registration) and the handshake checks P's identity
@@ -318,6 +385,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._new_engines[inc.addr.engine_id] = inc.addr
         if isinstance(inc.params, PushPrefillParams):
             return  # push: D holds the lease, P heartbeats it (the handshake starts now)
+        if (
+            inc.history
+            and not self._options.symmetric_leases
+            and inc.state is (DecodeRequestState.WAITING)
+        ):
+            return  # bidirectional without symmetric leases: heartbeats start at allocation
         # Heartbeat the lease from now on, and once at once: D reads only under a lease P
         # confirmed, and the first confirmation should be back before the load is allocated.
         self._tracker.track(
@@ -340,8 +413,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self._finish_incoming(request.request_id, DecodeRequestEvent.LOCAL_HIT)
             self._count("full_local_hits")
             return 0, False
-        if not isinstance(inc.params, PushPrefillParams) and not self._tracker.tracked(
-            request.request_id
+        if (
+            not isinstance(inc.params, PushPrefillParams)
+            and not self._tracker.tracked(request.request_id)
+            and (self._options.symmetric_leases or not inc.history)
         ):
             self._start_tracking(request, inc)
         return external, True
@@ -392,6 +467,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 f"after {request.num_computed_tokens} computed; blocks {first}..{last} are needed"
             )
         inc.move(DecodeRequestEvent.ALLOCATED, request.request_id)
+        if inc.history and not self._tracker.tracked(request.request_id):
+            self._start_tracking(request, inc)  # heartbeats from now, the first at once
+        if inc.history:
+            self._count("history_loads")
         self._loads.append(
             PDLoad(
                 request_id=request.request_id,
@@ -400,6 +479,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 local_block_ids=local,
                 remote_block_ids=remote,
                 remote_incarnations=inc.params.remote_incarnations,
+                kept_until=inc.params.kept_until,
             )
         )
 
@@ -420,6 +500,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             step=scheduler_output.step,
             now=now,
             grants=tuple(self._grants),
+            evictions=tuple(self._evictions),
             push_sources=tuple(self._push_sources),
             push_abandoned=tuple(self._push_abandoned),
             abort_request_ids=frozenset(self._aborts),
@@ -429,6 +510,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             engines=tuple(self._new_engines.values()),
         )
         self._grants.clear()
+        self._evictions.clear()
         self._push_sources.clear()
         self._push_abandoned.clear()
         self._aborts.clear()
@@ -477,6 +559,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 self._finish_incoming(rid, DecodeRequestEvent.LOAD_STOPPED)
         for rid in output.finished_sending:
             self._held.pop(rid, None)
+            self._kept.pop(rid, None)
         if output.failures:
             self._count("load_failures", len(output.failures))
 
@@ -518,7 +601,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
             if inc.state is DecodeRequestState.ABORTING:
                 return False, None
             self._finish_incoming(rid, DecodeRequestEvent.FINISHED, reason)
-            return False, None
+            # On: a decoder may keep the request's KV for the next turn, and a prefill engine
+            # that pulled a conversation's history keeps its KV for its decoder.
+        if wants_keep(request.kv_transfer_params):
+            return self._keep_finished(request, block_ids)
         if not (self._config.is_producer and wants_remote_decode(request.kv_transfer_params)):
             return False, None
         assert request.kv_transfer_params is not None
@@ -553,6 +639,77 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._held[rid] = lease_id
         self._count("leases_offered")
         return True, params
+
+    def _keep_finished(
+        self, request: RequestView, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # D, bidirectional mode: keep the conversation's KV (prompt and answer) for its next
+        # turn under a kept lease, and hand the router a ticket of it.
+        rid = request.request_id
+        why = ""
+        if not self._config.is_producer:
+            why = (
+                f"kv_role {self._config.kv_role!r} cannot keep KV for a next turn (it serves no "
+                "reads); give decode engines of multi-turn conversations kv_role kv_both"
+            )
+        elif request.finish_reason not in _NORMAL_FINISH or not any(block_ids):
+            why = f"the request ended with {request.finish_reason!r}"
+        elif not request.prompt_token_ids or not request.output_token_ids:
+            why = (
+                "the engine gives its connector no token ids (RequestView.prompt_token_ids and "
+                "output_token_ids), so the kept KV could not name its tokens"
+            )
+        tokens = [*request.prompt_token_ids, *request.output_token_ids]
+        # The last generated token never went through the model: its KV does not exist.
+        n = min(len(tokens) - 1, min(len(g) for g in block_ids) * self._engine.block_size)
+        if not why and n <= 0:
+            why = "no token has KV"
+        if why:
+            self._count("history_not_kept")
+            self._events.append(
+                KVEvent(kind="pd.history_not_kept", data={"request_id": rid, "error": why})
+            )
+            return False, None
+        lease_id = secrets.token_hex(16)
+        ttl = self._ttl.ttl
+        try:
+            params = self._params_for(
+                request,
+                lease_id,
+                block_ids,
+                num_tokens=n,
+                digest=prompt_digest(tokens, n) or "",
+                kept_ttl=ttl,
+            )
+        except ConfigError as exc:
+            self._count("history_not_kept")
+            self._events.append(
+                KVEvent(kind="pd.history_not_kept", data={"request_id": rid, "error": str(exc)})
+            )
+            return False, None
+        self._grants.append(
+            PDGrant(request_id=rid, lease_id=lease_id, block_ids=block_ids, ttl=ttl)
+        )
+        self._held[rid] = lease_id
+        self._kept[rid] = (lease_id, sum(len(g) for g in block_ids))
+        self._count("history_kept")
+        return True, params
+
+    def reclaim_blocks(self, num_blocks: int, now: float) -> int:
+        """D, bidirectional mode: give back blocks kept for conversations' next turns, the
+        oldest turn first, until ``num_blocks`` are covered. A kept lease nobody claimed ends
+        in the workers' next step; one a prefill engine claimed is revoked (it ends when that
+        engine's read completes or stops, or one extension after its last heartbeat). The
+        prefill engine is told ``ABORTED`` and recomputes."""
+        given = 0
+        for rid in list(self._kept):
+            if given >= num_blocks:
+                break
+            lease_id, n = self._kept.pop(rid)
+            self._evictions.append(lease_id)
+            given += n
+            self._count("kept_evicted")
+        return given
 
     def _push_finished(
         self, request: RequestView, push_id: str, block_ids: BlockIds
@@ -610,9 +767,20 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return out
 
     def _params_for(
-        self, request: RequestView, lease_id: str, block_ids: BlockIds
+        self,
+        request: RequestView,
+        lease_id: str,
+        block_ids: BlockIds,
+        *,
+        num_tokens: int | None = None,
+        digest: str | None = None,
+        kept_ttl: float | None = None,
     ) -> dict[str, Any]:
         ports, base = self._side_channel()
+        n = request.num_prompt_tokens if num_tokens is None else num_tokens
+        if digest is None:
+            digest = prompt_digest(request.prompt_token_ids, n) or ""
+        life = self._policy.duration if kept_ttl is None else kept_ttl
         params = RemotePrefillParams(
             remote_engine_id=self._engine_id,
             remote_request_id=lease_id,
@@ -623,14 +791,17 @@ class PDConnectorScheduler(KVConnectorScheduler):
             if len(self._incarnations) == self._engine.world_size
             else (),
             remote_block_ids=block_ids,
-            remote_num_tokens=request.num_prompt_tokens,
-            remote_prompt_digest=prompt_digest(request.prompt_token_ids, request.num_prompt_tokens)
-            or "",
+            remote_num_tokens=n,
+            remote_prompt_digest=digest,
             tp_size=self._engine.world_size,
             transport=self._options.transport,
             lease_duration=self._policy.duration,
-            # An estimate (the worker grants as of its own clock reading); D never reads on it.
-            lease_expires_at=self._now + self._policy.duration,
+            # An estimate (the worker grants as of its own, later, clock reading): a reader
+            # never reads on it, but for kept blocks (kept_until) maps it through its clock
+            # offset estimate and reads only before the result, which is early, never late.
+            lease_expires_at=self._now + life,
+            kept_until=None if kept_ttl is None else self._now + life,
+            kept_ttl=kept_ttl,
         )
         if self._options.keys is not None:
             params = params.signed(self._options.keys)
@@ -665,6 +836,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return bool(
             self._held
             or self._incoming
+            or self._evictions
             or self._grants
             or self._push_sources
             or self._push_abandoned
@@ -686,6 +858,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if (
             self._held
             or loading
+            or self._evictions
             or self._grants
             or self._push_sources
             or self._push_abandoned
@@ -704,6 +877,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             counters=counters,
             gauges={
                 "scheduler_leases_held": len(self._held),
+                "scheduler_kept": len(self._kept),
                 "scheduler_remote_requests": len(self._incoming),
             },
         )
@@ -715,5 +889,6 @@ class PDConnectorScheduler(KVConnectorScheduler):
 
     def shutdown(self) -> None:
         self._push_live.clear()
+        self._kept.clear()
         self._incoming.clear()
         self._held.clear()

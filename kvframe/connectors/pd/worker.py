@@ -252,6 +252,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._codec = codec
         self._engine_id = config.engine_id
         self._policy = LeasePolicy.from_duration(config.kv_lease_duration)
+        self._ttl = options.decoder_ttl(config.decoder_kv_blocks_ttl)
+        # Loads of a decoder's kept blocks added before that engine's clock offset was known:
+        # request id -> (engine id, kept_until on the decoder's clock).
+        self._uncapped: dict[str, tuple[str, float]] = {}
         self._name = f"{config.engine_id}.{rank}"
         self._incarnation = secrets.token_hex(8)
         self._transport: Transport = host.create_transport(
@@ -703,9 +707,18 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
 
     def _apply(self, meta: PDMetadata, now: float) -> None:
         for grant in meta.grants:
-            self._holder.grant(grant.lease_id, now, (grant.request_id, grant.block_ids))
-            self._count("leases_granted")
+            if grant.ttl is None:
+                self._holder.grant(grant.lease_id, now, (grant.request_id, grant.block_ids))
+                self._count("leases_granted")
+            else:
+                self._holder.keep(
+                    grant.lease_id, now, (grant.request_id, grant.block_ids), grant.ttl
+                )
+                self._count("leases_kept")
             self._index(self._block_leases, grant.lease_id, grant.block_ids)
+        for lease_id in meta.evictions:
+            self._count("kept_evicted")
+            self._lease_output(self._holder.evict(lease_id, now), now)
         for src in meta.push_sources:
             self._count("push_sources")
             self._run_push(
@@ -736,7 +749,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             incarnation = (
                 load.remote_incarnations[rank] if rank < len(load.remote_incarnations) else None
             )
-            self._ensure(load.remote, now, incarnation)
+            entry = self._ensure(load.remote, now, incarnation)
+            not_after = None
+            if load.kept_until is not None:
+                not_after = self._kept_cap(entry, load.kept_until)
+                if not_after is None:  # no clock sample yet: capped before the peer is ready
+                    self._uncapped[load.request_id] = (load.remote.engine_id, load.kept_until)
             self._run(
                 self._reader.add(
                     load.request_id,
@@ -744,6 +762,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     load.remote_request_id,
                     now,
                     incarnation=incarnation,
+                    not_after=not_after,
                 ),
                 now,
             )
@@ -911,6 +930,24 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._run(self._reader.peer_lost(addr.engine_id, now), now)
         return entry
 
+    def _kept_cap(self, entry: RemoteEngine, kept_until: float) -> float | None:
+        # A decoder's kept-blocks expiry (its clock) on this worker's clock: early by the
+        # offset estimate's uncertainty and ttl_safety_margin. None before any clock sample.
+        if entry.state is not PeerState.READY or entry.clock.best is None:
+            return None
+        return self._ttl.reader_deadline(kept_until, entry.clock)
+
+    def _cap_loads(self, entry: RemoteEngine, now: float) -> None:
+        # Before the reader hears the peer is ready: cap the loads of kept blocks added while
+        # the offset was unknown (no read can be posted before then).
+        for rid, (engine_id, kept_until) in list(self._uncapped.items()):
+            if engine_id != entry.engine_id:
+                continue
+            cap = self._kept_cap(entry, kept_until)
+            if cap is not None:
+                del self._uncapped[rid]
+                self._run(self._reader.cap(rid, cap, now), now)
+
     def _entry(self, engine_id: str) -> RemoteEngine | None:
         assert self._engines is not None
         return self._engines.find(engine_id)
@@ -925,6 +962,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             if self._pushes:
                 self._push_peer(entry, now)
             if entry.state is PeerState.READY:
+                if self._uncapped:
+                    self._cap_loads(entry, now)
                 self._run(
                     self._reader.peer_ready(entry.engine_id, now, incarnation=entry.incarnation),
                     now,
@@ -1073,6 +1112,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             rd.handle = None
 
     def _load_ended(self, action: LoadEnded, now: float) -> None:
+        self._uncapped.pop(action.request_id, None)
         rd = self._reads.pop(action.request_id, None)
         if rd is not None and rd.handle is not None:
             self._transport.release(rd.handle)
