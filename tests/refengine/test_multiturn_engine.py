@@ -65,19 +65,17 @@ class BrokenPromises(KeeperScheduler):
 
 
 class Keeper(FakeConnector):
+    scheduler_class: type[KeeperScheduler] = KeeperScheduler
+
     @classmethod
     def build_scheduler(
         cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
     ) -> KVConnectorScheduler:
-        return KeeperScheduler(config, engine)
+        return cls.scheduler_class(config, engine)
 
 
-class BrokenKeeper(FakeConnector):
-    @classmethod
-    def build_scheduler(
-        cls, config: KVTransferConfig, engine: EngineInfo, ctx: BuildContext
-    ) -> KVConnectorScheduler:
-        return BrokenPromises(config, engine)
+class BrokenKeeper(Keeper):
+    scheduler_class = BrokenPromises
 
 
 class KeeperPlugin:

@@ -32,6 +32,30 @@ counted as in pull mode (``kvframe_router_backend_failures_total{backend="prefil
 ``failed`` count of ``/health``). When the decode leg failed, its error is the answer (naming
 the prefill leg's failure too, when there was one).
 
+**Conversations** (multi-turn, bidirectional mode). A request may carry ``"conversation_id"``
+(1 to 128 characters of ``A-Z a-z 0-9 _ . : -``; anything else is a 400 naming the field). A
+turn's prompt is the whole conversation so far (history, answers, the new message), as with
+OpenAI-style APIs. With a conversation id the router:
+
+- adds ``"keep_for_next_turn": true`` to D's leg, so that D keeps the conversation's KV after
+  it answers and returns a ticket of it in its final ``kv_transfer_params`` (with
+  ``kept_until`` on D's clock and ``kept_ttl``);
+- keeps that ticket for the conversation (:class:`Conversations`: at most
+  :data:`MAX_CONVERSATIONS`, least recently used dropped first; a ticket is dropped
+  ``kept_ttl`` seconds after D answered, by the router's own monotonic clock);
+- on the conversation's next turn sends P ``{"do_remote_decode": true, "kv_history":
+  <the ticket, verbatim>}`` (push mode adds ``transfer_mode`` and ``push_id`` as usual) and
+  forgets the ticket (it serves one turn: P's read frees D's kept blocks). P checks that the
+  new prompt starts with the tokens the ticket covers (its digest) and recomputes when it does
+  not; the router does not compare prompts.
+
+The answer then carries ``conversation``: ``{"id", "history_sent": bool, "kept": bool}``
+(whether P got a ticket, whether D returned one for the next turn), and ``prefill_usage``
+(P's ``usage``: its ``external_tokens`` are the tokens P pulled from D). With
+``history=False`` (``--no-history``, the recompute side of a benchmark) conversations are
+served the same way but P never gets ``kv_history`` and D is not asked to keep anything
+(nobody would read it).
+
 The router checks the body as the engines do (400, 411, 413 naming the problem, before
 either engine is asked); what only an engine can check (a token outside the vocabulary, a
 request longer than ``max_model_len``) comes back with the engine's own 400. A prefill or
@@ -47,16 +71,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import secrets
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from http.server import ThreadingHTTPServer
 from typing import Any
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -65,10 +93,26 @@ from kvframe.runtime.metrics import CONTENT_TYPE
 from kvframe_refengine import _http
 from kvframe_refengine._http import HTTPError
 
-__all__ = ["MODES", "Router", "RouterMetrics", "get_json", "main", "post_json", "serve"]
+__all__ = [
+    "MAX_CONVERSATIONS",
+    "MODES",
+    "Conversations",
+    "Router",
+    "RouterMetrics",
+    "check_conversation_id",
+    "get_json",
+    "main",
+    "post_json",
+    "serve",
+]
 
 MODES = ("pull", "push")
 """The router's modes: ``pull`` (prefill, then decode) and ``push`` (both legs at once)."""
+
+MAX_CONVERSATIONS = 10_000
+"""The most conversations whose D ticket the router keeps at once (least recently used first
+out)."""
+_CONVERSATION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 _PASSED_THROUGH = frozenset({400, 413})
 """An engine's answers that are about the request itself: the client gets them as they are."""
@@ -185,16 +229,137 @@ def _error(message: str, kind: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind}}
 
 
+def check_conversation_id(value: object) -> str | None:
+    """``value`` if it is a usable conversation id (1 to 128 characters of ``A-Z a-z 0-9 _ .
+    : -``), ``None`` for ``None``; raises :class:`~kvframe_refengine._http.HTTPError` (400)
+    naming the field, its value and what is expected."""
+    if value is None:
+        return None
+    if isinstance(value, str) and _CONVERSATION_ID.fullmatch(value):
+        return value
+    shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:60]}..."
+    kind = "string" if isinstance(value, str) else type(value).__name__
+    raise HTTPError(
+        400,
+        f"conversation_id = {shown} (a {kind}); expected 1 to 128 characters of A-Z a-z 0-9 "
+        "_ . : - (or leave it out for a single-turn request)",
+    )
+
+
+def _ttl(params: Mapping[str, Any]) -> float | None:
+    ttl = params.get("kept_ttl")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        return None
+    return float(ttl) if math.isfinite(ttl) and ttl > 0 else None
+
+
+class Conversations:
+    """The D ticket of each conversation's latest turn, until its next turn takes it.
+
+    Sans-I/O: every call takes ``now`` (the router's monotonic clock). At most ``capacity``
+    conversations; putting one more drops the least recently used (put or taken). A ticket is
+    dropped ``kept_ttl`` seconds (its own field) after ``now`` of its :meth:`put`: D frees its
+    blocks by then, and the router cannot read D's clock (``kept_until``). Not thread-safe:
+    the router calls it under its lock.
+    """
+
+    def __init__(self, capacity: int = MAX_CONVERSATIONS) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity = {capacity!r}; it must be a positive int")
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[dict[str, Any], float]] = OrderedDict()
+        self.dropped_lru = 0
+        """Tickets dropped to make room."""
+        self.dropped_expired = 0
+        """Tickets dropped because their ``kept_ttl`` had passed."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, conversation_id: object) -> bool:
+        return conversation_id in self._entries
+
+    def put(self, conversation_id: str, params: object, now: float) -> bool:
+        """Keep ``params`` (D's final ``kv_transfer_params``) for the conversation's next turn;
+        returns whether it was kept: only a mapping with a positive finite ``kept_ttl`` is (D
+        kept nothing otherwise), and the conversation's older ticket is dropped either way."""
+        self._entries.pop(conversation_id, None)
+        if not isinstance(params, Mapping):
+            return False
+        ttl = _ttl(params)
+        if ttl is None:
+            return False
+        self._entries[conversation_id] = (dict(params), now + ttl)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+            self.dropped_lru += 1
+        return True
+
+    def take(self, conversation_id: str, now: float) -> dict[str, Any] | None:
+        """The conversation's ticket, removed (it serves one turn), or ``None`` when there is
+        none or it expired."""
+        entry = self._entries.pop(conversation_id, None)
+        if entry is None:
+            return None
+        params, expires = entry
+        if now >= expires:
+            self.dropped_expired += 1
+            return None
+        return params
+
+    def expire(self, now: float) -> int:
+        """Drop every ticket whose ``kept_ttl`` has passed; returns how many."""
+        gone = [cid for cid, (_, expires) in self._entries.items() if now >= expires]
+        for cid in gone:
+            del self._entries[cid]
+        self.dropped_expired += len(gone)
+        return len(gone)
+
+
+@attrs.frozen
+class _Turn:
+    """What a request's conversation adds to its legs."""
+
+    conversation_id: str | None
+    history: dict[str, Any] | None = None
+    """D's ticket of the previous turn, for P's ``kv_history``."""
+
+    def prefill_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        return params if self.history is None else {**params, "kv_history": self.history}
+
+    def decode_params(self, params: Any, keep: bool) -> Any:
+        if self.conversation_id is None or not keep:
+            return params
+        return {**(params if isinstance(params, dict) else {}), "keep_for_next_turn": True}
+
+
 class Router:
     """Routes completions through prefill and decode: one after the other (``mode="pull"``)
-    or both at once (``mode="push"``, see the module's docstring)."""
+    or both at once (``mode="push"``, see the module's docstring).
 
-    def __init__(self, prefill: str, decode: str, *, mode: str = "pull") -> None:
+    ``history`` False: conversations get no ``kv_history`` pull (see the module's docstring);
+    ``max_conversations``: :class:`Conversations`' capacity; ``clock``: the router's
+    monotonic clock for the tickets' ``kept_ttl``."""
+
+    def __init__(
+        self,
+        prefill: str,
+        decode: str,
+        *,
+        mode: str = "pull",
+        history: bool = True,
+        max_conversations: int = MAX_CONVERSATIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.prefill = prefill.rstrip("/")
         self.decode = decode.rstrip("/")
         self.mode = mode
+        self.history = history
+        self.conversations = Conversations(max_conversations)
+        """Each conversation's D ticket between turns (touched under ``_lock``)."""
+        self._clock = clock
         self.routed = 0
         self.failed = 0
         self.metrics = RouterMetrics()
@@ -217,25 +382,39 @@ class Router:
     def _complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         try:
             checked = _http.parse_completion(body)
+            conversation_id = check_conversation_id(body.get("conversation_id"))
         except HTTPError as exc:
             return exc.status, _error(exc.message, exc.kind)
+        body = {k: v for k, v in body.items() if k != "conversation_id"}
+        turn = self._turn(conversation_id)
         timeout = checked.timeout_s + _UPSTREAM_MARGIN_S
         if self.mode == "push":
-            return self._complete_push(body, timeout)
+            code, d_resp, p_resp = self._complete_push(body, timeout, turn)
+        else:
+            code, d_resp, p_resp = self._complete_pull(body, timeout, turn)
+        if code == 200:
+            self._end_turn(turn, d_resp, p_resp)
+        return code, d_resp
+
+    def _complete_pull(
+        self, body: dict[str, Any], timeout: float, turn: _Turn
+    ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
         t0 = time.monotonic()
         p_body = dict(body)
         p_body["max_tokens"] = 1
-        p_body["kv_transfer_params"] = {"do_remote_decode": True}
+        p_body["kv_transfer_params"] = turn.prefill_params({"do_remote_decode": True})
         p_body.pop("request_id", None)
         code, p_resp = self._ask("prefill", self.prefill, p_body, timeout)
         if code != 200:
-            return code, p_resp
+            return code, p_resp, None
         t1 = time.monotonic()
         d_body = dict(body)
-        d_body["kv_transfer_params"] = p_resp.get("kv_transfer_params")
+        d_body["kv_transfer_params"] = turn.decode_params(
+            p_resp.get("kv_transfer_params"), self.history
+        )
         code, d_resp = self._ask("decode", self.decode, d_body, timeout)
         if code != 200:
-            return code, d_resp
+            return code, d_resp, None
         t2 = time.monotonic()
         d_resp["router_timing"] = {
             "prefill_s": t1 - t0,
@@ -246,7 +425,33 @@ class Router:
         d_resp["prefill_id"] = p_resp.get("id")
         with self._lock:
             self.routed += 1
-        return 200, d_resp
+        return 200, d_resp, p_resp
+
+    # -- conversations ---------------------------------------------------------------------
+    def _turn(self, conversation_id: str | None) -> _Turn:
+        if conversation_id is None:
+            return _Turn(None)
+        with self._lock:
+            now = self._clock()
+            self.conversations.expire(now)
+            ticket = self.conversations.take(conversation_id, now)
+        return _Turn(conversation_id, ticket if self.history else None)
+
+    def _end_turn(self, turn: _Turn, d_resp: dict[str, Any], p_resp: dict[str, Any] | None) -> None:
+        if turn.conversation_id is None:
+            return
+        kept = False
+        if self.history:
+            with self._lock:
+                kept = self.conversations.put(
+                    turn.conversation_id, d_resp.get("kv_transfer_params"), self._clock()
+                )
+        d_resp["conversation"] = {
+            "id": turn.conversation_id,
+            "history_sent": turn.history is not None,
+            "kept": kept,
+        }
+        d_resp["prefill_usage"] = None if p_resp is None else p_resp.get("usage")
 
     # -- push mode -------------------------------------------------------------------------
     def kv_address(self, timeout: float = 30.0) -> tuple[int, dict[str, Any]]:
@@ -298,26 +503,24 @@ class Router:
         with self._lock:
             self._address = None
 
-    def _complete_push(self, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
+    def _complete_push(
+        self, body: dict[str, Any], timeout: float, turn: _Turn
+    ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
         code, address = self.kv_address()
         if code != 200:
-            return code, address
+            return code, address, None
         push_id = secrets.token_urlsafe(16)
         p_body = dict(body)
         p_body["max_tokens"] = 1
-        p_body["kv_transfer_params"] = {
-            "do_remote_decode": True,
-            "transfer_mode": "push",
-            "push_id": push_id,
-        }
+        p_body["kv_transfer_params"] = turn.prefill_params(
+            {"do_remote_decode": True, "transfer_mode": "push", "push_id": push_id}
+        )
         p_body.pop("request_id", None)
         d_body = dict(body)
-        d_body["kv_transfer_params"] = {
-            "do_remote_prefill": True,
-            "transfer_mode": "push",
-            "push_id": push_id,
-            **address,
-        }
+        d_body["kv_transfer_params"] = turn.decode_params(
+            {"do_remote_prefill": True, "transfer_mode": "push", "push_id": push_id, **address},
+            self.history,
+        )
         t0 = time.monotonic()
         p_leg: Future[tuple[int, dict[str, Any], float]] = Future()
 
@@ -341,8 +544,8 @@ class Router:
                 err = dict(d_resp["error"])
                 also = p_resp["error"]["message"]
                 err["message"] = f"{err['message']} (the prefill leg failed too: {also})"
-                return d_code, {"error": err}
-            return d_code, d_resp
+                return d_code, {"error": err}, None
+            return d_code, d_resp, None
         d_resp["router_timing"] = {
             "prefill_s": t_p - t0,
             "decode_s": t_d - t0,
@@ -357,7 +560,7 @@ class Router:
             d_resp["prefill_error"] = {"status": p_code, **p_resp["error"]}
         with self._lock:
             self.routed += 1
-        return 200, d_resp
+        return 200, d_resp, p_resp if p_code == 200 else None
 
     def _ask(
         self, side: str, base: str, body: dict[str, Any], timeout: float
@@ -442,8 +645,14 @@ def main(argv: list[str] | None = None) -> int:
         help="pull: prefill, then decode (default); push: both legs at once, P writes into "
         "D's blocks",
     )  # fmt: skip
+    ap.add_argument(
+        "--no-history", action="store_true",
+        help="serve conversations (conversation_id) without pulling their history from D: P "
+        "recomputes every turn (the recompute side of a benchmark)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
-    httpd = serve(Router(args.prefill, args.decode, mode=args.mode), args.host, args.port)
+    router = Router(args.prefill, args.decode, mode=args.mode, history=not args.no_history)
+    httpd = serve(router, args.host, args.port)
     import signal
 
     done = threading.Event()
