@@ -19,8 +19,10 @@ import pytest
 from kvframe_refengine import router as router_mod
 from kvframe_refengine._http import JSONHandler, start
 from kvframe_refengine.router import MAX_CONVERSATIONS, Conversations, Router
+from kvframe_refengine.tokenizer import encode
 
-from tests.refengine._http import Served, complete
+from tests.refengine._http import Served, complete, engine_server, request
+from tests.refengine._http import router_server as router_mod_server
 
 TICKET = {
     "do_remote_prefill": True,
@@ -231,3 +233,80 @@ def test_conversations_do_not_mix() -> None:
             assert code == 200, body
         histories = [b["kv_transfer_params"].get("kv_history") for b in p.bodies]
         assert histories == [None, None, tickets[0], tickets[1]]
+
+
+# -- the real thing: two kv_both engines (in-process transport) behind the router ---------------
+def _reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from tests.security.fleet import reference
+
+    return reference(prompts, max_tokens)
+
+
+def _counters(served: Served) -> dict[str, float]:
+    _, stats = request(served, "GET", "/stats")
+    return {**stats["connector"]["counters"], **stats["connector_scheduler"]["counters"]}
+
+
+TURNS = [
+    encode("Turn one of a conversation: the user asks a question about KV caches. "),
+    encode(" And a follow-up question from the user, about leases. "),
+    encode(" A third message, which should find its history on D again. "),
+]
+
+
+def test_a_conversation_pulls_its_history_from_d_and_equals_one_engine() -> None:
+    with (
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as p,
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as d,
+        router_mod_server(p.url, d.url) as routed,
+    ):
+        prompt: list[int] = []
+        prompts, answers, pulled = [], [], []
+        for i, message in enumerate(TURNS):
+            prompt = prompt + message
+            code, body = complete(
+                routed, {"prompt": prompt, "max_tokens": 8, "conversation_id": "conv"}
+            )
+            assert code == 200, body
+            assert body["conversation"] == {"id": "conv", "history_sent": i > 0, "kept": True}
+            ticket = body["kv_transfer_params"]  # D's, returned as P's are
+            assert ticket["remote_num_tokens"] == len(prompt) + 8 - 1
+            assert ticket["kept_ttl"] == 30.0
+            prompts.append(prompt)
+            answers.append(body["choices"][0]["token_ids"])
+            usage = body["prefill_usage"]
+            pulled.append((usage["cached_tokens"], usage["external_tokens"]))
+            prompt = prompt + answers[-1]
+        assert answers == _reference(prompts, 8)
+        # Turn N+1 had every token whose KV D held (prompt N and answer N but its last): the
+        # full blocks of prompt N from P's own prefix cache, the rest pulled from D.
+        assert pulled[0] == (0, 0)
+        for (cached, external), before in zip(pulled[1:], prompts, strict=False):
+            assert external > 0
+            assert cached == len(before) // 16 * 16
+            assert cached + external == len(before) + 8 - 1
+        c = _counters(p)
+        assert c.get("history_loads") == 2, c
+        assert not c.get("history_refused"), c
+        assert _counters(d).get("history_kept") == 3
+
+
+def test_a_rewritten_history_is_recomputed_by_p() -> None:
+    with (
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as p,
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as d,
+        router_mod_server(p.url, d.url) as routed,
+    ):
+        first = {"prompt": TURNS[0] + TURNS[1], "max_tokens": 8, "conversation_id": "c"}
+        code, body = complete(routed, first)
+        assert code == 200, body
+        # The client drops the answer (as a reasoning model's client drops its thinking).
+        second = TURNS[1] + TURNS[0] + TURNS[2]
+        code, body = complete(routed, {**first, "prompt": second})
+        assert code == 200, body
+        assert body["conversation"]["history_sent"] is True
+        assert body["prefill_usage"]["external_tokens"] == 0
+        assert body["choices"][0]["token_ids"] == _reference([second], 8)[0]
+        c = _counters(p)
+        assert c.get("history_refused") == 1, c
+        assert not c.get("history_loads"), c

@@ -52,7 +52,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from http.server import ThreadingHTTPServer
 from typing import Any
@@ -482,24 +482,31 @@ def kv_transfer_config(
     lease: float = 30.0,
     failure_policy: str = "recompute",
     auth_key_file: str | None = None,
+    decoder_ttl: float | None = None,
+    kv_extra: Mapping[str, Any] | None = None,
 ) -> KVTransferConfig:
     """The P/D connector's configuration :func:`build_engine` uses (the demo checks its
     options with it before starting anything); ``auth_key_file`` is the fleet key file
-    (``kv_connector_extra_config.auth_key_file``, docs/security.md), left out when ``None``.
-    Raises :class:`~kvframe.errors.ConfigError` naming the key for a bad value."""
+    (``kv_connector_extra_config.auth_key_file``, docs/security.md), left out when ``None``;
+    ``decoder_ttl`` is ``decoder_kv_blocks_ttl`` (``None``: its default); ``kv_extra`` more
+    ``kv_connector_extra_config`` keys (``symmetric_leases``, ``kv_recompute_threshold``, ...:
+    docs/configuration.md), over the ones above. Raises
+    :class:`~kvframe.errors.ConfigError` naming the key for a bad value."""
     extra: dict[str, Any] = {"transport": transport, "side_channel_port": side_channel_port}
     if auth_key_file is not None:
         extra["auth_key_file"] = auth_key_file
-    return KVTransferConfig.from_dict(
-        {
-            "kv_connector": "PDConnector",
-            "kv_role": role,
-            "engine_id": engine_id,
-            "kv_lease_duration": lease,
-            "kv_load_failure_policy": failure_policy,
-            "kv_connector_extra_config": extra,
-        }
-    )
+    extra.update(kv_extra or {})
+    config: dict[str, Any] = {
+        "kv_connector": "PDConnector",
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_lease_duration": lease,
+        "kv_load_failure_policy": failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+    if decoder_ttl is not None:
+        config["decoder_kv_blocks_ttl"] = decoder_ttl
+    return KVTransferConfig.from_dict(config)
 
 
 def build_engine(
@@ -515,8 +522,11 @@ def build_engine(
     torch_threads: int = 1,
     model_seed: int = 0,
     auth_key_file: str | None = None,
+    decoder_ttl: float | None = None,
+    kv_extra: Mapping[str, Any] | None = None,
 ) -> Engine:
-    """An engine for serving; ``role=None`` builds one without a connector."""
+    """An engine for serving; ``role=None`` builds one without a connector (the connector's
+    options as in :func:`kv_transfer_config`)."""
     kv = None
     if role is not None:
         kv = kv_transfer_config(
@@ -527,6 +537,8 @@ def build_engine(
             lease=lease,
             failure_policy=failure_policy,
             auth_key_file=auth_key_file,
+            decoder_ttl=decoder_ttl,
+            kv_extra=kv_extra,
         )
     return Engine(
         EngineConfig(
@@ -537,6 +549,16 @@ def build_engine(
         ),
         kv,
     )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
+    return value
 
 
 def serve(service: EngineService, host: str, port: int) -> ThreadingHTTPServer:
@@ -564,6 +586,16 @@ def main(argv: list[str] | None = None) -> int:
         "--auth-key-file", default=None, help="the fleet key file (docs/security.md); none: "
         "unauthenticated",
     )  # fmt: skip
+    ap.add_argument(
+        "--decoder-ttl", type=float, default=None,
+        help="decoder_kv_blocks_ttl in seconds: how long a decode engine keeps a conversation's "
+        "KV for its next turn (default 480, at least --lease)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--kv-extra", type=_json_object, default=None, metavar="JSON",
+        help="more kv_connector_extra_config keys, a JSON object (for instance "
+        '\'{"symmetric_leases": true, "kv_recompute_threshold": 32}\')',
+    )  # fmt: skip
     args = ap.parse_args(argv)
     engine = build_engine(
         engine_id=args.engine_id,
@@ -575,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
         auth_key_file=args.auth_key_file,
+        decoder_ttl=args.decoder_ttl,
+        kv_extra=args.kv_extra,
     )
     service = EngineService(engine, engine_id=args.engine_id, role=args.role or "none")
     httpd = serve(service, args.host, args.port)
