@@ -143,12 +143,13 @@ def _lease(path: str, value: Any) -> float:
 
 
 def _check_timing(prefix: str, lease: float, ttl: float) -> None:
-    """Cross-key rules: the lease fits under the hard upper bound on holding blocks."""
+    """Cross-key rules: a kept turn lives at least as long as a lease."""
     if ttl < lease:
         raise ConfigError(
             f"{prefix}decoder_kv_blocks_ttl: got {ttl:g} with {prefix}kv_lease_duration "
-            f"{lease:g}; expected at least the lease duration (it bounds how long P holds "
-            f"blocks, so a smaller value would cut every lease short): raise it to {lease:g} "
+            f"{lease:g}; expected at least the lease duration (the ttl covers the time between "
+            "a conversation's turns, minutes; a value below the seconds a prefill engine waits "
+            f"for its decoder is almost surely the two keys swapped): raise it to {lease:g} "
             f"or more (the default is {_DEFAULT_TTL:g}) or lower kv_lease_duration"
         )
 
@@ -318,9 +319,12 @@ class KVTransferConfig:
         default=attrs.Factory(lambda self: _default_ttl(self.kv_lease_duration), takes_self=True),
         converter=_ttl_seconds,
     )
-    """Upper bound in seconds on how long a producer keeps blocks for a request whose consumer
-    never started reading them, whatever the heartbeats say. At least ``kv_lease_duration``;
-    the default is 480, or ``kv_lease_duration`` when that is longer."""
+    """Bidirectional (multi-turn) mode: seconds a decoder keeps a finished turn's blocks for
+    the conversation's next turn while no prefill engine has claimed them (the first claim
+    makes them an ordinary heartbeated lease). It bounds nothing else: a prefill engine's
+    lease for a decoder ends one extension after the decoder's last heartbeat. At least
+    ``kv_lease_duration``; the default is 480, or ``kv_lease_duration`` when that is
+    longer."""
 
     def __attrs_post_init__(self) -> None:
         _check_timing("", self.kv_lease_duration, self.decoder_kv_blocks_ttl)

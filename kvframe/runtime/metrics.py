@@ -346,6 +346,62 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "push_seconds",
         "seconds",
     ),
+    # -- bidirectional (multi-turn) mode ---------------------------------------------------
+    _counter(
+        "leases_kept_total",
+        "Bidirectional mode: kept leases the decode engine's workers granted over a finished "
+        "turn's blocks (for the conversation's next turn).",
+        "leases_kept",
+    ),
+    _counter(
+        "loads_past_cap_total",
+        "Bidirectional mode: loads of a conversation's history the prefill engine gave up "
+        "before reading, because the decoder's kept-blocks expiry (mapped through the clock "
+        "offset, less its uncertainty and ttl_safety_margin) left no time for a read.",
+        "loads_past_cap",
+    ),
+    _counter(
+        "scheduler_history_kept_total",
+        "Bidirectional mode: finished turns whose KV the decode scheduler kept for the "
+        "conversation's next turn.",
+        "history_kept",
+        side="scheduler",
+    ),
+    _counter(
+        "scheduler_history_not_kept_total",
+        "Bidirectional mode: turns that asked to be kept (keep_for_next_turn) whose blocks the "
+        "decode scheduler freed instead (abnormal finish, no token ids, kv_role not kv_both).",
+        "history_not_kept",
+        side="scheduler",
+    ),
+    _counter(
+        "scheduler_history_loads_total",
+        "Bidirectional mode: loads of a conversation's history from its decoder the prefill "
+        "scheduler instructed.",
+        "history_loads",
+        side="scheduler",
+    ),
+    _counter(
+        "scheduler_history_refused_total",
+        "Bidirectional mode: kv_history the prefill scheduler did not pull (the prompt does "
+        "not start with it, fewer than kv_recompute_threshold tokens, a bad or forged ticket): "
+        "the prompt was recomputed.",
+        "history_refused",
+        side="scheduler",
+    ),
+    _counter(
+        "scheduler_kept_evicted_total",
+        "Bidirectional mode: kept turns the decode scheduler gave back early because the engine "
+        "needed blocks (reclaim_blocks).",
+        "kept_evicted",
+        side="scheduler",
+    ),
+    _gauge(
+        "scheduler_kept",
+        "Bidirectional mode: finished turns whose KV the decode scheduler keeps now.",
+        "scheduler_kept",
+        side="scheduler",
+    ),
     # -- the scheduler half ----------------------------------------------------------------
     _counter(
         "scheduler_remote_requests_total",

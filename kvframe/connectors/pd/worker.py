@@ -717,7 +717,6 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._count("leases_kept")
             self._index(self._block_leases, grant.lease_id, grant.block_ids)
         for lease_id in meta.evictions:
-            self._count("kept_evicted")
             self._lease_output(self._holder.evict(lease_id, now), now)
         for src in meta.push_sources:
             self._count("push_sources")
