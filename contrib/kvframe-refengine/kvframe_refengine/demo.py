@@ -59,7 +59,16 @@ from kvframe.runtime.procs import ChildProcesses
 from kvframe_refengine.router import post_json
 from kvframe_refengine.tokenizer import encode
 
-__all__ = ["MAX_PROMPTS", "MODES", "PHASE2_MAX_TOKENS", "check_options", "main", "run_demo"]
+__all__ = [
+    "MAX_PROMPTS",
+    "MODES",
+    "MULTI_TURNS",
+    "PHASE2_MAX_TOKENS",
+    "check_options",
+    "decoder_ttl",
+    "main",
+    "run_demo",
+]
 
 #: The demo's modes: the router's (:data:`kvframe_refengine.router.MODES`).
 MODES = ("pull", "push")
@@ -86,6 +95,23 @@ _PROMPTS = [
 ]
 
 
+#: Turns of the ``--multi-turn`` conversation, and what the user says in each.
+MULTI_TURNS = 3
+_MESSAGES = [
+    "User: In disaggregated serving, where does the KV cache of a conversation live between "
+    "two turns?\nAssistant:",
+    "\nUser: And when the next turn comes, who computes the history's KV again?\nAssistant:",
+    "\nUser: What if the decode engine needs its memory back before then?\nAssistant:",
+]
+_CONVERSATION_ID = "demo-conversation"
+
+
+def decoder_ttl(lease: float) -> float:
+    """The ``decoder_kv_blocks_ttl`` of the ``--multi-turn`` demo: three leases (D keeps a
+    turn's KV that long for the next turn; the last turn's is freed then)."""
+    return 3 * lease
+
+
 def _prompt(i: int) -> list[int]:
     return encode(_PROMPTS[i % len(_PROMPTS)] + f" [{i}]")
 
@@ -106,6 +132,7 @@ def check_options(
     transport: str,
     auth_key_file: str | None = None,
     mode: str = "pull",
+    multi_turn: bool = False,
 ) -> None:
     """Check the demo's options before anything starts: the same checks the engines would make
     (the P/D connector's configuration, its lease floor and timing, from :mod:`kvframe.config`,
@@ -132,6 +159,14 @@ def check_options(
             f"--max-tokens {max_tokens}: expected 1..{limit - longest} (the engines' "
             f"max_model_len is {limit} and the longest prompt has {longest} tokens)"
         )
+    if multi_turn:
+        words = sum(len(encode(m)) for m in _MESSAGES)
+        most = (limit - words) // MULTI_TURNS
+        if max_tokens > most:
+            raise ConfigError(
+                f"--max-tokens {max_tokens}: expected 1..{most} with --multi-turn (the last "
+                f"turn's prompt holds every message and answer; max_model_len is {limit})"
+            )
     host = PluginHost()
     host.load()
     try:
@@ -148,11 +183,14 @@ def check_options(
         )
     from kvframe_refengine.server import kv_transfer_config
 
+    roles = ("kv_both", "kv_both") if multi_turn else ("kv_producer", "kv_consumer")
+    ttl = decoder_ttl(lease) if multi_turn else None
     try:
-        for engine_id, role in (("demo-P", "kv_producer"), ("demo-D", "kv_consumer")):
+        for engine_id, role in zip(("demo-P", "demo-D"), roles, strict=True):
             config = kv_transfer_config(
-                engine_id=engine_id, role=role, transport=transport, lease=lease
-            )
+                engine_id=engine_id, role=role, transport=transport, lease=lease,
+                decoder_ttl=ttl,
+            )  # fmt: skip
             if auth_key_file is not None:
                 keyed = kv_transfer_config(
                     engine_id=engine_id, role=role, transport=transport, lease=lease,
@@ -163,7 +201,11 @@ def check_options(
                 except ConfigError as exc:
                     raise ConfigError(f"--auth-key-file {auth_key_file}: {exc}") from exc
             LeasePolicy.from_duration(config.kv_lease_duration)
-            PDOptions.from_extra(config.kv_connector_extra_config, config.kv_lease_duration)
+            options = PDOptions.from_extra(
+                config.kv_connector_extra_config, config.kv_lease_duration
+            )
+            if ttl is not None:
+                options.decoder_ttl(config.decoder_kv_blocks_ttl)
     except ConfigError as exc:
         raise ConfigError(f"--lease {lease:g}: {exc}") from exc
 
@@ -249,8 +291,10 @@ def run_demo(
     log: Callable[[str], None] = print,
     auth_key_file: str | None = None,
     mode: str = "pull",
+    multi_turn: bool = False,
 ) -> dict[str, Any]:
-    """Run the demo; returns the results (what ``--json`` prints). Never raises for a failed
+    """Run the demo (``multi_turn``: a conversation, see the module's docstring); returns the
+    results (what ``--json`` prints). Never raises for a failed
     check: ``result["ok"]`` says whether everything passed and ``result["checks"]`` which.
 
     Raises :class:`~kvframe.errors.ConfigError` for a bad option (:func:`check_options`),
@@ -265,6 +309,7 @@ def run_demo(
         transport=transport,
         auth_key_file=auth_key_file,
         mode=mode,
+        multi_turn=multi_turn,
     )
     children = ChildProcesses(grace=10.0)
 
@@ -275,7 +320,7 @@ def run_demo(
     try:
         return _run(
             children, num_prompts, max_tokens, lease, transport, kill, quiet_when_stopping,
-            auth_key_file, mode,
+            auth_key_file, mode, multi_turn,
         )  # fmt: skip
     finally:
         children.close()
@@ -291,6 +336,7 @@ def _run(
     log: Callable[[str], None],
     auth_key_file: str | None = None,
     mode: str = "pull",
+    multi_turn: bool = False,
 ) -> dict[str, Any]:
     interval, extension = lease / 6, lease * 2 / 3
     ports = {k: _free_port() for k in ("prefill", "decode", "router")}
@@ -298,6 +344,11 @@ def _run(
     common = ["--transport", transport, "--lease", str(lease)]
     if auth_key_file is not None:  # the same fleet key for both engines
         common += ["--auth-key-file", auth_key_file]
+    ttl = decoder_ttl(lease)
+    # Multi-turn: each engine holds KV for the other and reads the other's (kv_both).
+    roles = ("kv_both", "kv_both") if multi_turn else ("kv_producer", "kv_consumer")
+    if multi_turn:
+        common += ["--decoder-ttl", str(ttl)]
     procs = {
         "prefill": _Proc(
             "prefill engine",
@@ -308,7 +359,7 @@ def _run(
                 "--engine-id",
                 "demo-P",
                 "--role",
-                "kv_producer",
+                roles[0],
                 *common,
             ],
             log,
@@ -323,7 +374,7 @@ def _run(
                 "--engine-id",
                 "demo-D",
                 "--role",
-                "kv_consumer",
+                roles[1],
                 "--max-num-seqs",
                 "2",
                 *common,
@@ -351,6 +402,7 @@ def _run(
     checks: dict[str, bool] = {}
     result: dict[str, Any] = {
         "mode": mode,
+        "multi_turn": multi_turn,
         "transport": transport,
         "lease_duration_s": lease,
         "authenticated": auth_key_file is not None,
@@ -361,90 +413,95 @@ def _run(
         pids = ", ".join(f"{k} {p.proc.pid}" for k, p in procs.items())
         log(
             f"starting prefill, decode and router on 127.0.0.1:{ports['prefill']}, "
-            f"{ports['decode']}, {ports['router']} (transport {transport}, {mode} mode; pids "
+            f"{ports['decode']}, {ports['router']} (transport {transport}, {mode} mode"
+            f"{', multi-turn' if multi_turn else ''}; pids "
             f"{pids}) ..."
         )
         for p in procs.values():
             p.wait_ready(120)
         log(f"  up in {time.monotonic() - t_start:.1f} s")
 
-        prompts = [_prompt(i) for i in range(num_prompts)]
-        log(f"phase 1: {num_prompts} prompts through the router, max_tokens={max_tokens}")
-        responses = _send_batch(base["router"], prompts, max_tokens, log)
-        ok_resps = [r for r in responses if r[0] == 200]
-        checks["all requests served"] = len(ok_resps) == num_prompts
-        from_p = sum(1 for _, b in ok_resps if b["usage"]["external_tokens"] > 0)
-
-        log("  reference: the same prompts on one engine, no disaggregation")
-        from kvframe_refengine.server import build_engine
-
-        ref_engine = build_engine(engine_id="demo-ref", role=None)
-        try:
-            ref = ref_engine.generate(prompts, max_tokens)
-        finally:
-            ref_engine.shutdown()
-        matches = sum(
-            1
-            for (code, body), r in zip(responses, ref, strict=True)
-            if code == 200 and body["choices"][0]["token_ids"] == list(r.token_ids)
-        )
-        checks["outputs equal single-engine greedy outputs"] = matches == num_prompts
-        log(f"  token-for-token equal: {matches}/{num_prompts}")
-
-        def both_clean() -> bool:
-            return all(_get(f"{base[k]}/leaks")["clean"] for k in ("prefill", "decode"))
-
-        checks["leak oracle after phase 1 (P and D)"] = _wait_for(both_clean, 5 * lease)
-        p_stats = _get(f"{base['prefill']}/stats")["connector"]
-        d_stats = _get(f"{base['decode']}/stats")["connector"]
-        # D's time to first token counts from D's leg; the router says when that leg started
-        # (after P's answer in pull mode, at once in push mode).
-        ttfts = [b["timing"].get("ttft_s", 0.0) for c, b in ok_resps]
-        starts = [b["router_timing"]["decode_start_s"] for c, b in ok_resps]
-        d_c, p_c = d_stats["counters"], p_stats["counters"]
-        loads = int(d_c.get("loads_done", 0))
-        if mode == "push":  # P WRITEs into D's blocks: P measures the transfers
-            moved = int(p_c.get("bytes_written", 0))
-            transfer_s = float(p_c.get("push_seconds", 0.0))
-            pushed = int(p_c.get("pushes_done", 0))
-            checks["every request's KV was pushed by P (D's loads, P's pushes)"] = (
-                from_p == loads == pushed == num_prompts and moved > 0
-            )
+        if multi_turn:
+            result["decoder_kv_blocks_ttl_s"] = ttl
+            result["conversation"] = _conversation(base, max_tokens, ttl, kill, checks, log)
         else:
-            moved = int(d_c.get("bytes_read", 0))
-            transfer_s = float(d_c.get("transfer_seconds", 0.0))
-            checks["every request's KV was pulled from P"] = from_p == num_prompts
-        totals = sorted(s + t for s, t in zip(starts, ttfts, strict=True))
-        mean_ttft = sum(totals) / len(totals) if totals else 0.0
-        median_ttft = statistics.median(totals) if totals else 0.0
-        p90_ttft = totals[max(0, math.ceil(0.9 * len(totals)) - 1)] if totals else 0.0
-        result["phase1"] = {
-            "requests": num_prompts,
-            "served": len(ok_resps),
-            "equal_outputs": matches,
-            "kv_bytes_moved": moved,
-            "kv_loads": loads,
-            "transfer_time_s": transfer_s,
-            "load_wait_s": float(d_c.get("load_wait_seconds", 0.0)),
-            "mean_transfer_s": transfer_s / loads if loads else 0.0,
-            "mean_ttft_s": mean_ttft,
-            "median_ttft_s": median_ttft,
-            "p90_ttft_s": p90_ttft,
-            "transfer_share_of_ttft": (transfer_s / loads) / median_ttft
-            if loads and median_ttft
-            else 0.0,
-        }
-        if mode == "push":
-            result["phase1"]["pushes"] = _push_counts(p_c, d_c)
-        else:
-            result["phase1"]["leases"] = _lease_counts(p_c)
+            prompts = [_prompt(i) for i in range(num_prompts)]
+            log(f"phase 1: {num_prompts} prompts through the router, max_tokens={max_tokens}")
+            responses = _send_batch(base["router"], prompts, max_tokens, log)
+            ok_resps = [r for r in responses if r[0] == 200]
+            checks["all requests served"] = len(ok_resps) == num_prompts
+            from_p = sum(1 for _, b in ok_resps if b["usage"]["external_tokens"] > 0)
 
-        if kill and mode == "push":
-            result["phase2"] = _kill_phase_push(base, procs, prompts, lease, checks, log)
-        elif kill:
-            result["phase2"] = _kill_phase(
-                base, procs, prompts, lease, interval, extension, checks, log
+            log("  reference: the same prompts on one engine, no disaggregation")
+            from kvframe_refengine.server import build_engine
+
+            ref_engine = build_engine(engine_id="demo-ref", role=None)
+            try:
+                ref = ref_engine.generate(prompts, max_tokens)
+            finally:
+                ref_engine.shutdown()
+            matches = sum(
+                1
+                for (code, body), r in zip(responses, ref, strict=True)
+                if code == 200 and body["choices"][0]["token_ids"] == list(r.token_ids)
             )
+            checks["outputs equal single-engine greedy outputs"] = matches == num_prompts
+            log(f"  token-for-token equal: {matches}/{num_prompts}")
+
+            def both_clean() -> bool:
+                return all(_get(f"{base[k]}/leaks")["clean"] for k in ("prefill", "decode"))
+
+            checks["leak oracle after phase 1 (P and D)"] = _wait_for(both_clean, 5 * lease)
+            p_stats = _get(f"{base['prefill']}/stats")["connector"]
+            d_stats = _get(f"{base['decode']}/stats")["connector"]
+            # D's time to first token counts from D's leg; the router says when that leg started
+            # (after P's answer in pull mode, at once in push mode).
+            ttfts = [b["timing"].get("ttft_s", 0.0) for c, b in ok_resps]
+            starts = [b["router_timing"]["decode_start_s"] for c, b in ok_resps]
+            d_c, p_c = d_stats["counters"], p_stats["counters"]
+            loads = int(d_c.get("loads_done", 0))
+            if mode == "push":  # P WRITEs into D's blocks: P measures the transfers
+                moved = int(p_c.get("bytes_written", 0))
+                transfer_s = float(p_c.get("push_seconds", 0.0))
+                pushed = int(p_c.get("pushes_done", 0))
+                checks["every request's KV was pushed by P (D's loads, P's pushes)"] = (
+                    from_p == loads == pushed == num_prompts and moved > 0
+                )
+            else:
+                moved = int(d_c.get("bytes_read", 0))
+                transfer_s = float(d_c.get("transfer_seconds", 0.0))
+                checks["every request's KV was pulled from P"] = from_p == num_prompts
+            totals = sorted(s + t for s, t in zip(starts, ttfts, strict=True))
+            mean_ttft = sum(totals) / len(totals) if totals else 0.0
+            median_ttft = statistics.median(totals) if totals else 0.0
+            p90_ttft = totals[max(0, math.ceil(0.9 * len(totals)) - 1)] if totals else 0.0
+            result["phase1"] = {
+                "requests": num_prompts,
+                "served": len(ok_resps),
+                "equal_outputs": matches,
+                "kv_bytes_moved": moved,
+                "kv_loads": loads,
+                "transfer_time_s": transfer_s,
+                "load_wait_s": float(d_c.get("load_wait_seconds", 0.0)),
+                "mean_transfer_s": transfer_s / loads if loads else 0.0,
+                "mean_ttft_s": mean_ttft,
+                "median_ttft_s": median_ttft,
+                "p90_ttft_s": p90_ttft,
+                "transfer_share_of_ttft": (transfer_s / loads) / median_ttft
+                if loads and median_ttft
+                else 0.0,
+            }
+            if mode == "push":
+                result["phase1"]["pushes"] = _push_counts(p_c, d_c)
+            else:
+                result["phase1"]["leases"] = _lease_counts(p_c)
+
+            if kill and mode == "push":
+                result["phase2"] = _kill_phase_push(base, procs, prompts, lease, checks, log)
+            elif kill:
+                result["phase2"] = _kill_phase(
+                    base, procs, prompts, lease, interval, extension, checks, log
+                )
     except Exception as exc:  # a demo reports, it does not crash
         checks[f"no unexpected error ({type(exc).__name__}: {exc})"] = False
     finally:
@@ -453,6 +510,128 @@ def _run(
     result["elapsed_s"] = time.monotonic() - t_start
     result["ok"] = bool(checks) and all(checks.values())
     return result
+
+
+def _conversation(
+    base: dict[str, str],
+    max_tokens: int,
+    ttl: float,
+    wait_ttl: bool,
+    checks: dict[str, bool],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """``--multi-turn``: one conversation of :data:`MULTI_TURNS` turns through the router, each
+    prompt the conversation so far; then (``wait_ttl``) D's kept KV of the last turn, freed at
+    ``ttl``."""
+    log(
+        f"conversation: {MULTI_TURNS} turns through the router (conversation_id "
+        f"{_CONVERSATION_ID!r}), each prompt the whole conversation so far, max_tokens="
+        f"{max_tokens}"
+    )
+
+    def p_counters() -> dict[str, float]:
+        stats = _get(f"{base['prefill']}/stats")
+        return {**stats["connector"]["counters"], **stats["connector_scheduler"]["counters"]}
+
+    def pulls(c: dict[str, float]) -> float:
+        # history_pulled: P's loads of a history that completed; history_loads: planned.
+        return c.get("history_pulled", c.get("history_loads", 0.0))
+
+    history: list[int] = []
+    prompts: list[list[int]] = []
+    turns: list[dict[str, Any]] = []
+    answered_at = time.monotonic()
+    for i, message in enumerate(_MESSAGES):
+        prompt = history + encode(message)
+        before = p_counters()
+        code, body = post_json(
+            f"{base['router']}/v1/completions",
+            {"prompt": prompt, "max_tokens": max_tokens, "conversation_id": _CONVERSATION_ID},
+            timeout=120,
+        )
+        answered_at = time.monotonic()
+        if code != 200:
+            log(f"  [{code}] turn {i + 1}: {body.get('error', body)}")
+            turns.append({"turn": i + 1, "status": code})
+            break
+        after = p_counters()
+        usage = body.get("prefill_usage") or {}
+        conv = body.get("conversation") or {}
+        timing = body["router_timing"]
+        answer: list[int] = list(body["choices"][0]["token_ids"])
+        turn: dict[str, Any] = {
+            "turn": i + 1,
+            "status": code,
+            "prompt_tokens": len(prompt),
+            "history_sent": bool(conv.get("history_sent")),
+            "history_pulled": pulls(after) - pulls(before) > 0,
+            "history_refused": after.get("history_refused", 0) - before.get("history_refused", 0)
+            > 0,
+            "tokens_pulled": int(usage.get("external_tokens", 0)),
+            "tokens_cached_on_p": int(usage.get("cached_tokens", 0)),
+            "kept_by_d": bool(conv.get("kept")),
+            "prefill_s": float(timing["prefill_s"]),
+            "ttft_s": float(timing["decode_start_s"]) + float(body["timing"].get("ttft_s", 0)),
+            "token_ids": answer,
+        }
+        turns.append(turn)
+        prompts.append(prompt)
+        how = (
+            f"pulled its history from D: {turn['tokens_pulled']} tokens (and "
+            f"{turn['tokens_cached_on_p']} from its own prefix cache)"
+            if turn["history_pulled"]
+            else "refused the history and recomputed it"
+            if turn["history_refused"]
+            else "had no history to pull"
+        )
+        log(
+            f"  turn {i + 1}: {len(prompt)} prompt tokens; P {how}; P's leg "
+            f"{turn['prefill_s'] * 1e3:.1f} ms, TTFT {turn['ttft_s'] * 1e3:.1f} ms"
+        )
+        history = prompt + answer
+    served = [t for t in turns if t["status"] == 200]
+    checks[f"all {MULTI_TURNS} turns served"] = len(served) == MULTI_TURNS
+
+    log("  reference: each turn's prompt on one engine, no disaggregation")
+    from kvframe_refengine.server import build_engine
+
+    ref_engine = build_engine(engine_id="demo-ref", role=None)
+    try:
+        ref = ref_engine.generate(prompts, max_tokens) if prompts else []
+    finally:
+        ref_engine.shutdown()
+    for t, r in zip(served, ref, strict=True):
+        t["equal_to_single_engine"] = t["token_ids"] == list(r.token_ids)
+    equal = sum(1 for t in served if t["equal_to_single_engine"])
+    log(f"  token-for-token equal: {equal}/{len(served)}")
+    checks["every turn's output equals a single-engine run of its prompt"] = (
+        equal == len(served) == MULTI_TURNS
+    )
+    checks["turns 2.. pulled their history from D (kept by D the turn before)"] = (
+        len(served) == MULTI_TURNS
+        and all(t["kept_by_d"] for t in served)
+        and all(t["history_pulled"] and t["tokens_pulled"] > 0 for t in served[1:])
+    )
+    checks["leak oracle on P after the conversation"] = _wait_for(
+        lambda: bool(_get(f"{base['prefill']}/leaks")["clean"]), 10
+    )
+    out: dict[str, Any] = {"turns": turns}
+    if not wait_ttl:
+        return out
+
+    def d_clean() -> bool:
+        return bool(_get(f"{base['decode']}/leaks")["clean"])
+
+    kept_then = not d_clean()
+    log(f"  D keeps the last turn's KV for a next turn; waiting for its ttl ({ttl:g} s)")
+    freed = _wait_for(d_clean, ttl + 5, 0.05)
+    freed_s = time.monotonic() - answered_at
+    log(f"  D freed it {freed_s:.2f} s after its answer (decoder_kv_blocks_ttl {ttl:g} s)")
+    checks["D kept the last turn's KV and freed it at decoder_kv_blocks_ttl"] = (
+        kept_then and freed and freed_s <= ttl + 2.0
+    )
+    out["kept_freed_after_s"] = freed_s
+    return out
 
 
 def _send_batch(
@@ -641,6 +820,34 @@ def _kill_phase(
 
 def _table(result: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = [("mode", str(result.get("mode", "pull")))]
+    conv = result.get("conversation")
+    if conv:
+        rows[0] = ("mode", f"{rows[0][1]}, multi-turn")
+        for t in conv["turns"]:
+            if t["status"] != 200:
+                rows.append((f"turn {t['turn']}", f"failed ({t['status']})"))
+                continue
+            pulled = (
+                f"pulled {t['tokens_pulled']} tokens from D"
+                if t["history_pulled"]
+                else "recomputed (history refused)"
+                if t["history_refused"]
+                else "no history"
+            )
+            same = "equal" if t.get("equal_to_single_engine") else "DIFFERENT"
+            rows.append(
+                (
+                    f"turn {t['turn']} ({t['prompt_tokens']} prompt tokens)",
+                    f"{pulled}; TTFT {t['ttft_s'] * 1e3:.1f} ms; {same} to single engine",
+                )
+            )
+        if "kept_freed_after_s" in conv:
+            rows.append(
+                (
+                    "D freed the last turn's kept KV after (ttl)",
+                    f"{conv['kept_freed_after_s']:.2f} s ({result['decoder_kv_blocks_ttl_s']:g} s)",
+                )
+            )
     p1 = result.get("phase1")
     if p1:
         rows += [
@@ -741,7 +948,15 @@ def main(argv: list[str] | None = None) -> int:
         help="pull: D reads P's KV after P answered (default); push: both legs at once, P "
         "writes into D's blocks",
     )  # fmt: skip
-    ap.add_argument("--no-kill", action="store_true", help="skip the D-killed phase")
+    ap.add_argument(
+        "--multi-turn", action="store_true",
+        help=f"run a {MULTI_TURNS}-turn conversation instead: P pulls each turn's history "
+        "from D, which kept it (bidirectional mode; both engines kv_both)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--no-kill", action="store_true",
+        help="skip the D-killed phase (with --multi-turn: the wait for D's ttl)",
+    )  # fmt: skip
     ap.add_argument(
         "--auth-key-file", default=None,
         help="a fleet key file for both engines (docs/security.md); default: a fresh one",
@@ -772,6 +987,7 @@ def main(argv: list[str] | None = None) -> int:
                     lease=args.lease,
                     transport=args.transport,
                     mode=args.mode,
+                    multi_turn=args.multi_turn,
                 )
                 key_file = os.path.join(keydir, "fleet.key")
                 KeyRing.generate_file(key_file, "demo")
@@ -785,6 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
                 log=log,
                 auth_key_file=key_file,
                 mode=args.mode,
+                multi_turn=args.multi_turn,
             )
     except ConfigError as exc:
         print(f"kvframe demo: {exc}", file=sys.stderr)
