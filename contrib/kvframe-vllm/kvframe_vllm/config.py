@@ -52,8 +52,8 @@ NIXL_KEYS: Final = {
     "backends": "PDConnector's transport_options.backends (NIXL transport)",
     "num_threads": "PDConnector's transport_options.num_threads (NIXL transport)",
     "enforce_handshake_compat": "accepted as true only: kvframe always checks model and layout",
-    "bidirectional_kv_xfer": "accepted as false only: P/D pulls from P to D",
-    "kv_recompute_threshold": "refused: PDConnector loads whatever P computed",
+    "bidirectional_kv_xfer": "accepted as false only: no bidirectional mode through the adapter",
+    "kv_recompute_threshold": "refused: no bidirectional mode through the adapter",
     "push_registration_timeout": "refused: PDConnector pulls (no push mode)",
 }
 """The flat keys NixlConnector (vLLM 0.32) reads from ``kv_connector_extra_config``, and what
@@ -77,12 +77,13 @@ _NOOP: Final = {
     ),
     "bidirectional_kv_xfer": (
         False,
-        "kvframe's PDConnector moves KV from P to D only; remove the key",
+        "kvframe's bidirectional (multi-turn) mode is not offered through the vLLM adapter "
+        "yet (docs/multiturn.md), so KV moves from P to D only; remove the key",
     ),
 }
 _REFUSED: Final = {
-    "kv_recompute_threshold": "PDConnector loads whatever the prefill engine computed, with no "
-    "token threshold; remove the key",
+    "kv_recompute_threshold": "it belongs to bidirectional (multi-turn) mode, which the vLLM "
+    "adapter does not offer yet (docs/multiturn.md); remove the key",
     "push_registration_timeout": "it belongs to NixlPushConnector; PDConnector pulls (D reads "
     "from P under a lease); remove the key",
 }
