@@ -20,6 +20,15 @@ evidence that it did: D's ``loads_done``, P's ``pushes_done`` and ``bytes_writte
 kill P frees the KV of requests whose D died within ``kv_lease_duration`` (P waits that long
 for a registration, and that long for D to confirm a registered lease).
 
+``--multi-turn`` (bidirectional mode, with either mode): both engines ``kv_both`` with
+``decoder_kv_blocks_ttl`` three leases (:func:`decoder_ttl`); one conversation of
+:data:`MULTI_TURNS` turns through the router, each with ``conversation_id`` and the whole
+conversation so far as its prompt. D keeps each turn's KV and P pulls it on the next turn. It
+prints per turn whether P pulled its history (P's ``history_loads`` and ``history_refused``
+counters), the tokens pulled from D and those P had cached, P's leg and the time to first
+token; it checks every turn's output against a single engine, that turns 2.. pulled from D,
+the leak oracle on P, and (unless ``--no-kill``) that D frees the last turn's KV at its ttl.
+
 Every option is checked before any process starts (:func:`check_options`); a bad one is
 refused with exit status 2 and a message naming it. Each process starts in its own process
 group (:class:`kvframe.runtime.procs.ChildProcesses`): SIGINT, SIGTERM or SIGHUP stops all
