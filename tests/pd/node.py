@@ -2,6 +2,9 @@
 with length-prefixed msgpack frames (never pickle). Used by the cross-process P/D tests.
 
     python -m tests.pd.node ENGINE_ID ROLE LEASE SKEW TRANSPORT [EXTRA_JSON]
+
+EXTRA_JSON is kv_connector_extra_config, plus an optional "_ttl" key for the top-level
+decoder_kv_blocks_ttl.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     engine_id, role, lease, skew, transport = sys.argv[1:6]
     extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    # "_ttl" in EXTRA_JSON: the top-level decoder_kv_blocks_ttl (not a connector extra key).
+    ttl = extra.pop("_ttl", None)
     offset = float(skew)
 
     def clock() -> float:
@@ -60,6 +65,7 @@ def main() -> None:
         clock=clock,
         num_blocks=64,
         extra=extra,
+        ttl=None if ttl is None else float(ttl),
     )
     finished_sending: list[str] = []
     finished_recving: list[str] = []
@@ -220,6 +226,47 @@ def main() -> None:
                     # "counter:NAME" (the step's counters include NAME, e.g. leases_renewed).
                     hold = (str(cmd["when"]), float(cmd["seconds"]))
                     reply({})
+                elif op == "keep_finish":
+                    # D, multi-turn: the request generated ``answer`` tokens (the ids after the
+                    # prompt's) into ``blocks``, the answer's KV filled from ``seed`` into
+                    # ``fill``; it finishes with keep_for_next_turn in ``params``. Replies
+                    # whether D keeps the blocks and its history params.
+                    drv.fill(cmd.get("fill", []), cmd.get("seed", 0))
+                    n = cmd["tokens"]
+                    keep, params = drv.sched.request_finished(
+                        view(
+                            cmd["rid"],
+                            n,
+                            cmd["params"],
+                            finish_reason="stop",
+                            output_token_ids=list(range(n, n + cmd["answer"])),
+                        ),
+                        (tuple(cmd["blocks"]),),
+                    )
+                    reply({"keep": keep, "params": params})
+                elif op == "reclaim":
+                    # D, multi-turn: the engine is short of ``blocks`` blocks.
+                    reply({"given": drv.sched.reclaim_blocks(cmd["blocks"], clock())})
+                elif op == "kept":
+                    # D, multi-turn: kept leases nobody claimed, live leases, and per live
+                    # lease (by request id): its expiry relative to this engine's clock now,
+                    # whether it is still an unclaimed kept lease, its renewals.
+                    holder = drv.worker.holder
+                    now_c = clock()
+                    reply(
+                        {
+                            "kept": holder.kept_count,
+                            "live": holder.live_count,
+                            "leases": {
+                                lease.payload[0]: {
+                                    "expiry": lease.expiry - now_c,
+                                    "kept": holder.kept(lease.request_id),
+                                    "renewals": lease.renewals,
+                                }
+                                for lease in holder.table.leases()
+                            },
+                        }
+                    )
                 elif op == "exit":
                     reply({})
                     break

@@ -1,0 +1,318 @@
+"""Bidirectional (multi-turn) mode across real processes over NIXL (issue 13, item 6).
+
+Two ``kv_both`` engines, each in its own process (tests/pd/node.py). Turn one: P prefills, D
+pulls it with ``keep_for_next_turn``, decodes an answer and keeps the conversation's blocks
+under a kept lease, answering with its history ticket. Turn two: P gets the ticket as
+``kv_history`` and pulls D's blocks over NIXL. Every way the kept blocks go away (ttl,
+eviction, P killed) ends in a recompute or a free by the lease rules, never in a read of
+blocks D dropped.
+
+Timings are short so the file runs in seconds: D's lease 1 s (P heartbeats every 0.17 s, each
+heartbeat keeps a claimed lease 0.67 s), kept ttls of 3 and 6 s, P's ``ttl_safety_margin``
+0.5 s. Nodes that a test needs start in parallel (a node takes seconds to import and make its
+NIXL agent on a 2-core machine). Every node's clock is ``time.monotonic()`` plus its skew, and
+the nodes' ``times`` are plain ``time.monotonic()`` (one clock for every process on the host):
+a skewed D's ``kept_until`` minus its skew is a time the test can compare with them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nixl_cu12", reason="the NIXL transport needs nixl-cu12")
+
+from tests.pd.nodes import Node
+
+P_LEASE = 2.4  # P's leases for D's turn-one reads (as in test_pd_nixl.py)
+D_LEASE = 1.0  # D's leases for P's reads of kept blocks
+INTERVAL = D_LEASE / 6
+EXTENSION = D_LEASE * 2 / 3
+TTL = 6.0  # the shared D's decoder_kv_blocks_ttl
+SHORT_TTL = 3.0  # the skewed Ds'
+MARGIN = 0.5  # P's ttl_safety_margin
+BLOCK = 16  # tests/pd/driver.py's block size
+PROMPT = 40  # turn one's prompt: 3 blocks
+ANSWER = 10  # D's answer: the conversation's 50 tokens fill 4 blocks
+NEW = 20  # the next user message: turn two's prompt is 70 tokens, 5 blocks
+HISTORY = PROMPT + ANSWER - 1  # tokens whose KV D holds (the last answer token has none)
+P_EXTRA: dict[str, Any] = {"kv_recompute_threshold": 16, "ttl_safety_margin": MARGIN}
+
+_n = itertools.count()
+_next_block: dict[str, int] = {}
+
+
+def _blocks(node: Node, n: int) -> list[int]:
+    """``n`` blocks of ``node`` no other conversation of this file used (nodes have 64)."""
+    first = _next_block.get(node.engine_id, 0)
+    assert first + n <= 64, f"{node.engine_id} ran out of blocks"
+    _next_block[node.engine_id] = first + n
+    return list(range(first, first + n))
+
+
+def start(*specs: dict[str, Any]) -> list[Node]:
+    """Start nodes (``Node`` keyword arguments) in parallel."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(functools.partial(Node, **kw)) for kw in specs]
+        nodes, errors = [], []
+        for f in futures:
+            try:
+                nodes.append(f.result())
+            except Exception as exc:  # a node that did not start: stop the others
+                errors.append(exc)
+    if errors:
+        for node in nodes:
+            node.close()
+        raise errors[0]
+    return nodes
+
+
+def p_spec(name: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "engine_id": f"{name}{next(_n)}",
+        "role": "kv_both",
+        "lease": P_LEASE,
+        "extra": {**P_EXTRA, **extra},
+    }
+
+
+def d_spec(name: str, ttl: float, skew: float = 0.0) -> dict[str, Any]:
+    return {
+        "engine_id": f"{name}{next(_n)}",
+        "role": "kv_both",
+        "lease": D_LEASE,
+        "skew": skew,
+        "extra": {"_ttl": ttl},
+    }
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[dict[str, Node]]:
+    """Every node of the file, started at once before any test (a start is seconds of CPU,
+    mostly importing torch: none runs beside a test's short leases). ``p`` and ``d`` are the
+    plain pair; ``d+`` and ``d-`` are Ds whose clocks run 10,000 s ahead of and behind P's;
+    ``psym`` and ``pplain`` are the Ps that test_p_killed_while_d_holds_blocks kills."""
+    names = ("p", "d", "d+", "d-", "psym", "pplain")
+    started = start(
+        p_spec("Pmt"),
+        d_spec("Dmt", TTL),
+        d_spec("Dahead", SHORT_TTL, 10_000.0),
+        d_spec("Dbehind", SHORT_TTL, -10_000.0),
+        {**p_spec("Psym", symmetric_leases=True), "lease": D_LEASE},
+        {**p_spec("Pplain"), "lease": D_LEASE},
+    )
+    yield dict(zip(names, started, strict=True))
+    for node in started:  # killed: a clean shutdown takes a second or more per node
+        if node.proc.poll() is None:
+            node.kill()
+        node.close()
+
+
+@pytest.fixture
+def pd(nodes: dict[str, Node]) -> tuple[Node, Node]:
+    return nodes["p"], nodes["d"]
+
+
+class Conversation:
+    """One conversation between P and D: its turn-one request ids, blocks and D's ticket."""
+
+    def __init__(self, p: Node, d: Node) -> None:
+        self.p, self.d = p, d
+        n = next(_n)
+        self.rid_d = f"d1-{n}"  # D's turn-one request: its blocks are the kept ones
+        self.rid_q = f"p2-{n}"  # P's turn-two request
+        self.d_blocks = _blocks(d, 4)
+        self.q_blocks = _blocks(p, 5)
+        self.history: dict[str, Any] = {}
+
+    def turn_one(self) -> dict[str, Any]:
+        """P prefills, D pulls with keep_for_next_turn and finishes with its answer; returns
+        D's history ticket (D holds the blocks under a kept lease when this returns)."""
+        p, d = self.p, self.d
+        ticket = p.call(
+            "prefill", rid=f"p1-{self.rid_d}", blocks=_blocks(p, 3), tokens=PROMPT, seed=next(_n)
+        )["params"]
+        leg = {**ticket, "keep_for_next_turn": True}
+        d.call("arrive", rid=self.rid_d, tokens=PROMPT, params=leg)
+        got = d.call(
+            "schedule", rid=self.rid_d, tokens=PROMPT, params=leg, blocks=self.d_blocks[:3]
+        )
+        assert got["external"] == PROMPT - 1
+        st = d.wait(lambda s: self.rid_d in s["finished_recving"])
+        assert self.rid_d not in st["failures"], st["failures"]
+        out = d.call(
+            "keep_finish",
+            rid=self.rid_d,
+            tokens=PROMPT,
+            answer=ANSWER,
+            params=leg,
+            blocks=self.d_blocks,
+            fill=self.d_blocks[3:],  # the answer's KV, D's own
+            seed=next(_n),
+        )
+        assert out["keep"] is True, out
+        self.history = out["params"]
+        assert self.history["remote_engine_id"] == d.engine_id
+        assert self.history["remote_num_tokens"] == HISTORY
+        assert self.history["remote_block_ids"] == [self.d_blocks]
+        deadline = time.monotonic() + 5
+        while self.rid_d not in d.call("kept")["leases"]:  # the workers grant it next step
+            assert time.monotonic() < deadline, "D never granted the kept lease"
+            time.sleep(0.01)
+        return self.history
+
+    def kept_until(self, skew: float = 0.0) -> float:
+        """When D's kept lease ends by its ttl, as a ``time.monotonic()`` reading."""
+        return float(self.history["kept_until"]) - skew
+
+    def arrive(self) -> dict[str, Any]:
+        """Turn two reaches P's scheduler (P busy: it waits there). Returns its params."""
+        params = {"do_remote_decode": True, "kv_history": self.history}
+        self.p.call("arrive", rid=self.rid_q, tokens=PROMPT + ANSWER + NEW, params=params)
+        return params
+
+    def turn_two(self) -> None:
+        """Turn two arrives at P and gets its blocks: P loads the history from D."""
+        params = self.arrive()
+        got = self.p.call(
+            "schedule",
+            rid=self.rid_q,
+            tokens=PROMPT + ANSWER + NEW,
+            params=params,
+            blocks=self.q_blocks,
+        )
+        assert got["external"] == HISTORY
+
+    def pulled(self) -> dict[str, Any]:
+        """P's status once turn two's load ended."""
+        return self.p.wait(lambda s: self.rid_q in s["finished_recving"], timeout=15)
+
+    def same_kv(self) -> bool:
+        src = self.d.call("digest", blocks=self.d_blocks)["digest"]
+        return bool(self.p.call("digest", blocks=self.q_blocks[:4])["digest"] == src)
+
+
+def posted(node: Node) -> float:
+    """The NIXL transfers ``node`` posted so far."""
+    return float(node.status()["transport"].get("transfers_posted", 0))
+
+
+def count(st: dict[str, Any], name: str) -> float:
+    return float(st["counters"].get(name, 0))
+
+
+def test_turn_two_pulls_kept_blocks_and_frees_them_at_read(pd: tuple[Node, Node]) -> None:
+    p, d = pd
+    conv = Conversation(p, d)
+    history = conv.turn_one()
+    assert history["kept_ttl"] == TTL
+    consumed = count(d.status(), "leases_consumed")
+    conv.turn_two()
+    st = conv.pulled()
+    assert conv.rid_q not in st["failures"], st["failures"]
+    assert not set(conv.q_blocks) & set(st["invalid"])
+    # P has D's KV: the prompt's (pulled from P in turn one) and the answer's (D's own)
+    assert conv.same_kv()
+    # P's read completion freed D's kept blocks at once, not the ttl
+    sd = d.wait(lambda s: conv.rid_d in s["finished_sending"], timeout=5)
+    freed = sd["times"][f"sent:{conv.rid_d}"]
+    assert abs(freed - st["times"][f"recv:{conv.rid_q}"]) < 1.0
+    assert freed < conv.kept_until() - 2.0
+    assert count(sd, "leases_consumed") == consumed + 1
+    assert conv.rid_d not in d.call("kept")["leases"]
+
+
+def test_evicted_history_fails_the_pull_and_is_never_read(pd: tuple[Node, Node]) -> None:
+    p, d = pd
+    conv = Conversation(p, d)
+    conv.turn_one()
+    assert d.call("reclaim", blocks=1)["given"] == len(conv.d_blocks)
+    sd = d.wait(lambda s: conv.rid_d in s["finished_sending"], timeout=5)
+    assert sd["times"][f"sent:{conv.rid_d}"] < conv.kept_until() - 2.0  # evicted, not expired
+    d.call("poke", blocks=conv.d_blocks, seed=next(_n))  # D's engine reused the blocks
+    before, refused, consumed = posted(p), count(sd, "access_refused"), count(sd, "leases_consumed")
+    conv.turn_two()  # P does not know yet
+    st = conv.pulled()
+    assert conv.rid_q in st["failures"], "the pull of evicted blocks must fail (recompute)"
+    assert set(conv.q_blocks[:4]) <= set(st["invalid"])
+    # P never even tried to read them
+    assert posted(p) == before
+    sd = d.status()
+    assert count(sd, "access_refused") == refused
+    assert count(sd, "leases_consumed") == consumed
+
+
+def test_skewed_clocks_pull_and_a_passed_ttl_is_never_read(nodes: dict[str, Node]) -> None:
+    p = nodes["p"]
+    skews = (10_000.0, -10_000.0)
+    ds = [nodes["d+"], nodes["d-"]]
+    # per D: conversation A is continued at once, B only after its ttl passed
+    convs = [(Conversation(p, d), Conversation(p, d)) for d in ds]
+    for a, b in convs:
+        a.turn_one()
+        b.turn_one()
+        assert b.history["kept_ttl"] == SHORT_TTL
+    for (a, _), skew in zip(convs, skews, strict=True):
+        a.turn_two()
+        st = a.pulled()
+        assert a.rid_q not in st["failures"], (skew, st["failures"])
+        assert a.same_kv(), skew
+        sd = a.d.wait(lambda s, a=a: a.rid_d in s["finished_sending"], timeout=5)
+        assert sd["times"][f"sent:{a.rid_d}"] < a.kept_until(skew) - 1.0, skew
+    for (_, b), skew in zip(convs, skews, strict=True):
+        # D frees B at its ttl (nobody claimed it), on D's skewed clock
+        sd = b.d.wait(lambda s, b=b: b.rid_d in s["finished_sending"], timeout=SHORT_TTL + 3)
+        freed = sd["times"][f"sent:{b.rid_d}"]
+        assert b.kept_until(skew) - 0.05 <= freed <= b.kept_until(skew) + 1.0, skew
+        assert count(sd, "leases_expired") >= 1
+        before = posted(p)
+        b.turn_two()
+        st = b.pulled()
+        assert b.rid_q in st["failures"], skew
+        assert "kept only until" in st["failures"][b.rid_q], st["failures"][b.rid_q]
+        assert posted(p) == before, "P read blocks D no longer kept"
+        sd = b.d.status()
+        assert count(sd, "access_refused") == 0
+        assert count(sd, "leases_consumed") == 1, skew  # A's read only
+
+
+def test_p_killed_while_d_holds_blocks(nodes: dict[str, Node]) -> None:
+    """Turn two waits in P's queue; P dies. With symmetric leases P heartbeated D's kept lease
+    from arrival, so D frees within one extension of P's last heartbeat; without, P has not
+    contacted D yet and D frees at the ttl."""
+    d, sym, plain = nodes["d"], nodes["psym"], nodes["pplain"]
+    s, n = Conversation(sym, d), Conversation(plain, d)
+    s.turn_one()
+    n.turn_one()
+    s.arrive()
+    n.arrive()
+    deadline = time.monotonic() + 5
+    while d.call("kept")["leases"][s.rid_d]["kept"]:  # the first heartbeat claims it
+        assert time.monotonic() < deadline, "the symmetric P never claimed D's lease"
+        time.sleep(0.01)
+    time.sleep(2 * EXTENSION)  # heartbeats keep the claimed lease past its extensions
+    leases = d.call("kept")["leases"]
+    assert leases[s.rid_d]["renewals"] >= 2, leases
+    assert leases[s.rid_d]["expiry"] <= EXTENSION + 0.05, leases  # P's, not the ttl
+    # the plain P has not contacted D's lease: it still runs on its ttl
+    assert leases[n.rid_d]["kept"], leases
+    assert leases[n.rid_d]["renewals"] == 0, leases
+    assert count(plain.status(), "heartbeats_sent") == 0
+    sent = d.status()["finished_sending"]
+    assert s.rid_d not in sent
+    assert n.rid_d not in sent
+    killed_at = sym.kill()
+    plain.kill()
+    st = d.wait(lambda st: s.rid_d in st["finished_sending"], timeout=5)
+    freed = st["times"][f"sent:{s.rid_d}"]
+    assert freed - killed_at <= EXTENSION + INTERVAL + 0.7, freed - killed_at
+    assert freed < s.kept_until() - 2.0
+    st = d.wait(lambda st: n.rid_d in st["finished_sending"], timeout=TTL + 3)
+    freed = st["times"][f"sent:{n.rid_d}"]
+    assert n.kept_until() - 0.05 <= freed <= n.kept_until() + 1.0, freed - n.kept_until()
