@@ -310,3 +310,36 @@ def test_a_rewritten_history_is_recomputed_by_p() -> None:
         c = _counters(p)
         assert c.get("history_refused") == 1, c
         assert not c.get("history_loads"), c
+
+
+def test_d_short_of_blocks_gives_back_the_kept_turn_and_p_recomputes() -> None:
+    """D's engine, short of blocks for a new request, asks its connector (reclaim_blocks): the
+    kept turn goes first; the conversation's next turn is then recomputed on P, never read."""
+    with (
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as p,
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0, num_blocks=16) as d,
+        router_mod_server(p.url, d.url) as routed,
+    ):
+        first = {"prompt": TURNS[0], "max_tokens": 8, "conversation_id": "c"}
+        code, body = complete(routed, first)
+        assert code == 200, body
+        assert body["conversation"]["kept"]
+        answer = body["choices"][0]["token_ids"]
+        kept = -(-(len(TURNS[0]) + 8 - 1) // 16)
+        # A request that needs more than the blocks D has free besides the kept turn.
+        big = (TURNS[1] * 4)[: (16 - kept + 1) * 16 - 7]
+        code, body = complete(routed, {"prompt": big, "max_tokens": 8})
+        assert code == 200, body
+        assert body["choices"][0]["token_ids"] == _reference([big], 8)[0]
+        assert _counters(d).get("kept_evicted") == 1
+        _, stats = request(d, "GET", "/stats")
+        assert stats["engine"]["reclaim_promised_blocks"] >= kept
+        second = TURNS[0] + answer + TURNS[2]
+        code, body = complete(routed, {**first, "prompt": second})
+        assert code == 200, body
+        assert body["conversation"]["history_sent"]
+        assert body["prefill_usage"]["external_tokens"] == 0  # nothing read from D
+        c = _counters(p)  # P tried, D answered that the lease is gone: P recomputed
+        assert c.get("history_loads") == 1, c
+        assert c.get("loads_failed") == 1, c
+        assert body["choices"][0]["token_ids"] == _reference([second], 8)[0]
