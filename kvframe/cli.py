@@ -49,6 +49,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvframe.bench.push",
         "D's time to first token: pull vs push vs progressive push, vs max(compute, transfer)",
     ),
+    "multiturn": (
+        "kvframe.bench.multiturn",
+        "turn two's time to first token: history pulled from D vs recomputed on P",
+    ),
     "transfer": (
         "kvframe.bench.transfer",
         "cross-process READ: kvframe NIXL transport vs raw NIXL vs memcpy, and post cost",
