@@ -108,13 +108,16 @@ __all__ = [
     "run",
 ]
 
-#: History lengths (tokens) of a full run, and of ``--quick`` (above the default
-#: ``kv_recompute_threshold`` of 64, so that P pulls it).
+#: History lengths (tokens) of a full run.
 FULL_CASES = (256, 1024, 2048)
+#: The history of ``--quick``: above the default ``kv_recompute_threshold`` of 64, so that P
+#: pulls it.
 QUICK_CASES = (96,)
-#: D's answer in turn one, and the user's new message in turn two (tokens).
+#: D's answer in turn one (tokens).
 ANSWER_TOKENS = 16
+#: The user's new message in turn two (tokens).
 MESSAGE_TOKENS = 32
+#: The arms of every round, in round 0's order (rotated by one each round).
 ARMS = ("pull", "recompute")
 _FULL_REPEATS = 7
 _QUICK_REPEATS = 1
