@@ -9,8 +9,9 @@ blocks D dropped.
 
 Timings are short so the file runs in seconds: D's lease 1 s (P heartbeats every 0.17 s, each
 heartbeat keeps a claimed lease 0.67 s), kept ttls of 3 and 6 s, P's ``ttl_safety_margin``
-0.5 s. Nodes that a test needs start in parallel (a node takes seconds to import and make its
-NIXL agent on a 2-core machine). Every node's clock is ``time.monotonic()`` plus its skew, and
+0.5 s. The file's six nodes start together, before any test (a node takes about 3.5 s of CPU
+to start, mostly importing torch, so starting them is most of the file's time on 2 cores).
+Every node's clock is ``time.monotonic()`` plus its skew, and
 the nodes' ``times`` are plain ``time.monotonic()`` (one clock for every process on the host):
 a skewed D's ``kept_until`` minus its skew is a time the test can compare with them.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,8 +39,7 @@ EXTENSION = D_LEASE * 2 / 3
 TTL = 6.0  # the shared D's decoder_kv_blocks_ttl
 SHORT_TTL = 3.0  # the skewed Ds'
 MARGIN = 0.5  # P's ttl_safety_margin
-BLOCK = 16  # tests/pd/driver.py's block size
-PROMPT = 40  # turn one's prompt: 3 blocks
+PROMPT = 40  # turn one's prompt: 3 blocks of tests/pd/driver.py's 16 tokens
 ANSWER = 10  # D's answer: the conversation's 50 tokens fill 4 blocks
 NEW = 20  # the next user message: turn two's prompt is 70 tokens, 5 blocks
 HISTORY = PROMPT + ANSWER - 1  # tokens whose KV D holds (the last answer token has none)
@@ -240,6 +241,7 @@ def test_evicted_history_fails_the_pull_and_is_never_read(pd: tuple[Node, Node])
     conv.turn_two()  # P does not know yet
     st = conv.pulled()
     assert conv.rid_q in st["failures"], "the pull of evicted blocks must fail (recompute)"
+    assert "aborted" in st["failures"][conv.rid_q], st["failures"]  # D's answer: ABORTED
     assert set(conv.q_blocks[:4]) <= set(st["invalid"])
     # P never even tried to read them
     assert posted(p) == before
@@ -253,19 +255,21 @@ def test_skewed_clocks_pull_and_a_passed_ttl_is_never_read(nodes: dict[str, Node
     skews = (10_000.0, -10_000.0)
     ds = [nodes["d+"], nodes["d-"]]
     # per D: conversation A is continued at once, B only after its ttl passed
-    convs = [(Conversation(p, d), Conversation(p, d)) for d in ds]
-    for a, b in convs:
+    later = []
+    for d, skew in zip(ds, skews, strict=True):
+        a = Conversation(p, d)
         a.turn_one()
-        b.turn_one()
-        assert b.history["kept_ttl"] == SHORT_TTL
-    for (a, _), skew in zip(convs, skews, strict=True):
         a.turn_two()
         st = a.pulled()
         assert a.rid_q not in st["failures"], (skew, st["failures"])
         assert a.same_kv(), skew
-        sd = a.d.wait(lambda s, a=a: a.rid_d in s["finished_sending"], timeout=5)
+        sd = d.wait(lambda s, a=a: a.rid_d in s["finished_sending"], timeout=5)
         assert sd["times"][f"sent:{a.rid_d}"] < a.kept_until(skew) - 1.0, skew
-    for (_, b), skew in zip(convs, skews, strict=True):
+        b = Conversation(p, d)
+        b.turn_one()
+        assert b.history["kept_ttl"] == SHORT_TTL
+        later.append(b)
+    for b, skew in zip(later, skews, strict=True):
         # D frees B at its ttl (nobody claimed it), on D's skewed clock
         sd = b.d.wait(lambda s, b=b: b.rid_d in s["finished_sending"], timeout=SHORT_TTL + 3)
         freed = sd["times"][f"sent:{b.rid_d}"]
@@ -275,7 +279,11 @@ def test_skewed_clocks_pull_and_a_passed_ttl_is_never_read(nodes: dict[str, Node
         b.turn_two()
         st = b.pulled()
         assert b.rid_q in st["failures"], skew
-        assert "kept only until" in st["failures"][b.rid_q], st["failures"][b.rid_q]
+        # the cap failed it, at D's expiry mapped onto P's clock less the safety margin
+        why = st["failures"][b.rid_q]
+        cap = re.search(r"kept only until (-?\d+\.\d+) on this clock", why)
+        assert cap is not None, why
+        assert abs(float(cap[1]) - (b.kept_until(skew) - MARGIN)) < 0.1, (skew, why)
         assert posted(p) == before, "P read blocks D no longer kept"
         sd = b.d.status()
         assert count(sd, "access_refused") == 0
@@ -296,7 +304,7 @@ def test_p_killed_while_d_holds_blocks(nodes: dict[str, Node]) -> None:
     while d.call("kept")["leases"][s.rid_d]["kept"]:  # the first heartbeat claims it
         assert time.monotonic() < deadline, "the symmetric P never claimed D's lease"
         time.sleep(0.01)
-    time.sleep(2 * EXTENSION)  # heartbeats keep the claimed lease past its extensions
+    time.sleep(EXTENSION + 2 * INTERVAL)  # heartbeats keep the claimed lease past its extension
     leases = d.call("kept")["leases"]
     assert leases[s.rid_d]["renewals"] >= 2, leases
     assert leases[s.rid_d]["expiry"] <= EXTENSION + 0.05, leases  # P's, not the ttl
@@ -311,7 +319,9 @@ def test_p_killed_while_d_holds_blocks(nodes: dict[str, Node]) -> None:
     plain.kill()
     st = d.wait(lambda st: s.rid_d in st["finished_sending"], timeout=5)
     freed = st["times"][f"sent:{s.rid_d}"]
-    assert freed - killed_at <= EXTENSION + INTERVAL + 0.7, freed - killed_at
+    # the last heartbeat was at most one interval before the kill, its extension then ran
+    # out (2 s: a loaded 2-core machine may delay a step by a few hundred milliseconds)
+    assert freed - killed_at <= 2.0, freed - killed_at
     assert freed < s.kept_until() - 2.0
     st = d.wait(lambda st: n.rid_d in st["finished_sending"], timeout=TTL + 3)
     freed = st["times"][f"sent:{n.rid_d}"]
