@@ -9,11 +9,12 @@ blocks D dropped.
 
 Timings are short so the file runs in seconds: D's lease 1 s (P heartbeats every 0.17 s, each
 heartbeat keeps a claimed lease 0.67 s), kept ttls of 3 and 6 s, P's ``ttl_safety_margin``
-0.5 s. The file's six nodes start together, before any test (a node takes about 3.5 s of CPU
-to start, mostly importing torch, so starting them is most of the file's time on 2 cores).
-Every node's clock is ``time.monotonic()`` plus its skew, and
-the nodes' ``times`` are plain ``time.monotonic()`` (one clock for every process on the host):
-a skewed D's ``kept_until`` minus its skew is a time the test can compare with them.
+1.2 s (a window in which D still keeps blocks that P may no longer read). The file's six nodes
+start together, before any test: a node takes about 3.5 s of CPU to start, mostly importing
+torch, so starting them is most of the file's time on 2 cores. Every node's clock is
+``time.monotonic()`` plus its skew, and the nodes' ``times`` are plain ``time.monotonic()``
+(one clock for every process on the host): a skewed D's ``kept_until`` minus its skew is a
+time the test can compare with them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ INTERVAL = D_LEASE / 6
 EXTENSION = D_LEASE * 2 / 3
 TTL = 6.0  # the shared D's decoder_kv_blocks_ttl
 SHORT_TTL = 3.0  # the skewed Ds'
-MARGIN = 0.5  # P's ttl_safety_margin
+MARGIN = 1.2  # P's ttl_safety_margin
 PROMPT = 40  # turn one's prompt: 3 blocks of tests/pd/driver.py's 16 tokens
 ANSWER = 10  # D's answer: the conversation's 50 tokens fill 4 blocks
 NEW = 20  # the next user message: turn two's prompt is 70 tokens, 5 blocks
@@ -250,11 +251,33 @@ def test_evicted_history_fails_the_pull_and_is_never_read(pd: tuple[Node, Node])
     assert count(sd, "leases_consumed") == consumed
 
 
-def test_skewed_clocks_pull_and_a_passed_ttl_is_never_read(nodes: dict[str, Node]) -> None:
+def refused_at_cap(conv: Conversation, skew: float) -> None:
+    """Turn two of ``conv`` after P's cap on D's kept blocks passed: the load fails at once
+    by the cap (D's ``kept_until`` mapped onto P's clock, less the safety margin), and P posts
+    no READ."""
+    p, d = conv.p, conv.d
+    before, consumed = posted(p), count(d.status(), "leases_consumed")
+    conv.turn_two()
+    st = conv.pulled()
+    assert conv.rid_q in st["failures"], skew
+    why = st["failures"][conv.rid_q]
+    cap = re.search(r"kept only until (-?\d+\.\d+) on this clock", why)
+    assert cap is not None, why
+    assert abs(float(cap[1]) - (conv.kept_until(skew) - MARGIN)) < 0.1, (skew, why)
+    assert set(conv.q_blocks[:4]) <= set(st["invalid"])
+    assert posted(p) == before, "P read blocks past its cap"
+    sd = d.status()
+    assert count(sd, "access_refused") == 0
+    assert count(sd, "leases_consumed") == consumed, skew
+
+
+def test_skewed_clocks_pull_and_past_the_cap_never_read(nodes: dict[str, Node]) -> None:
+    """D's clock 10,000 s ahead of P's, and behind: turn two pulls; once P's cap passed
+    (D still keeps the blocks) or D's ttl did, P recomputes without reading."""
     p = nodes["p"]
     skews = (10_000.0, -10_000.0)
     ds = [nodes["d+"], nodes["d-"]]
-    # per D: conversation A is continued at once, B only after its ttl passed
+    # per D: conversation A is continued at once, B once P's cap passed, C once D's ttl did
     later = []
     for d, skew in zip(ds, skews, strict=True):
         a = Conversation(p, d)
@@ -265,29 +288,24 @@ def test_skewed_clocks_pull_and_a_passed_ttl_is_never_read(nodes: dict[str, Node
         assert a.same_kv(), skew
         sd = d.wait(lambda s, a=a: a.rid_d in s["finished_sending"], timeout=5)
         assert sd["times"][f"sent:{a.rid_d}"] < a.kept_until(skew) - 1.0, skew
-        b = Conversation(p, d)
+        b, c = Conversation(p, d), Conversation(p, d)
         b.turn_one()
-        assert b.history["kept_ttl"] == SHORT_TTL
-        later.append(b)
-    for b, skew in zip(later, skews, strict=True):
-        # D frees B at its ttl (nobody claimed it), on D's skewed clock
-        sd = b.d.wait(lambda s, b=b: b.rid_d in s["finished_sending"], timeout=SHORT_TTL + 3)
-        freed = sd["times"][f"sent:{b.rid_d}"]
-        assert b.kept_until(skew) - 0.05 <= freed <= b.kept_until(skew) + 1.0, skew
+        c.turn_one()
+        assert c.history["kept_ttl"] == SHORT_TTL
+        later.append((b, c))
+    for (b, _), skew in zip(later, skews, strict=True):
+        # P's cap passed, D's ttl has not: D would still serve a read, P must not try
+        time.sleep(max(0.0, b.kept_until(skew) - MARGIN + 0.2 - time.monotonic()))
+        assert b.rid_d in b.d.call("kept")["leases"], "D no longer keeps B: the test was late"
+        refused_at_cap(b, skew)
+    for (_, c), skew in zip(later, skews, strict=True):
+        # D frees C at its ttl (nobody claimed it), on D's skewed clock
+        sd = c.d.wait(lambda s, c=c: c.rid_d in s["finished_sending"], timeout=SHORT_TTL + 3)
+        freed = sd["times"][f"sent:{c.rid_d}"]
+        assert c.kept_until(skew) - 0.05 <= freed <= c.kept_until(skew) + 1.0, skew
         assert count(sd, "leases_expired") >= 1
-        before = posted(p)
-        b.turn_two()
-        st = b.pulled()
-        assert b.rid_q in st["failures"], skew
-        # the cap failed it, at D's expiry mapped onto P's clock less the safety margin
-        why = st["failures"][b.rid_q]
-        cap = re.search(r"kept only until (-?\d+\.\d+) on this clock", why)
-        assert cap is not None, why
-        assert abs(float(cap[1]) - (b.kept_until(skew) - MARGIN)) < 0.1, (skew, why)
-        assert posted(p) == before, "P read blocks D no longer kept"
-        sd = b.d.status()
-        assert count(sd, "access_refused") == 0
-        assert count(sd, "leases_consumed") == 1, skew  # A's read only
+        refused_at_cap(c, skew)
+        assert count(c.d.status(), "leases_consumed") == 1, skew  # A's read only
 
 
 def test_p_killed_while_d_holds_blocks(nodes: dict[str, Node]) -> None:
