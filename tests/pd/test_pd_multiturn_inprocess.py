@@ -283,3 +283,24 @@ def test_decode_only_engine_does_not_keep() -> None:
     finally:
         d.shutdown()
         p.shutdown()
+
+
+def test_a_history_mostly_in_ps_cache_is_not_pulled(pd: Any) -> None:
+    p, d = pd
+    history, _ = turn_one(p, d, "t")
+    tokens = list(range(PROMPT + ANSWER + NEW))
+    req = view(
+        "p2t",
+        len(tokens),
+        {"do_remote_decode": True, "kv_history": history},
+        prompt_token_ids=tokens,
+    )
+    p.sched.on_new_request(req)
+    # P's own prefix cache has all but 9 of the 49 tokens D kept: fewer than the threshold
+    # (16), so P computes them and tells D it may free its kept turn at once.
+    assert p.sched.get_num_new_matched_tokens(req, PROMPT) == (0, False)
+    assert p.sched.get_num_new_matched_tokens(req, PROMPT) == (0, False)  # asked again
+    (event,) = [e for e in p.sched.take_events() if e.kind == "pd.history_refused"]
+    assert "only 9 tokens" in event.data["error"]
+    run_until([p, d], lambda: ended(d, "d1t", "finished_sending"))
+    assert d.worker.holder.live_count == 0

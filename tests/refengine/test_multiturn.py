@@ -247,6 +247,10 @@ def _counters(served: Served) -> dict[str, float]:
     return {**stats["connector"]["counters"], **stats["connector_scheduler"]["counters"]}
 
 
+#: The turns are short and P's prefix cache holds the previous prompt's full blocks, so each
+#: turn pulls a few dozen tokens from D: below the connector's default threshold (64).
+SHORT_PULLS = {"kv_recompute_threshold": 8}
+
 TURNS = [
     encode("Turn one of a conversation: the user asks a question about KV caches. "),
     encode(" And a follow-up question from the user, about leases. "),
@@ -256,8 +260,8 @@ TURNS = [
 
 def test_a_conversation_pulls_its_history_from_d_and_equals_one_engine() -> None:
     with (
-        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as p,
-        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as d,
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0, kv_extra=SHORT_PULLS) as p,
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0, kv_extra=SHORT_PULLS) as d,
         router_mod_server(p.url, d.url) as routed,
     ):
         prompt: list[int] = []
@@ -293,8 +297,8 @@ def test_a_conversation_pulls_its_history_from_d_and_equals_one_engine() -> None
 
 def test_a_rewritten_history_is_recomputed_by_p() -> None:
     with (
-        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as p,
-        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as d,
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0, kv_extra=SHORT_PULLS) as p,
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0, kv_extra=SHORT_PULLS) as d,
         router_mod_server(p.url, d.url) as routed,
     ):
         first = {"prompt": TURNS[0] + TURNS[1], "max_tokens": 8, "conversation_id": "c"}
@@ -316,8 +320,10 @@ def test_d_short_of_blocks_gives_back_the_kept_turn_and_p_recomputes() -> None:
     """D's engine, short of blocks for a new request, asks its connector (reclaim_blocks): the
     kept turn goes first; the conversation's next turn is then recomputed on P, never read."""
     with (
-        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as p,
-        engine_server("kv_both", lease=2.0, decoder_ttl=30.0, num_blocks=16) as d,
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0, kv_extra=SHORT_PULLS) as p,
+        engine_server(
+            "kv_both", lease=2.0, decoder_ttl=30.0, kv_extra=SHORT_PULLS, num_blocks=16
+        ) as d,
         router_mod_server(p.url, d.url) as routed,
     ):
         first = {"prompt": TURNS[0], "max_tokens": 8, "conversation_id": "c"}

@@ -69,6 +69,7 @@ from kvframe_refengine.router import post_json
 from kvframe_refengine.tokenizer import encode
 
 __all__ = [
+    "DEMO_RECOMPUTE_THRESHOLD",
     "MAX_PROMPTS",
     "MODES",
     "MULTI_TURNS",
@@ -113,6 +114,12 @@ _MESSAGES = [
     "\nUser: What if the decode engine needs its memory back before then?\nAssistant:",
 ]
 _CONVERSATION_ID = "demo-conversation"
+
+
+#: ``kv_recompute_threshold`` of the ``--multi-turn`` demo's engines. The demo's answers are
+#: short and P's own prefix cache holds the previous prompt's full blocks, so each turn pulls
+#: a few dozen tokens from D; the connector's default (64) would recompute them instead.
+DEMO_RECOMPUTE_THRESHOLD = 8
 
 
 def decoder_ttl(lease: float) -> float:
@@ -358,6 +365,7 @@ def _run(
     roles = ("kv_both", "kv_both") if multi_turn else ("kv_producer", "kv_consumer")
     if multi_turn:
         common += ["--decoder-ttl", str(ttl)]
+        common += ["--kv-extra", json.dumps({"kv_recompute_threshold": DEMO_RECOMPUTE_THRESHOLD})]
     procs = {
         "prefill": _Proc(
             "prefill engine",

@@ -150,9 +150,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 params = self._validated(request)
         except ConfigError as exc:
             # The request is still served, by local prefill: correct, only slower.
-            self._rejected[request.request_id] = None
-            if len(self._rejected) > _REMEMBER_REJECTED:
-                del self._rejected[next(iter(self._rejected))]
+            self._settled(request.request_id)
             kind = "history_refused" if history else "bad_params"
             self._count(kind)
             self._events.append(
@@ -172,6 +170,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
         inc = _Incoming(params=params, addr=addr, history=history)
         self._incoming[request.request_id] = inc
         return inc
+
+    def _settled(self, request_id: str) -> None:
+        # Never parse this request's kv_transfer_params again (refused, or served locally).
+        self._rejected[request_id] = None
+        if len(self._rejected) > _REMEMBER_REJECTED:
+            del self._rejected[next(iter(self._rejected))]
 
     def _validated(self, request: RequestView) -> RemotePrefillParams | PushPrefillParams:
         assert request.kv_transfer_params is not None
@@ -411,7 +415,27 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if external <= 0:
             # Everything is in the local prefix cache: tell P to free at once.
             self._finish_incoming(request.request_id, DecodeRequestEvent.LOCAL_HIT)
+            self._settled(request.request_id)
             self._count("full_local_hits")
+            return 0, False
+        threshold = self._options.kv_recompute_threshold
+        if inc.history and external < threshold:
+            # This engine's own prefix cache has most of the history: the rest costs less to
+            # compute than a pull's round trips. The decoder may free its blocks at once.
+            self._finish_incoming(request.request_id, DecodeRequestEvent.LOCAL_HIT)
+            self._settled(request.request_id)
+            self._count("history_refused")
+            self._events.append(
+                KVEvent(
+                    kind="pd.history_refused",
+                    data={
+                        "request_id": request.request_id,
+                        "error": f"only {external} tokens of kv_history are not in this "
+                        f"engine's prefix cache, fewer than kv_recompute_threshold "
+                        f"({threshold}): recomputed",
+                    },
+                )
+            )
             return 0, False
         if (
             not isinstance(inc.params, PushPrefillParams)
