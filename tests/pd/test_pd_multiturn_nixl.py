@@ -33,6 +33,8 @@ pytest.importorskip("nixl_cu12", reason="the NIXL transport needs nixl-cu12")
 
 from tests.pd.nodes import Node
 
+pytestmark = pytest.mark.nixl
+
 P_LEASE = 2.4  # P's leases for D's turn-one reads (as in test_pd_nixl.py)
 D_LEASE = 1.0  # D's leases for P's reads of kept blocks
 INTERVAL = D_LEASE / 6
