@@ -204,15 +204,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 "kept-blocks ticket; pass the kv_transfer_params the decode engine returned "
                 "for the conversation's previous turn, unchanged"
             )
-        if self._options.keys is not None:
-            params.verify(self._options.keys)
-        self._check_peer(params.transport, params.tp_size, params.remote_ports)
-        if len(params.remote_block_ids) != self._engine.num_kv_groups:
-            raise ConfigError(
-                f"kv_transfer_params.kv_history.remote_block_ids has "
-                f"{len(params.remote_block_ids)} KV groups; this engine has "
-                f"{self._engine.num_kv_groups}"
-            )
+        self._check_ticket(params, "kv_transfer_params.kv_history.")
         mine = prompt_digest(request.prompt_token_ids, params.remote_num_tokens)
         if not request.prompt_token_ids or mine != params.remote_prompt_digest:
             raise ConfigError(
@@ -227,15 +219,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 f"kv_transfer_params.kv_history shares {loadable} tokens with this prompt, "
                 f"fewer than kv_recompute_threshold ({threshold}): recomputed"
             )
-        most = math.ceil(params.remote_num_tokens / self._engine.block_size) + 1
-        need = math.ceil(loadable / self._engine.block_size)
-        for g, group in enumerate(params.remote_block_ids):
-            if not need <= len(group) <= most:
-                raise ConfigError(
-                    f"kv_transfer_params.kv_history.remote_block_ids[{g}] has {len(group)} "
-                    f"blocks; {need} to {most} are expected for {params.remote_num_tokens} "
-                    "tokens"
-                )
+        self._check_blocks(params, loadable, "kv_transfer_params.kv_history.")
         return params
 
     def _validated_push(self, request: RequestView) -> PushPrefillParams:
@@ -275,29 +259,36 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # forged or altered one names nothing), then the fields against this engine's limits.
         assert request.kv_transfer_params is not None
         params = RemotePrefillParams.from_dict(request.kv_transfer_params)
-        if self._options.keys is not None:
-            params.verify(self._options.keys)
-        self._check_peer(params.transport, params.tp_size, params.remote_ports)
-        if len(params.remote_block_ids) != self._engine.num_kv_groups:
-            raise ConfigError(
-                f"kv_transfer_params.remote_block_ids has {len(params.remote_block_ids)} "
-                f"KV groups; this engine has {self._engine.num_kv_groups}"
-            )
+        self._check_ticket(params, "kv_transfer_params.")
         if params.remote_num_tokens > request.num_prompt_tokens:
             raise ConfigError(
                 f"kv_transfer_params.remote_num_tokens = {params.remote_num_tokens} but the "
                 f"prompt has {request.num_prompt_tokens} tokens; P computed another prompt"
             )
         self._check_prompt(request, params)
-        need = math.ceil(self._loadable(request, params) / self._engine.block_size)
+        self._check_blocks(params, self._loadable(request, params), "kv_transfer_params.")
+        return params
+
+    def _check_ticket(self, params: RemotePrefillParams, where: str) -> None:
+        # The signature first (a forged or altered ticket names nothing), then its engine.
+        if self._options.keys is not None:
+            params.verify(self._options.keys)
+        self._check_peer(params.transport, params.tp_size, params.remote_ports)
+        if len(params.remote_block_ids) != self._engine.num_kv_groups:
+            raise ConfigError(
+                f"{where}remote_block_ids has {len(params.remote_block_ids)} KV groups; this "
+                f"engine has {self._engine.num_kv_groups}"
+            )
+
+    def _check_blocks(self, params: RemotePrefillParams, loadable: int, where: str) -> None:
+        need = math.ceil(loadable / self._engine.block_size)
         most = math.ceil(params.remote_num_tokens / self._engine.block_size) + 1
         for g, group in enumerate(params.remote_block_ids):
             if not need <= len(group) <= most:
                 raise ConfigError(
-                    f"kv_transfer_params.remote_block_ids[{g}] has {len(group)} blocks; "
-                    f"{need} to {most} are expected for {params.remote_num_tokens} tokens"
+                    f"{where}remote_block_ids[{g}] has {len(group)} blocks; {need} to {most} "
+                    f"are expected for {params.remote_num_tokens} tokens"
                 )
-        return params
 
     def _check_prompt(self, request: RequestView, params: RemotePrefillParams) -> None:
         # The KV is of P's prompt: load it only into a request with the same prompt (a ticket
