@@ -220,7 +220,7 @@ class _Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise BenchError(
-                    f"the push benchmark's engine {self.name} exited with status "
+                    f"the benchmark's engine {self.name!r} exited with status "
                     f"{self.proc.returncode}: {self.log_tail()}"
                 )
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
@@ -231,7 +231,7 @@ class _Server:
                     self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
                     self.conn.connect()
                     return
-        raise BenchError(f"the push benchmark's engine {self.name} did not start in time")
+        raise BenchError(f"the benchmark's engine {self.name!r} did not start in time")
 
     def log_tail(self) -> str:
         self.log.flush()
