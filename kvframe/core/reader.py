@@ -1065,15 +1065,17 @@ def _chunks(handles: list[int]) -> Iterator[tuple[int, ...]]:
 
 
 def _lost_text(why: wire.LostReason) -> str:
+    # The holder is the prefill engine in pull mode, the decoder in push and bidirectional mode.
     return {
-        wire.LostReason.UNKNOWN: "the prefill engine does not know the lease (never granted, "
-        "or long gone)",
-        wire.LostReason.CONSUMED: "the prefill engine reports the lease consumed (the ticket "
-        "was already used)",
-        wire.LostReason.ABORTED: "the prefill engine reports the lease aborted",
-        wire.LostReason.EXPIRED: "the prefill engine reports the lease expired",
-        wire.LostReason.CLAIMED: "another decoder holds this lease (the ticket was used twice)",
-    }.get(why, f"the prefill engine reports the lease lost ({why!r})")
+        wire.LostReason.UNKNOWN: "the engine holding the KV does not know the lease (never "
+        "granted, or long gone)",
+        wire.LostReason.CONSUMED: "the engine holding the KV reports the lease consumed (the "
+        "ticket was already used)",
+        wire.LostReason.ABORTED: "the engine holding the KV reports the lease aborted (it gave "
+        "the blocks back)",
+        wire.LostReason.EXPIRED: "the engine holding the KV reports the lease expired",
+        wire.LostReason.CLAIMED: "another reader holds this lease (the ticket was used twice)",
+    }.get(why, f"the engine holding the KV reports the lease lost ({why!r})")
 
 
 def state_diagram() -> str:
