@@ -299,6 +299,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         },
     ),
     _gauge("leases_held", "Leases the prefill engine holds now.", "leases_held"),
+    _gauge(
+        "leases_active",
+        "Leases held now that a reader holds or may claim at any moment: all but a decoder's "
+        "kept turns nobody has claimed yet (bidirectional mode). While it is 0 an engine "
+        "keeping turns steps only every kept_poll_interval.",
+        "leases_active",
+    ),
     # -- push mode -------------------------------------------------------------------------
     _counter(
         "push_registrations_total",

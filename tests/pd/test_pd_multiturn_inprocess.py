@@ -6,6 +6,7 @@ never in a read of blocks D dropped."""
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from typing import Any
 
@@ -243,6 +244,8 @@ def test_symmetric_leases_claim_on_arrival(symmetric: bool) -> None:
             # extension, 2 s for a 3 s lease), no longer by the 6 s ttl.
             run_until([p, d], lambda: d.worker.holder.kept_count == 0)
             assert claimed_expiry(d) < ttl_end
+            d.step()  # the workers report the claimed lease (leases_active)
+            assert d.sched.next_deadline() == -math.inf  # a reader is at work: step at once
         else:
             end = time.monotonic() + 0.5  # P handshakes with D at once, but sends nothing
             while time.monotonic() < end:
@@ -252,6 +255,10 @@ def test_symmetric_leases_claim_on_arrival(symmetric: bool) -> None:
             assert d.worker.holder.kept_count == 1
             assert claimed_expiry(d) == ttl_end
             assert counter(p, "heartbeats_sent") == 0
+            # Only an unclaimed kept turn: D polls every kept_poll_interval (20 ms).
+            deadline = d.sched.next_deadline()
+            assert deadline is not None
+            assert deadline == pytest.approx(d.sched._now + 0.02)
     finally:
         d.shutdown()
         p.shutdown()

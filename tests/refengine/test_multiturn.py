@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -349,3 +350,32 @@ def test_d_short_of_blocks_gives_back_the_kept_turn_and_p_recomputes() -> None:
         assert c.get("history_loads") == 1, c
         assert c.get("loads_failed") == 1, c
         assert body["choices"][0]["token_ids"] == _reference([second], 8)[0]
+
+
+def test_a_decoder_keeping_only_unclaimed_turns_polls_slowly() -> None:
+    # The connector's next_deadline (kept_poll_interval, 20 ms) paces an engine whose only
+    # work is a kept turn: the engine sleeps that long between steps, not its idle pace.
+    with (
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as p,
+        engine_server("kv_both", lease=2.0, decoder_ttl=30.0) as d,
+    ):
+        prompt = TURNS[0]
+        status, first = complete(
+            p, {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        )
+        assert status == 200, first
+        leg = {**first["kv_transfer_params"], "keep_for_next_turn": True}
+        status, kept = complete(d, {"prompt": prompt, "max_tokens": 8, "kv_transfer_params": leg})
+        assert status == 200, kept
+        assert "kept_until" in kept["kv_transfer_params"]
+        engine = d.service.engine
+        assert engine.connector_scheduler is not None
+        assert engine.connector_scheduler.has_pending_work()
+        end = time.monotonic() + 5.0
+        wait = engine.idle_wait(cap=0.1)  # at once until the workers granted the kept lease
+        while (wait is None or wait <= engine.config.idle_sleep_s) and time.monotonic() < end:
+            time.sleep(0.01)
+            wait = engine.idle_wait(cap=0.1)
+        assert wait is not None
+        assert engine.config.idle_sleep_s < wait <= 0.02
+        assert engine.connector_scheduler.has_pending_work()  # still keeping the turn

@@ -412,7 +412,7 @@ class Engine:
     def has_unfinished_work(self) -> bool:
         """Whether stepping is still needed: live requests, blocks held for the connector, or
         the connector's ``has_pending_work()``."""
-        if self.scheduler.has_requests():
+        if self.scheduler.requests:
             return True
         return self.connector_scheduler is not None and self.connector_scheduler.has_pending_work()
 
@@ -460,8 +460,8 @@ class Engine:
         """How long a serving loop may sleep before the next :meth:`step`, in seconds:
 
         - ``0`` after a step that ran tokens while requests remain (more work is ready);
-        - ``idle_sleep_s`` while requests wait on the connector (a load in flight), or while
-          the connector says it must step at once (``next_deadline()`` now or past);
+        - ``idle_sleep_s`` while live requests wait on the connector (a load in flight), or
+          while the connector says it must step at once (``next_deadline()`` now or past);
         - until the connector's ``next_deadline()`` (at most ``cap``) when it has pending work
           that is only timed (a heartbeat batch due later): an idle engine does not spin;
         - ``None`` when there is nothing to do at all (sleep until a request arrives).
@@ -469,9 +469,11 @@ class Engine:
         A loop that sleeps must wake up early for a new request (the reference server's loop
         waits on its command queue with this timeout).
         """
-        if self.scheduler.has_requests():
+        if self.scheduler.requests:
             # More work is ready right after a step that ran tokens; otherwise the requests
-            # wait on the connector (a load in flight).
+            # wait on the connector (a load in flight). Finished requests whose blocks the
+            # connector holds are the connector's to pace (below): a decoder's kept turns
+            # need only a slow poll.
             return 0.0 if self._last_step_ran_tokens else self.config.idle_sleep_s
         sched = self.connector_scheduler
         if sched is None or not sched.has_pending_work():

@@ -40,6 +40,10 @@ class PDOptions:
     kv_recompute_threshold: int = 64
     """Bidirectional mode, P: pull a conversation's history from D only when the shared prefix
     is at least this many tokens (a shorter one is recomputed)."""
+    kept_poll_interval: float = 0.02
+    """Bidirectional mode, D: while the only leases held are kept turns, step this often (a
+    prefill engine's first heartbeat of a kept turn waits at most this long for its answer)
+    instead of at the engine's idle pace."""
     ttl_safety_margin: float | None = None
     """Bidirectional mode, P: seconds subtracted from D's kept-blocks expiry (after the clock
     offset correction and its uncertainty) before P relies on it; ``None``:
@@ -148,7 +152,15 @@ class PDOptions:
                 f"{_PATH}.ttl_safety_margin = {safety!r}; expected a finite number of seconds "
                 ">= 0, smaller than decoder_kv_blocks_ttl (leave it out for min(30, ttl / 4))"
             )
+        poll = seconds("kept_poll_interval", 0.02)
+        assert poll is not None
+        if poll > 1.0:
+            raise ConfigError(
+                f"{_PATH}.kept_poll_interval = {poll:g}; expected at most 1 second (a next "
+                "turn's first heartbeat waits up to this long for its answer)"
+            )
         return cls(
+            kept_poll_interval=poll,
             symmetric_leases=symmetric,
             kv_recompute_threshold=threshold,
             ttl_safety_margin=None if safety is None else float(safety),

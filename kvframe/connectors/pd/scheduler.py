@@ -113,6 +113,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # (local request id -> (lease id, blocks)), and the lease ids to give back now.
         self._kept: dict[str, tuple[str, int]] = {}
         self._evictions: list[str] = []
+        # The workers' latest "leases_active" gauge (leases held but unclaimed kept turns).
+        self._leases_active = 0
         # D side
         self._incoming: dict[str, _Incoming] = {}
         self._loads: list[PDLoad] = []
@@ -565,6 +567,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return tuple(out)
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
+        active = output.stats.gauges.get("leases_active")
+        if active is not None:
+            self._leases_active = int(active)
         for rid in output.finished_recving:
             inc = self._incoming.get(rid)
             if inc is not None and inc.state in (
@@ -865,14 +870,17 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def next_deadline(self) -> float | None:
         """When the engine must step again (engine clock). At once (``-inf``) while P holds
         leases (heartbeats must be answered within milliseconds), while D has loads in flight
-        or instructions to pass on; otherwise, with only queued remote-prefill requests on D,
-        when their next heartbeat batch is due; ``None`` with nothing to do."""
+        or instructions to pass on. When the only leases held are a decoder's kept turns
+        that no prefill engine has claimed (bidirectional mode; the workers report the others
+        in their ``leases_active`` gauge), ``kept_poll_interval`` after the latest step: a
+        next turn's first heartbeat waits at most that long for the answer, and from the
+        claim on the engine steps at once again. Otherwise, with only queued remote-prefill
+        requests on D, when their next heartbeat batch is due; ``None`` with nothing to do."""
         loading = any(
             inc.state is not DecodeRequestState.WAITING for inc in self._incoming.values()
         )
         if (
-            self._held
-            or loading
+            loading
             or self._evictions
             or self._grants
             or self._push_sources
@@ -881,9 +889,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
             or self._releases
             or self._aborts
             or self._confirm
+            or (self._held and (len(self._kept) < len(self._held) or self._leases_active > 0))
         ):
             return -math.inf
-        return self._tracker.next_deadline()
+        due = self._tracker.next_deadline()
+        if self._held:
+            poll = self._now + self._options.kept_poll_interval
+            return poll if due is None else min(due, poll)
+        return due
 
     def get_stats(self) -> Stats:
         counters = dict(self._counters)

@@ -607,6 +607,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         waiting = len(self._reader) + len(self._receiver) - in_flight
         gauges: dict[str, float] = {
             "leases_held": self._holder.live_count - len(self._push_leases),
+            # The scheduler paces on it: kept turns nobody claimed need only a slow poll.
+            "leases_active": self._holder.live_count
+            - len(self._push_leases)
+            - self._holder.kept_count,
             "loads_in_flight": in_flight,
             "loads_waiting": waiting,
             "pushes_open": len(self._push) + len(self._writes),
