@@ -368,6 +368,7 @@ def test_a_decoder_keeping_only_unclaimed_turns_polls_slowly() -> None:
         status, kept = complete(d, {"prompt": prompt, "max_tokens": 8, "kv_transfer_params": leg})
         assert status == 200, kept
         assert "kept_until" in kept["kv_transfer_params"]
+        assert d.service is not None
         engine = d.service.engine
         assert engine.connector_scheduler is not None
         assert engine.connector_scheduler.has_pending_work()
