@@ -337,7 +337,7 @@ def test_a_loss_notice_before_the_load_fails_it_at_once() -> None:
     assert r.receive(E, lost("L", wire.LostReason.CLAIMED), 0.1) == []
     out = r.add("q", E, "L", 0.2, incarnation=INC)
     assert kinds(out) == ["LoadEnded"]
-    assert "another decoder" in (ended(out).reason or "")
+    assert "another reader" in (ended(out).reason or "")
     assert len(r) == 0
 
 

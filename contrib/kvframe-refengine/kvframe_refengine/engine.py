@@ -412,7 +412,7 @@ class Engine:
     def has_unfinished_work(self) -> bool:
         """Whether stepping is still needed: live requests, blocks held for the connector, or
         the connector's ``has_pending_work()``."""
-        if self.scheduler.requests:
+        if self.scheduler.has_requests():
             return True
         return self.connector_scheduler is not None and self.connector_scheduler.has_pending_work()
 
