@@ -334,11 +334,10 @@ class LeaseHolder(Generic[_PayloadT]):
     def _restart_kept(self, handles: list[int], now: float, sent_at: float) -> None:
         # A kept lease's first heartbeat claims it: it lives by that reader's heartbeats now.
         kept, table = self._kept, self._table
-        for h in handles:
-            if h in kept:
-                rid = table.request_id_for(h)
-                if rid is None or table.restart(rid, now, sent_at=sent_at) is not None:
-                    kept.discard(h)
+        for h in kept.intersection(handles):  # one C-level pass over the batch
+            rid = table.request_id_for(h)
+            if rid is None or table.restart(rid, now, sent_at=sent_at) is not None:
+                kept.discard(h)
 
     def _done(self, reader: str, msg: wire.LeaseDone, now: float) -> HolderOutput[_PayloadT]:
         lost: dict[wire.LostReason, list[int]] = {}

@@ -87,16 +87,21 @@ def turn_one(p: Driver, d: Driver, tag: str) -> tuple[dict[str, Any], list[int]]
     return history, d_blocks
 
 
-def turn_two(
-    p: Driver, history: dict[str, Any], tag: str, prompt: list[int] | None = None
-) -> tuple[Any, int | None]:
+def next_turn(history: dict[str, Any], tag: str, prompt: list[int] | None = None) -> Any:
+    """P's view of the conversation's next turn (the whole conversation as its prompt)."""
     tokens = prompt if prompt is not None else list(range(PROMPT + ANSWER + NEW))
-    req = view(
+    return view(
         f"p2{tag}",
         len(tokens),
         {"do_remote_decode": True, "kv_history": history},
         prompt_token_ids=tokens,
     )
+
+
+def turn_two(
+    p: Driver, history: dict[str, Any], tag: str, prompt: list[int] | None = None
+) -> tuple[Any, int | None]:
+    req = next_turn(history, tag, prompt)
     p.sched.on_new_request(req)
     k, _ = p.sched.get_num_new_matched_tokens(req, 0)
     if k:
@@ -233,11 +238,7 @@ def test_symmetric_leases_claim_on_arrival(symmetric: bool) -> None:
     try:
         history, _ = turn_one(p, d, "y")
         ttl_end = claimed_expiry(d)
-        req = view(
-            "p2y",
-            PROMPT + ANSWER + NEW,
-            {"do_remote_decode": True, "kv_history": history},
-        )
+        req = next_turn(history, "y")
         p.sched.on_new_request(req)  # P is busy: the request waits in P's queue
         if symmetric:
             # P heartbeats from arrival: D's lease now lives by P's heartbeats (one
@@ -295,13 +296,7 @@ def test_decode_only_engine_does_not_keep() -> None:
 def test_a_history_mostly_in_ps_cache_is_not_pulled(pd: Any) -> None:
     p, d = pd
     history, _ = turn_one(p, d, "t")
-    tokens = list(range(PROMPT + ANSWER + NEW))
-    req = view(
-        "p2t",
-        len(tokens),
-        {"do_remote_decode": True, "kv_history": history},
-        prompt_token_ids=tokens,
-    )
+    req = next_turn(history, "t")
     p.sched.on_new_request(req)
     # P's own prefix cache has all but 9 of the 49 tokens D kept: fewer than the threshold
     # (16), so P computes them and tells D it may free its kept turn at once.

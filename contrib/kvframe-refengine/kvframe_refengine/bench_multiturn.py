@@ -342,31 +342,15 @@ def measure(
             out.append(_case(n, got))
         threads = bp._check_pinning(servers, want)
     finally:
-        for srv in servers.values():
-            if srv.conn is not None:
-                srv.conn.close()
-        for srv in servers.values():
-            srv.log.close()
-        children.close()
+        bp._stop(servers, children)
     return {
         "benchmark": "multiturn",
         "version": 1,
         "repeats": repeats,
-        "model": {
-            "layers": bp.MODEL_SHAPE["num_layers"],
-            "kv_heads": bp.MODEL_SHAPE["num_kv_heads"],
-            "head_dim": bp.MODEL_SHAPE["head_dim"],
-            "block_size": bp.BLOCK,
-            "kv_bytes_per_token": bp._KV_BYTES_PER_TOKEN,
-        },
+        "model": bp._model_facts(),
         "answer_tokens": ANSWER_TOKENS,
         "message_tokens": MESSAGE_TOKENS,
-        "pinning": {
-            **{name: sorted(c) for name, c in want.items()},
-            "bench": sorted(os.sched_getaffinity(0)),
-            "threads": threads,
-            "verified": True,
-        },
+        "pinning": bp._pinning_facts(want, threads),
         "load_average": {"start": load_start, "end": os.getloadavg()[0]},
         "cases": out,
     }

@@ -531,31 +531,45 @@ def measure(
             out.append(_case(n, got))
         threads = _check_pinning(servers, want)
     finally:
-        for srv in servers.values():
-            if srv.conn is not None:
-                srv.conn.close()
-        for srv in servers.values():
-            srv.log.close()
-        children.close()
+        _stop(servers, children)
     return {
         "benchmark": "push",
         "version": 1,
         "repeats": repeats,
-        "model": {
-            "layers": MODEL_SHAPE["num_layers"],
-            "kv_heads": MODEL_SHAPE["num_kv_heads"],
-            "head_dim": MODEL_SHAPE["head_dim"],
-            "block_size": BLOCK,
-            "kv_bytes_per_token": _KV_BYTES_PER_TOKEN,
-        },
-        "pinning": {
-            **{name: sorted(c) for name, c in want.items()},
-            "bench": sorted(os.sched_getaffinity(0)),
-            "threads": threads,
-            "verified": True,
-        },
+        "model": _model_facts(),
+        "pinning": _pinning_facts(want, threads),
         "load_average": {"start": load_start, "end": os.getloadavg()[0]},
         "cases": out,
+    }
+
+
+def _stop(servers: Mapping[str, _Server], children: Any) -> None:
+    # Close the benchmark's connections and logs, then stop the engines.
+    for srv in servers.values():
+        if srv.conn is not None:
+            srv.conn.close()
+    for srv in servers.values():
+        srv.log.close()
+    children.close()
+
+
+def _model_facts() -> dict[str, Any]:
+    return {
+        "layers": MODEL_SHAPE["num_layers"],
+        "kv_heads": MODEL_SHAPE["num_kv_heads"],
+        "head_dim": MODEL_SHAPE["head_dim"],
+        "block_size": BLOCK,
+        "kv_bytes_per_token": _KV_BYTES_PER_TOKEN,
+    }
+
+
+def _pinning_facts(want: Mapping[str, Any], threads: Any) -> dict[str, Any]:
+    # Only ever called once _check_pinning verified every thread.
+    return {
+        **{name: sorted(c) for name, c in want.items()},
+        "bench": sorted(os.sched_getaffinity(0)),
+        "threads": threads,
+        "verified": True,
     }
 
 

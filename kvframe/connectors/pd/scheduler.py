@@ -382,12 +382,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._new_engines[inc.addr.engine_id] = inc.addr
         if isinstance(inc.params, PushPrefillParams):
             return  # push: D holds the lease, P heartbeats it (the handshake starts now)
-        if (
-            inc.history
-            and not self._options.symmetric_leases
-            and inc.state is (DecodeRequestState.WAITING)
-        ):
-            return  # bidirectional without symmetric leases: heartbeats start at allocation
+        waiting = inc.state is DecodeRequestState.WAITING
+        if inc.history and waiting and not self._options.symmetric_leases:
+            return  # bidirectional without symmetric leases: heartbeats from allocation
         # Heartbeat the lease from now on, and once at once: D reads only under a lease P
         # confirmed, and the first confirmation should be back before the load is allocated.
         self._tracker.track(
@@ -430,12 +427,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 )
             )
             return 0, False
-        if (
-            not isinstance(inc.params, PushPrefillParams)
-            and not self._tracker.tracked(request.request_id)
-            and (self._options.symmetric_leases or not inc.history)
-        ):
-            self._start_tracking(request, inc)
+        pull = not isinstance(inc.params, PushPrefillParams)
+        if pull and not self._tracker.tracked(request.request_id):
+            self._start_tracking(request, inc)  # a history without symmetric leases: no-op
         return external, True
 
     def update_state_after_alloc(
@@ -484,7 +478,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 f"after {request.num_computed_tokens} computed; blocks {first}..{last} are needed"
             )
         inc.move(DecodeRequestEvent.ALLOCATED, request.request_id)
-        if inc.history and not self._tracker.tracked(request.request_id):
+        if not self._tracker.tracked(request.request_id):
             self._start_tracking(request, inc)  # heartbeats from now, the first at once
         if inc.history:
             self._count("history_loads")
