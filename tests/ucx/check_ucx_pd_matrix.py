@@ -62,15 +62,11 @@ def test_p_stalled_mid_write_past_the_lease(pair: Any) -> None:  # noqa: F811
     "mode",
     [
         "push",
-        # Last: it kills the shared P. Bug found by this matrix: when D dies while P serves
-        # its READ (P's tag sends to D pending), P segfaults in ucxx's worker progress
-        # (UcxTransport.progress, kvframe_ucx/transport.py: self._worker.progress()).
-        pytest.param(
-            "pull",
-            marks=pytest.mark.xfail(
-                strict=True, reason="P segfaults in ucxx progress when a reader dies mid-READ"
-            ),
-        ),
+        # Last: it kills the shared P. Found by this matrix: when D died while P served its
+        # READ (P's rendezvous tag sends to D pending), P segfaulted in UCX's worker progress
+        # while the transport turned UCX's memory hooks off (no registration cache: UCX
+        # aborting the sends dereferenced it). The transport now refuses that setting.
+        "pull",
     ],
 )
 def test_d_killed_before_registration_and_mid_transfer(

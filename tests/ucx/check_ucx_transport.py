@@ -215,6 +215,26 @@ def test_bad_options_raise_config_error_naming_the_key(options: dict[str, Any], 
         assert repr(options[named]) in str(info.value) or str(options[named]) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("environ", "config", "named"),
+    [
+        ({"UCX_MEM_MMAP_HOOK_MODE": "none"}, {}, "UCX_MEM_MMAP_HOOK_MODE=none"),
+        ({"UCX_RCACHE_ENABLE": "n"}, {}, "UCX_RCACHE_ENABLE=n"),
+        ({}, {"RCACHE_ENABLE": "no"}, "RCACHE_ENABLE='no'"),
+    ],
+)
+def test_refuses_settings_that_turn_the_registration_cache_off(
+    environ: dict[str, str], config: dict[str, str], named: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without UCX's registration cache, a peer dying mid-rendezvous crashes the process (the
+    P/D matrix's "D killed mid-READ" did, with the memory hooks off): refused, naming it."""
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match="registration cache") as info:
+        UcxTransport.create(TransportParams(name="x", options={"ucx_config": config}))
+    assert named in str(info.value)
+
+
 def test_options_defaults_and_values() -> None:
     assert UcxOptions.from_mapping({}) == UcxOptions(release_timeout=5.0, ucx_config={})
     opts = UcxOptions.from_mapping({"release_timeout": 2, "ucx_config": {"UCX_TLS": "tcp"}})

@@ -59,6 +59,9 @@
       waits for the peer before dropping it.
     - `ucx_config` (mapping of UCX setting names to str, default empty): UCX settings for this
       transport's UCX context, with or without the `UCX_` prefix, e.g. `{"TLS": "tcp"}`.
+    - Refused, here or in the environment: `RCACHE_ENABLE` off and `UCX_MEM_MMAP_HOOK_MODE=none`.
+      Without UCX's registration cache, UCX (the build inside ucxx 0.52) segfaults in worker
+      progress when a peer dies while a large (rendezvous) send to it is pending.
 - **Telemetry:** `stats()` keys: `bytes` (of completed transfers), `transfers_posted`,
   `transfers_done`, `transfers_failed`, `messages` (data messages posted by this side's
   requests), `requests_served` (peers' READ/WRITE requests answered), `requests_refused`
@@ -274,6 +277,13 @@ class UcxTransport(Transport):
                 "ucx transport: NIXL (nixl_cu12) is loaded in this process, and ucxx and NIXL "
                 "corrupt each other's UCX state in one process (NIXL then reads wrong bytes); "
                 "run the ucx transport in a process without NIXL"
+            )
+        unsafe = _unsafe_setting(os.environ, self._opts.ucx_config)
+        if unsafe is not None:
+            raise ConfigError(
+                f"ucx transport: {unsafe} turns UCX's memory registration cache off, and without "
+                "it UCX crashes the process (segfault in worker progress) when a peer dies while "
+                "a large send to it is pending; remove that setting (the defaults keep the cache)"
             )
         ucx_api = _import_ucxx()
         self._api = ucx_api
@@ -852,7 +862,23 @@ class UcxTransport(Transport):
                 del self._served[slot]
 
 
-_UCM_ENV: Final = {"UCX_MEM_MALLOC_HOOKS": "no", "UCX_MEM_MMAP_HOOK_MODE": "none"}
+_OFF: Final = frozenset({"n", "no", "0", "off", "false"})
+
+
+def _unsafe_setting(environ: Mapping[str, str], ucx_config: Mapping[str, str]) -> str | None:
+    """The setting (as the user wrote it) that would turn UCX's registration cache off, if any.
+
+    Found by the P/D matrix: with the cache off, a peer that dies while this side's rendezvous
+    send to it is pending makes UCX abort the send through the missing cache (a NULL pointer).
+    """
+    if environ.get("UCX_MEM_MMAP_HOOK_MODE", "").strip().lower() == "none":
+        return "UCX_MEM_MMAP_HOOK_MODE=none (in the environment)"
+    if environ.get("UCX_RCACHE_ENABLE", "").strip().lower() in _OFF:
+        return f"UCX_RCACHE_ENABLE={environ['UCX_RCACHE_ENABLE']} (in the environment)"
+    value = ucx_config.get("RCACHE_ENABLE")
+    if value is not None and value.strip().lower() in _OFF:
+        return f"ucx_config RCACHE_ENABLE={value!r}"
+    return None
 
 
 def _import_ucxx() -> Any:
@@ -864,17 +890,14 @@ def _import_ucxx() -> Any:
     an "unused environment variable" warning on stdout, which breaks programs whose stdout is
     data. So the variable is removed again unless the user had set it.
     """
-    saved = {k: os.environ.get(k) for k in (*_UCM_ENV, "UCX_MEMTYPE_CACHE")}
-    for k, v in _UCM_ENV.items():
-        os.environ.setdefault(k, v)
+    saved = os.environ.get("UCX_MEMTYPE_CACHE")
     try:
         import ucxx._lib.libucxx as ucx_api
     finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
+        if saved is None:
+            os.environ.pop("UCX_MEMTYPE_CACHE", None)
+        else:
+            os.environ["UCX_MEMTYPE_CACHE"] = saved
     return ucx_api
 
 
