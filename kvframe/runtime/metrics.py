@@ -397,6 +397,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         side="scheduler",
     ),
     _counter(
+        "scheduler_history_released_total",
+        "Bidirectional mode: refused kv_history whose ticket passed the prefill scheduler's "
+        "checks (another prefix, too few tokens): the decoder was told to free the kept turn "
+        "at once instead of at its ttl.",
+        "history_released",
+        side="scheduler",
+    ),
+    _counter(
         "scheduler_kept_evicted_total",
         "Bidirectional mode: kept turns the decode scheduler gave back early because the engine "
         "needed blocks (reclaim_blocks).",

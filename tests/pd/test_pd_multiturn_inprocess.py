@@ -139,8 +139,35 @@ def test_other_prompt_is_recomputed(pd: Any) -> None:
     tokens[PROMPT + 2] = 999
     _, k = turn_two(p, history, "b", prompt=tokens)
     assert k == 0
-    assert p.sched.get_stats().counters.get("history_refused") == 1
+    counters = p.sched.get_stats().counters
+    assert counters.get("history_refused") == 1
     assert any(e.kind == "pd.history_refused" for e in p.sched.take_events())
+    # The ticket is authentic but useless to this prompt: D frees the kept turn now, not at
+    # its ttl (6 s), and nothing was read.
+    assert counters.get("history_released") == 1
+    started = time.monotonic()
+    run_until([p, d], lambda: ended(d, "d1b", "finished_sending"))
+    assert time.monotonic() - started < TTL / 2
+    assert d.worker.holder.live_count == 0
+    assert counter(p, "loads_done") == 0
+
+
+def test_a_ticket_that_fails_its_checks_releases_nothing(pd: Any) -> None:
+    """Only an authentic kept-blocks ticket can make P tell a decoder to free: one that fails
+    P's checks (here: not a kept-blocks ticket) is recomputed and D keeps its turn."""
+    p, d = pd
+    history, _ = turn_one(p, d, "f")
+    bad = {k: v for k, v in history.items() if k != "kept_until"}
+    _, k = turn_two(p, bad, "f")
+    assert k == 0
+    counters = p.sched.get_stats().counters
+    assert counters.get("history_refused") == 1
+    assert not counters.get("history_released")
+    for _ in range(20):
+        p.step()
+        d.step()
+    assert d.worker.holder.kept_count == 1
+    assert not ended(d, "d1f", "finished_sending")
 
 
 def test_short_history_is_recomputed() -> None:
@@ -151,6 +178,8 @@ def test_short_history_is_recomputed() -> None:
         assert k == 0
         events = [e for e in p.sched.take_events() if e.kind == "pd.history_refused"]
         assert "kv_recompute_threshold" in events[0].data["error"]
+        run_until([p, d], lambda: ended(d, "d1c", "finished_sending"))  # freed, not kept
+        assert d.worker.holder.live_count == 0
     finally:
         d.shutdown()
         p.shutdown()

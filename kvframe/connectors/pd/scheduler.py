@@ -76,6 +76,28 @@ class _Incoming:
         self.state = DECODE_REQUEST_TRANSITIONS.next(self.state, event, request_id)
 
 
+def _remote_addr(params: RemotePrefillParams | PushPrefillParams) -> RemoteEngineAddr:
+    """The engine a ticket names (where its KV is)."""
+    return RemoteEngineAddr(
+        engine_id=params.remote_engine_id,
+        host=params.remote_host,
+        port=params.remote_port,
+        ports=params.remote_ports,
+        tp_size=params.tp_size,
+    )
+
+
+class _HistoryRefused(ConfigError):
+    """P refuses a ``kv_history`` whose ticket passed its checks (signature, engine, shape) but
+    that this prompt cannot use (another prefix, too few tokens): the decoder that kept the
+    turn is told to free it at once."""
+
+    def __init__(self, message: str, params: RemotePrefillParams) -> None:
+        super().__init__(message)
+        self.addr = _remote_addr(params)
+        self.remote_request_id = params.remote_request_id
+
+
 class PDConnectorScheduler(KVConnectorScheduler):
     """Scheduler half of :class:`~kvframe.connectors.pd.PDConnector`."""
 
@@ -153,6 +175,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
         except ConfigError as exc:
             # The request is still served, by local prefill: correct, only slower.
             self._settled(request.request_id)
+            if isinstance(exc, _HistoryRefused):
+                # An authentic ticket this prompt cannot use: the decoder may free the kept
+                # turn now instead of holding it for decoder_kv_blocks_ttl.
+                self._new_engines.setdefault(exc.addr.engine_id, exc.addr)
+                self._releases.append(
+                    RemoteRelease(remote=exc.addr, remote_request_id=exc.remote_request_id)
+                )
+                self._count("history_released")
             kind = "history_refused" if history else "bad_params"
             self._count(kind)
             self._events.append(
@@ -162,13 +192,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 )
             )
             return None
-        addr = RemoteEngineAddr(
-            engine_id=params.remote_engine_id,
-            host=params.remote_host,
-            port=params.remote_port,
-            ports=params.remote_ports,
-            tp_size=params.tp_size,
-        )
+        addr = _remote_addr(params)
         inc = _Incoming(params=params, addr=addr, history=history)
         self._incoming[request.request_id] = inc
         return inc
@@ -209,17 +233,19 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._check_ticket(params, "kv_transfer_params.kv_history.")
         mine = prompt_digest(request.prompt_token_ids, params.remote_num_tokens)
         if not request.prompt_token_ids or mine != params.remote_prompt_digest:
-            raise ConfigError(
+            raise _HistoryRefused(
                 f"kv_transfer_params.kv_history covers {params.remote_num_tokens} tokens but "
                 "this prompt does not start with them (a client or a reasoning model that "
-                "rewrote the conversation, or another conversation's history): recomputed"
+                "rewrote the conversation, or another conversation's history): recomputed",
+                params,
             )
         loadable = self._loadable(request, params)
         threshold = self._options.kv_recompute_threshold
         if loadable < threshold or loadable <= 0:
-            raise ConfigError(
+            raise _HistoryRefused(
                 f"kv_transfer_params.kv_history shares {loadable} tokens with this prompt, "
-                f"fewer than kv_recompute_threshold ({threshold}): recomputed"
+                f"fewer than kv_recompute_threshold ({threshold}): recomputed",
+                params,
             )
         self._check_blocks(params, loadable, "kv_transfer_params.kv_history.")
         return params
