@@ -13,14 +13,13 @@ Layouts, regions, capabilities and notifications travel as the SPI's own frozen 
 from __future__ import annotations
 
 import socket
-import struct
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from kvframe.errors import CodecError
 from kvframe.protocol.codec import Codec
+from kvframe.protocol.frames import recv_frame, send_frame
 from kvframe.protocol.messages import freeze_plain
 from kvframe.spi.transport import (
     BlockLayout,
@@ -68,7 +67,6 @@ __all__ = [
 
 MAX_FRAME = 256 * 1024 * 1024
 """The largest envelope (bytes) either side reads or writes."""
-_LENGTH = struct.Struct(">I")
 
 
 def _options(value: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -313,18 +311,7 @@ CODEC = Codec(max_message_bytes=MAX_FRAME).with_types(
 def send(sock: socket.socket, message: object) -> None:
     """Write ``message`` as one frame. Raises ``TypeError``/``ValueError`` for a message the
     codec refuses (nothing is written then) and ``OSError`` when the socket fails."""
-    data = CODEC.encode(message)
-    sock.sendall(_LENGTH.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks = bytearray()
-    while len(chunks) < n:
-        chunk = sock.recv(n - len(chunks))
-        if not chunk:
-            raise EOFError("the other end closed the endpoint connection")
-        chunks += chunk
-    return bytes(chunks)
+    send_frame(sock, CODEC, message)
 
 
 def recv(sock: socket.socket) -> object:
@@ -335,11 +322,4 @@ def recv(sock: socket.socket) -> object:
     :class:`~kvframe.errors.CodecError` for a body that is not a message of :data:`CODEC` (the
     stream stays usable) and ``OSError`` when the socket fails.
     """
-    (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
-    if size > MAX_FRAME:
-        raise EOFError(f"endpoint frame of {size} bytes is over the {MAX_FRAME}-byte limit")
-    body = _recv_exact(sock, size)
-    try:
-        return CODEC.decode(body)
-    except CodecError as exc:
-        raise CodecError(f"endpoint frame: {exc}") from exc
+    return recv_frame(sock, CODEC, max_bytes=MAX_FRAME, what="endpoint")

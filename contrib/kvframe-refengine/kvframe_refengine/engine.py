@@ -39,10 +39,11 @@ from kvframe.spi.connector import (
     codec_for,
 )
 from kvframe_refengine.block_pool import BlockPool
-from kvframe_refengine.model import ModelConfig, TinyLM
+from kvframe_refengine.model import ModelConfig, TinyLM, check_tp_size
 from kvframe_refengine.request import FinishReason, Request, RequestOutput, RequestStatus
 from kvframe_refengine.runner import ModelRunner
-from kvframe_refengine.scheduler import ScheduledBatch, Scheduler
+from kvframe_refengine.scheduler import ScheduledBatch, Scheduler, StepResult
+from kvframe_refengine.tp import TPWorkers
 
 __all__ = ["MAX_REQUEST_ID_BYTES", "Engine", "EngineConfig", "LeakError", "check_request_id"]
 
@@ -122,6 +123,26 @@ class EngineConfig:
     idle_sleep_s: float = attrs.field(default=0.001, validator=_non_negative_seconds)
     """How long :meth:`Engine.generate` and :meth:`Engine.run_until_idle` sleep after a step
     that ran no tokens (waiting on the connector)."""
+    tp_size: int = attrs.field(default=1, validator=_positive)
+    """Tensor-parallel ranks. 1: the model runs in the engine's process. N > 1: N worker
+    processes, each holding its shard of the model, the KV cache of its KV heads and its own
+    connector worker half (:mod:`kvframe_refengine.tp`). Must fit the model
+    (:func:`~kvframe_refengine.model.check_tp_size`)."""
+    worker_timeout_s: float = attrs.field(default=60.0, validator=_non_negative_seconds)
+    """With ``tp_size > 1``: the longest one step may take on the workers (and each
+    all-reduce in it) before the engine declares them broken and fails every live request;
+    the workers' start-up may take four times as long."""
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            check_tp_size(self.model, self.tp_size)
+        except ValueError as exc:
+            raise ValueError(f"EngineConfig.{exc}") from None
+        if self.tp_size > 1 and not self.worker_timeout_s > 0:
+            raise ValueError(
+                f"EngineConfig.worker_timeout_s = {self.worker_timeout_s!r}; with tp_size > 1 "
+                "it must be > 0 seconds"
+            )
 
 
 class LeakError(AssertionError):
@@ -171,23 +192,49 @@ class Engine:
         self._closed = False
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
-        self.model = TinyLM(config.model, device=config.device)
+        self._model: TinyLM | None = None
+        self._runner: ModelRunner | None = None
+        self.workers: TPWorkers | None = None
+        """With ``tp_size > 1``: the worker processes (``None`` with one rank)."""
         sched_conn, worker_conn = self._build_connector(kv_transfer_config, ctx)
         self.connector_scheduler = sched_conn
         self.connector_worker = worker_conn
+        """The connector's worker half with one rank; ``None`` with ``tp_size > 1`` (each
+        worker process holds its own)."""
         self.pool = BlockPool(config.num_blocks)
         try:
-            self.runner = ModelRunner(
-                self.model,
-                num_blocks=config.num_blocks,
-                block_size=config.block_size,
-                connector=worker_conn,
-                decode_metadata=self._decode_metadata,
-                encode_output=self._round_trip_output,
-            )
-            if worker_conn is not None and sched_conn is not None:
-                blob = worker_conn.get_handshake_metadata()
-                sched_conn.set_xfer_handshake_metadata({} if blob is None else {0: blob})
+            handshake: dict[int, bytes] = {}
+            if config.tp_size == 1:
+                self._model = TinyLM(config.model, device=config.device)
+                self._runner = ModelRunner(
+                    self._model,
+                    num_blocks=config.num_blocks,
+                    block_size=config.block_size,
+                    connector=worker_conn,
+                    decode_metadata=self._decode_metadata,
+                    encode_output=self._round_trip_output,
+                )
+                blob = worker_conn.get_handshake_metadata() if worker_conn is not None else None
+                if blob is not None:
+                    handshake[0] = blob
+            else:
+                self.workers = TPWorkers(
+                    model=config.model,
+                    tp_size=config.tp_size,
+                    num_blocks=config.num_blocks,
+                    block_size=config.block_size,
+                    device=config.device,
+                    torch_threads=config.torch_threads or 1,
+                    timeout_s=config.worker_timeout_s,
+                    engine_model=self.engine_info().model,
+                    kv_transfer_config=(
+                        None if kv_transfer_config is None else kv_transfer_config.to_json()
+                    ),
+                    codec=self._codec,
+                )
+                handshake = self.workers.handshake_metadata
+            if sched_conn is not None:
+                sched_conn.set_xfer_handshake_metadata(handshake)
         except BaseException:
             self._shutdown_connector()
             raise
@@ -214,11 +261,38 @@ class Engine:
         self._sched_counters: dict[str, float] = {}
 
     # -- construction helpers ----------------------------------------------------------------
+    @property
+    def model(self) -> TinyLM:
+        """The model, with one rank. Raises ``RuntimeError`` with ``tp_size > 1``: each
+        worker process holds its shard (:attr:`workers`)."""
+        if self._model is None:
+            raise RuntimeError(
+                f"tp_size = {self.config.tp_size}: the model lives in the worker processes, "
+                "one shard each (Engine.workers); use read_kv() to see their KV caches"
+            )
+        return self._model
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner, with one rank. Raises ``RuntimeError`` with ``tp_size > 1``
+        (each worker process runs its own)."""
+        if self._runner is None:
+            raise RuntimeError(
+                f"tp_size = {self.config.tp_size}: each worker process runs its own model "
+                "runner (Engine.workers)"
+            )
+        return self._runner
+
     def engine_info(self) -> EngineInfo:
         """What connectors learn about this engine; ``model`` is a digest of the model
-        configuration, so engines with different weights never exchange KV."""
+        configuration, so engines with different weights never exchange KV; ``world_size``
+        is ``tp_size``."""
         digest = hashlib.sha256(repr(self.config.model).encode()).hexdigest()[:16]
-        return EngineInfo(block_size=self.config.block_size, model=f"refengine-tinylm-{digest}")
+        return EngineInfo(
+            block_size=self.config.block_size,
+            world_size=self.config.tp_size,
+            model=f"refengine-tinylm-{digest}",
+        )
 
     @staticmethod
     def _default_codec(kv: KVTransferConfig | None, ctx: BuildContext | None) -> Codec:
@@ -239,10 +313,11 @@ class Engine:
                 f"kv_connector {kv.kv_connector!r} needs KV cache layout {layout!r}; the "
                 "reference engine stores [block, K/V, token, head, dim] (NHD) only"
             )
+        # With tp_size > 1 each worker process builds its own rank's half (tp_worker.py).
         info = self.engine_info()
         sched = cls.build_scheduler(kv, info, ctx)
         try:
-            worker = cls.build_worker(kv, info, 0, ctx)
+            worker = cls.build_worker(kv, info, 0, ctx) if self.config.tp_size == 1 else None
         except BaseException:
             sched.shutdown()
             raise
@@ -357,7 +432,7 @@ class Engine:
         batch: ScheduledBatch | None = None
         try:
             batch = self.scheduler.schedule()
-            result = self.runner.execute(batch)
+            result = self._execute(batch)
             outputs = self.scheduler.update(batch, result)
         except Exception as exc:
             outputs = self._fail_step(batch, exc)
@@ -369,6 +444,30 @@ class Engine:
                 self.num_idle_steps += 1
         self.num_steps += 1
         return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> StepResult:
+        if self.workers is not None:
+            return self.workers.execute(batch)
+        return self.runner.execute(batch)
+
+    def read_kv(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """A copy of the KV cache's blocks ``block_ids``, one tensor per rank (one with
+        ``tp_size`` 1), each ``[layers, len(block_ids), 2, block_size, kv_heads, head_dim]``
+        with that rank's KV heads (:meth:`~kvframe_refengine.model.TPShard.kv_heads`). For
+        tests and diagnostics: it reads whatever the blocks hold, free or not.
+
+        Raises ``ValueError`` for a block id outside the cache and
+        :class:`~kvframe_refengine.tp.WorkerFailed` when the workers are not serving.
+        """
+        self._check_open()
+        ids = tuple(block_ids)
+        bad = [b for b in ids if type(b) is not int or not 0 <= b < self.config.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad} are not in 0..{self.config.num_blocks - 1}")
+        if self.workers is not None:
+            return self.workers.read_kv(ids)
+        index = torch.tensor(ids, dtype=torch.long, device=self.config.device)
+        return [torch.stack([c[index].cpu() for c in self.runner.kv_caches])]
 
     def _fail_step(self, batch: ScheduledBatch | None, exc: Exception) -> list[RequestOutput]:
         # The scheduler's state is whole between its calls; only the requests the failed step
@@ -561,6 +660,8 @@ class Engine:
 
     def _shutdown_connector(self) -> None:
         # Worker first: it owns the transfers that write into the KV cache.
+        if self.workers is not None:
+            self.workers.shutdown()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
         if self.connector_scheduler is not None:

@@ -13,12 +13,21 @@ Two forward passes share the same layer math:
   each layer's attention (:class:`AttentionHooks`).
 - :meth:`TinyLM.forward_dense` — the reference: one sequence, no cache, K/V computed for every
   position at once. Tests check the paged engine against it token for token.
+
+**Tensor parallelism.** ``TinyLM(config, shard=TPShard(rank=r, size=n), all_reduce=...)`` is
+rank ``r``'s shard of the model, as in Megatron-LM and vLLM: the query heads, the KV heads
+(:meth:`TPShard.kv_heads`; replicated when ``n`` exceeds the KV-head count) and the MLP's
+intermediate columns are split across ranks (``wq``, ``wk``, ``wv``, ``w_gate``, ``w_up``
+column-parallel; ``wo`` and ``w_down`` row-parallel), and the two row-parallel products of each
+layer are summed over the ranks by ``all_reduce``. The embedding, the norms and the LM head are
+replicated. Every rank generates the whole model from the seed and keeps its slices, so a
+shard's weights are bit-identical to the same slices of the unsharded model.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -29,7 +38,9 @@ __all__ = [
     "ModelConfig",
     "PagedBatch",
     "SeqSlice",
+    "TPShard",
     "TinyLM",
+    "check_tp_size",
     "greedy_reference",
 ]
 
@@ -75,6 +86,83 @@ class ModelConfig:
     def hidden_size(self) -> int:
         """Width of the residual stream: ``num_heads * head_dim``."""
         return self.num_heads * self.head_dim
+
+
+def check_tp_size(config: ModelConfig, tp_size: object) -> int:
+    """Return ``tp_size`` if ``config`` can be split over that many ranks, else raise
+    ``ValueError`` naming what does not divide and the sizes that would work.
+
+    A size works when it divides ``num_heads`` and ``intermediate_size``, and either divides
+    ``num_kv_heads`` (each rank holds ``num_kv_heads // tp_size`` KV heads) or is a multiple
+    of it (each KV head is replicated on ``tp_size // num_kv_heads`` ranks, as vLLM does).
+    """
+    c = config
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size = {tp_size!r}; it must be a positive int")
+    ok = [n for n in range(1, c.num_heads + 1) if not _tp_problems(c, n)]
+    problems = _tp_problems(c, tp_size)
+    if problems:
+        raise ValueError(
+            f"tp_size = {tp_size} does not fit the model: {'; '.join(problems)}; "
+            f"tensor-parallel sizes that fit this model: {ok}"
+        )
+    return tp_size
+
+
+def _tp_problems(c: ModelConfig, n: int) -> list[str]:
+    problems = []
+    if c.num_heads % n:
+        problems.append(f"it does not divide num_heads = {c.num_heads}")
+    if c.num_kv_heads % n and n % c.num_kv_heads:
+        problems.append(
+            f"it neither divides num_kv_heads = {c.num_kv_heads} nor is a multiple of it "
+            "(KV heads are split across ranks, or replicated when there are fewer than ranks)"
+        )
+    if c.intermediate_size % n:
+        problems.append(f"it does not divide intermediate_size = {c.intermediate_size}")
+    return problems
+
+
+@attrs.frozen(kw_only=True)
+class TPShard:
+    """Which tensor-parallel rank a :class:`TinyLM` is: rank ``rank`` of ``size``.
+
+    The default is the whole model (rank 0 of 1). Raises ``ValueError`` for a rank outside
+    ``0 .. size - 1``; whether ``size`` fits a model is :func:`check_tp_size`'s job.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if type(self.size) is not int or self.size < 1:
+            raise ValueError(f"TPShard.size = {self.size!r}; it must be a positive int")
+        if type(self.rank) is not int or not 0 <= self.rank < self.size:
+            raise ValueError(f"TPShard.rank = {self.rank!r}; it must lie in 0..{self.size - 1}")
+
+    def heads(self, c: ModelConfig) -> range:
+        """The query heads this rank computes (a contiguous ``num_heads // size``)."""
+        n = c.num_heads // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def kv_heads(self, c: ModelConfig) -> range:
+        """The KV heads this rank holds in its cache: ``num_kv_heads // size`` of them, or,
+        when ``size`` exceeds ``num_kv_heads``, the one head its query heads use (rank ``r``
+        holds head ``r // (size // num_kv_heads)``: each head on that many ranks)."""
+        if self.size <= c.num_kv_heads:
+            n = c.num_kv_heads // self.size
+            return range(self.rank * n, (self.rank + 1) * n)
+        head = self.rank // (self.size // c.num_kv_heads)
+        return range(head, head + 1)
+
+    def intermediate(self, c: ModelConfig) -> range:
+        """The MLP intermediate columns this rank computes."""
+        n = c.intermediate_size // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+
+def _rows(t: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
+    return t[heads.start * head_dim : heads.stop * head_dim].contiguous()
 
 
 class AttentionHooks(Protocol):
@@ -128,38 +216,70 @@ class TinyLM:
         config: the shape and seed.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; weights are generated on the CPU and
             then moved, so every device sees the same values.
+        shard: which tensor-parallel rank this is (default: the whole model); the size must
+            pass :func:`check_tp_size` (``ValueError`` otherwise).
+        all_reduce: sums a tensor over the ranks (in place or not; the result is used), called
+            twice per layer in every forward pass, by every rank in the same order. Required
+            when ``shard.size > 1`` (``ValueError`` otherwise); unused with one rank.
     """
 
-    def __init__(self, config: ModelConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: str | torch.device = "cpu",
+        *,
+        shard: TPShard | None = None,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.config = config
         self.device = torch.device(device)
+        self.shard = shard = shard if shard is not None else TPShard()
+        check_tp_size(config, shard.size)
+        if shard.size > 1 and all_reduce is None:
+            raise ValueError(
+                f"TinyLM: shard {shard.rank} of {shard.size} needs all_reduce (a sum over the "
+                "ranks, e.g. torch.distributed.all_reduce)"
+            )
+        self._all_reduce = all_reduce if shard.size > 1 else None
         gen = torch.Generator().manual_seed(config.seed)
         c = config
+        heads, kv_heads, inter = shard.heads(c), shard.kv_heads(c), shard.intermediate(c)
+        self.num_heads = len(heads)
+        """Query heads of this shard (all of them with one rank)."""
+        self.num_kv_heads = len(kv_heads)
+        """KV heads of this shard, the heads its KV cache holds."""
 
         def w(*shape: int) -> torch.Tensor:
             # Scaled so activations stay O(1) through the layers: greedy decoding then depends
-            # on the prompt instead of collapsing onto one token.
-            t = torch.randn(*shape, generator=gen, dtype=torch.float32) / math.sqrt(shape[-1])
-            return t.to(self.device)
+            # on the prompt instead of collapsing onto one token. Every rank draws the whole
+            # matrix (the generator's sequence is the model's) and keeps its slice.
+            return torch.randn(*shape, generator=gen, dtype=torch.float32) / math.sqrt(shape[-1])
 
         self.embed = (torch.randn(c.vocab_size, c.hidden_size, generator=gen)).to(self.device)
         self.layers: list[dict[str, torch.Tensor]] = []
+        d = c.head_dim
         for _ in range(c.num_layers):
-            self.layers.append(
-                {
-                    "attn_norm": torch.ones(c.hidden_size, device=self.device),
-                    "wq": w(c.num_heads * c.head_dim, c.hidden_size),
-                    "wk": w(c.num_kv_heads * c.head_dim, c.hidden_size),
-                    "wv": w(c.num_kv_heads * c.head_dim, c.hidden_size),
-                    "wo": w(c.hidden_size, c.num_heads * c.head_dim),
-                    "mlp_norm": torch.ones(c.hidden_size, device=self.device),
-                    "w_gate": w(c.intermediate_size, c.hidden_size),
-                    "w_up": w(c.intermediate_size, c.hidden_size),
-                    "w_down": w(c.hidden_size, c.intermediate_size),
-                }
-            )
+            wq = w(c.num_heads * d, c.hidden_size)
+            wk = w(c.num_kv_heads * d, c.hidden_size)
+            wv = w(c.num_kv_heads * d, c.hidden_size)
+            wo = w(c.hidden_size, c.num_heads * d)
+            w_gate = w(c.intermediate_size, c.hidden_size)
+            w_up = w(c.intermediate_size, c.hidden_size)
+            w_down = w(c.hidden_size, c.intermediate_size)
+            layer = {
+                "attn_norm": torch.ones(c.hidden_size),
+                "wq": _rows(wq, heads, d),
+                "wk": _rows(wk, kv_heads, d),
+                "wv": _rows(wv, kv_heads, d),
+                "wo": _rows(wo.T, heads, d).T.contiguous(),
+                "mlp_norm": torch.ones(c.hidden_size),
+                "w_gate": _rows(w_gate, inter, 1),
+                "w_up": _rows(w_up, inter, 1),
+                "w_down": _rows(w_down.T, inter, 1).T.contiguous(),
+            }
+            self.layers.append({k: v.to(self.device) for k, v in layer.items()})
         self.final_norm = torch.ones(c.hidden_size, device=self.device)
-        self.lm_head = w(c.vocab_size, c.hidden_size)
+        self.lm_head = w(c.vocab_size, c.hidden_size).to(self.device)
         half = c.head_dim // 2
         self._inv_freq = 1.0 / (
             c.rope_theta ** (torch.arange(0, half, dtype=torch.float32, device=self.device) / half)
@@ -182,12 +302,16 @@ class TinyLM:
     def _qkv(
         self, h: torch.Tensor, layer: dict[str, torch.Tensor], positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.config
+        d = self.config.head_dim
         x = self._rms_norm(h, layer["attn_norm"])
-        q = (x @ layer["wq"].T).view(-1, c.num_heads, c.head_dim)
-        k = (x @ layer["wk"].T).view(-1, c.num_kv_heads, c.head_dim)
-        v = (x @ layer["wv"].T).view(-1, c.num_kv_heads, c.head_dim)
+        q = (x @ layer["wq"].T).view(-1, self.num_heads, d)
+        k = (x @ layer["wk"].T).view(-1, self.num_kv_heads, d)
+        v = (x @ layer["wv"].T).view(-1, self.num_kv_heads, d)
         return self._rope(q, positions), self._rope(k, positions), v
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        # The row-parallel products' sum over the ranks (nothing to add with one rank).
+        return partial if self._all_reduce is None else self._all_reduce(partial)
 
     def _attend(
         self,
@@ -198,11 +322,11 @@ class TinyLM:
     ) -> torch.Tensor:
         """Causal attention of queries at ``q_pos`` over keys at positions ``0..len(k)-1``.
 
-        ``q`` is ``[n, heads, d]``; ``k`` and ``v`` are ``[ctx, kv_heads, d]``. Returns
-        ``[n, heads * d]``.
+        ``q`` is ``[n, heads, d]``; ``k`` and ``v`` are ``[ctx, kv_heads, d]`` (this shard's
+        heads). Returns ``[n, heads * d]``.
         """
         c = self.config
-        group = c.num_heads // c.num_kv_heads
+        group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(c.head_dim)
@@ -211,26 +335,26 @@ class TinyLM:
         scores = scores.masked_fill(~allowed[None, :, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("hqk,khd->qhd", probs, v)
-        return out.reshape(q.shape[0], c.num_heads * c.head_dim)
+        return out.reshape(q.shape[0], self.num_heads * c.head_dim)
 
     def _mlp(self, h: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
         x = self._rms_norm(h, layer["mlp_norm"])
         gated = torch.nn.functional.silu(x @ layer["w_gate"].T) * (x @ layer["w_up"].T)
-        return gated @ layer["w_down"].T
+        return self._reduce(gated @ layer["w_down"].T)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._rms_norm(h, self.final_norm) @ self.lm_head.T
 
     # -- the engine's pass -----------------------------------------------------------------
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's cache: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+        """Shape of one layer's cache: ``[num_blocks, 2, block_size, kv_heads, head_dim]``,
+        ``kv_heads`` being this shard's (:attr:`num_kv_heads`).
 
         Block-major, K at index 0 and V at index 1 of dimension 1: one block id names the same
         tokens in every layer, and one block of one layer is one contiguous byte range (what a
         transport moves).
         """
-        c = self.config
-        return (num_blocks, 2, block_size, c.num_kv_heads, c.head_dim)
+        return (num_blocks, 2, block_size, self.num_kv_heads, self.config.head_dim)
 
     @torch.inference_mode()
     def forward_paged(
@@ -269,8 +393,8 @@ class TinyLM:
             outs = []
             for seq in batch.seqs:
                 kv = cache[seq.block_table]  # [n_blocks, 2, block_size, kv_heads, d]
-                ctx_k = kv[:, 0].reshape(-1, c.num_kv_heads, c.head_dim)[: seq.context_len]
-                ctx_v = kv[:, 1].reshape(-1, c.num_kv_heads, c.head_dim)[: seq.context_len]
+                ctx_k = kv[:, 0].reshape(-1, self.num_kv_heads, c.head_dim)[: seq.context_len]
+                ctx_v = kv[:, 1].reshape(-1, self.num_kv_heads, c.head_dim)[: seq.context_len]
                 outs.append(
                     self._attend(
                         q[seq.start : seq.end], batch.positions[seq.start : seq.end], ctx_k, ctx_v
@@ -278,7 +402,7 @@ class TinyLM:
                 )
             if hooks is not None:
                 hooks.after_attention(i)
-            h = h + torch.cat(outs) @ layer["wo"].T
+            h = h + self._reduce(torch.cat(outs) @ layer["wo"].T)
             h = h + self._mlp(h, layer)
         last = torch.tensor([s.end - 1 for s in batch.seqs], device=h.device, dtype=torch.long)
         return self._logits(h[last])
@@ -300,7 +424,7 @@ class TinyLM:
         h = self.embed[ids]
         for layer in self.layers:
             q, k, v = self._qkv(h, layer, positions)
-            h = h + self._attend(q, positions, k, v) @ layer["wo"].T
+            h = h + self._reduce(self._attend(q, positions, k, v) @ layer["wo"].T)
             h = h + self._mlp(h, layer)
         return self._logits(h)
 

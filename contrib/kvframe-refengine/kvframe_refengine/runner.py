@@ -56,7 +56,9 @@ class _ConnectorHooks:
 
 
 class ModelRunner:
-    """Runs steps on one device. One rank: the reference engine has no tensor parallelism.
+    """Runs steps on one device, for one rank: the engine's own with ``tp_size`` 1, each
+    worker process's with ``tp_size > 1`` (:mod:`kvframe_refengine.tp_worker`; the model is
+    then that rank's shard and the connector that rank's worker half).
 
     Args:
         model: the model (its device is the runner's device).

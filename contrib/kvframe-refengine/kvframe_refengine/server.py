@@ -272,6 +272,17 @@ class EngineService:
     def health(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) for ``/health``: 503 once the engine loop is not running."""
         base: dict[str, Any] = {"engine_id": self.engine_id, "role": self.role}
+        workers = self.engine.workers
+        if workers is not None and workers.broken is not None and self.failed is None:
+            return 503, {
+                "ok": False,
+                **base,
+                "error": {
+                    "message": f"the tensor-parallel workers stopped: {workers.broken}; every "
+                    "request fails: restart this server",
+                    "type": "tp_workers_failed",
+                },
+            }
         if self.failed is not None or not self._thread.is_alive():
             message = str(self._died()) if self.failed is not None else "the engine loop stopped"
             return 503, {
@@ -524,9 +535,11 @@ def build_engine(
     auth_key_file: str | None = None,
     decoder_ttl: float | None = None,
     kv_extra: Mapping[str, Any] | None = None,
+    tp_size: int = 1,
 ) -> Engine:
     """An engine for serving; ``role=None`` builds one without a connector (the connector's
-    options as in :func:`kv_transfer_config`)."""
+    options as in :func:`kv_transfer_config`); ``tp_size`` > 1 runs the model in that many
+    worker processes (``EngineConfig.tp_size``)."""
     kv = None
     if role is not None:
         kv = kv_transfer_config(
@@ -546,6 +559,7 @@ def build_engine(
             num_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
             torch_threads=torch_threads,
+            tp_size=tp_size,
         ),
         kv,
     )
@@ -583,6 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument(
+        "--tp-size", type=int, default=1,
+        help="tensor-parallel ranks: worker processes, each with its shard of the model, the "
+        "KV cache of its KV heads and its own connector worker (default 1: no worker process)",
+    )  # fmt: skip
+    ap.add_argument(
         "--auth-key-file", default=None, help="the fleet key file (docs/security.md); none: "
         "unauthenticated",
     )  # fmt: skip
@@ -609,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         auth_key_file=args.auth_key_file,
         decoder_ttl=args.decoder_ttl,
         kv_extra=args.kv_extra,
+        tp_size=args.tp_size,
     )
     service = EngineService(engine, engine_id=args.engine_id, role=args.role or "none")
     httpd = serve(service, args.host, args.port)
