@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -99,3 +101,42 @@ def test_a_dead_worker_fails_every_request_and_the_next_steps_at_once() -> None:
         with pytest.raises(WorkerFailed):
             e.read_kv([0])
         e.check_no_leaks()
+
+
+def test_workers_that_cannot_start_fail_the_engine_naming_the_rank() -> None:
+    # A device this machine lacks: each rank fails building its shard, after the rendezvous.
+    device = "meta-not-a-device"
+    with pytest.raises(WorkerFailed, match=r"worker rank \d could not start: .*"):
+        Engine(EngineConfig(**CFG, tp_size=2, device=device))
+
+
+_ORPHAN = """
+import os, sys, torch
+from kvframe_refengine import Engine, EngineConfig
+e = Engine(EngineConfig(num_blocks=8, tp_size=2))
+print(" ".join(map(str, e.workers.pids())), flush=True)
+os._exit(0)  # the engine process dies without shutting anything down
+"""
+
+
+def test_workers_exit_when_the_engine_process_dies() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _ORPHAN], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.05)
+    assert not alive, f"workers {alive} outlived their engine"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False

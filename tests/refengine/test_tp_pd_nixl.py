@@ -10,6 +10,8 @@ is clean on both engines afterwards (no lease held, every block free).
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -37,14 +39,14 @@ MAX_TOKENS = 5
 _ids = itertools.count()
 
 
-def _engine(role: str, engine_id: str) -> Engine:
+def _engine(role: str, engine_id: str, **extra: Any) -> Engine:
     kv = KVTransferConfig.from_dict(
         {
             "kv_connector": "PDConnector",
             "kv_role": role,
             "engine_id": engine_id,
             "kv_lease_duration": 6.0,
-            "kv_connector_extra_config": {"transport": "nixl"},
+            "kv_connector_extra_config": {"transport": "nixl", **extra},
         }
     )
     return Engine(EngineConfig(**CFG, tp_size=2), kv)
@@ -111,6 +113,52 @@ def test_p_tp2_to_d_tp2_pull_over_nixl() -> None:
             # The two ranks hold different heads (one KV head each).
             assert not torch.equal(d_kv[0], d_kv[1])
         p.check_no_leaks()
+        d.check_no_leaks()
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def test_a_dead_p_rank_fails_p_and_d_recomputes_cleanly() -> None:
+    """P's rank 1 is killed after the prefill, before D reads: P's next step finds it gone and
+    stops its other worker too; D's loads fail on every rank (the peer is gone), D recomputes
+    the prompts itself (policy ``recompute``) and answers the single engine's tokens, and ends
+    clean, within a few seconds."""
+    with Engine(EngineConfig(**CFG)) as single:
+        want = [list(o.token_ids) for o in single.generate(PROMPTS[:2], MAX_TOKENS)]
+    n = next(_ids)
+    p = _engine("kv_producer", f"tpkP{n}")
+    d = _engine("kv_consumer", f"tpkD{n}", handshake_timeout=1.0)
+    try:
+        params: dict[str, dict[str, Any]] = {}
+        for i, prompt in enumerate(PROMPTS[:2]):
+            p.add_request(f"r{i}", prompt, 1, {"do_remote_decode": True})
+        while len(params) < 2:
+            for out in p.step():
+                if out.finished:
+                    assert out.kv_transfer_params is not None
+                    params[out.request_id] = dict(out.kv_transfer_params)
+        assert p.workers is not None
+        os.kill(p.workers.pids()[1], signal.SIGKILL)
+        for i, prompt in enumerate(PROMPTS[:2]):
+            d.add_request(f"d{i}", prompt, MAX_TOKENS, params[f"r{i}"])
+        finals = {}
+        t0 = time.monotonic()
+        while d.has_unfinished_work() or p.has_unfinished_work():
+            assert time.monotonic() - t0 < 30, d.describe()
+            for out in p.step() + d.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            time.sleep(0.001)
+        took = time.monotonic() - t0
+        assert p.workers.broken is not None
+        assert "worker rank 1" in p.workers.broken
+        for i in range(2):
+            out = finals[f"d{i}"]
+            assert out.finish_reason is FinishReason.LENGTH, out.error
+            assert list(out.token_ids) == want[i]
+            assert out.num_external_tokens == 0  # nothing loaded: recomputed on D
+        assert took < 15, took
         d.check_no_leaks()
     finally:
         d.shutdown()

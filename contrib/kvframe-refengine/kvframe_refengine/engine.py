@@ -119,7 +119,8 @@ class EngineConfig:
     )
     """If set, the engine calls ``torch.set_num_threads`` with it at construction (process-wide).
     The model is tiny: one thread is usually fastest, and several engines sharing few cores
-    slow each other down badly with more."""
+    slow each other down badly with more. With ``tp_size > 1`` each worker process uses this
+    many threads (1 when unset)."""
     idle_sleep_s: float = attrs.field(default=0.001, validator=_non_negative_seconds)
     """How long :meth:`Engine.generate` and :meth:`Engine.run_until_idle` sleep after a step
     that ran no tokens (waiting on the connector)."""
@@ -510,7 +511,12 @@ class Engine:
 
     def has_unfinished_work(self) -> bool:
         """Whether stepping is still needed: live requests, blocks held for the connector, or
-        the connector's ``has_pending_work()``."""
+        the connector's ``has_pending_work()``. Once the tensor-parallel workers stopped
+        (:attr:`TPWorkers.broken <kvframe_refengine.tp.TPWorkers.broken>`), only live
+        requests count (a step fails them); blocks the connector held stay held, and the leak
+        oracle lists them."""
+        if self.workers is not None and self.workers.broken is not None:
+            return bool(self.scheduler.requests)
         if self.scheduler.has_requests():
             return True
         return self.connector_scheduler is not None and self.connector_scheduler.has_pending_work()
