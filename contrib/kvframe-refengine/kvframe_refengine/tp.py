@@ -309,15 +309,11 @@ class TPWorkers:
                     f"step {batch.step}: rank {r.rank} sampled {dict(r.sampled)} but rank 0 "
                     f"sampled {sampled}; the shards disagree"
                 )
-        output: ConnectorOutput | None = None
-        for r in replies:
-            if r.connector_output is not None:
-                self._aggregator.add(
-                    r.rank, self._codec.decode_as(r.connector_output, ConnectorOutput)
-                )
-                output = ConnectorOutput()  # at least one rank reported: take below
-        if output is not None:
-            output = self._aggregator.take()
+        reported = [r for r in replies if r.connector_output is not None]
+        for r in reported:
+            assert r.connector_output is not None
+            self._aggregator.add(r.rank, self._codec.decode_as(r.connector_output, ConnectorOutput))
+        output = self._aggregator.take() if reported else None
         return StepResult(sampled=sampled, connector_output=output)
 
     def read_kv(self, block_ids: tuple[int, ...]) -> list[torch.Tensor]:
@@ -376,8 +372,8 @@ class TPWorkers:
                     msg = recv_frame(sock)
                 except (EOFError, OSError) as exc:
                     code = self._procs[rank].poll()
-                    how = "exited" if code is None else f"exited with status {code}"
-                    self._break(f"{what}: worker rank {rank} {how} ({exc})")
+                    how = "stopped answering" if code is None else f"exited with status {code}"
+                    self._break(f"{what}: worker rank {rank} {how} ({type(exc).__name__}: {exc})")
                 except Exception as exc:  # a CodecError: the wire is not to be trusted
                     self._break(f"{what}: rank {rank} sent a malformed message ({exc})")
                 if isinstance(msg, WorkerReady) and msg.error is not None:
