@@ -59,3 +59,17 @@ def test_no_auth_and_a_key_file_exclude_each_other() -> None:
     )
     assert proc.returncode == 2
     assert "--no-auth and --auth-key-file exclude each other" in proc.stderr
+
+
+def test_demo_at_tensor_parallel_2_passes_every_check() -> None:
+    """``--tp-size 2``: both engines run two worker processes each (KV heads split); P's
+    worker ranks serve D's same ranks; killing D's server kills its workers (they see their
+    engine's socket close), and P reclaims by the lease rules."""
+    result = run_demo_json("--tp-size", "2")
+    assert result["tp_size"] == 2
+    p1 = result["phase1"]
+    assert p1["equal_outputs"] == p1["requests"] == 6
+    assert p1["kv_loads"] == 6  # per request: each of D's two ranks loaded its heads
+    p2 = result["phase2"]
+    assert p2["leases_held_at_kill"] > 0
+    assert p2["reclaim_after_kill_s"] <= p2["reclaim_bound_s"] + 1.0

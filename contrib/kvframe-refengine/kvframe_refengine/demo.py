@@ -149,6 +149,7 @@ def check_options(
     auth_key_file: str | None = None,
     mode: str = "pull",
     multi_turn: bool = False,
+    tp_size: int = 1,
 ) -> None:
     """Check the demo's options before anything starts: the same checks the engines would make
     (the P/D connector's configuration, its lease floor and timing, from :mod:`kvframe.config`,
@@ -183,6 +184,12 @@ def check_options(
                 f"--max-tokens {max_tokens}: expected 1..{most} with --multi-turn (the last "
                 f"turn's prompt holds every message and answer; max_model_len is {limit})"
             )
+    from kvframe_refengine.model import ModelConfig, check_tp_size
+
+    try:
+        check_tp_size(ModelConfig(), tp_size)
+    except ValueError as exc:
+        raise ConfigError(f"--tp-size {tp_size}: {exc}") from None
     host = PluginHost()
     host.load()
     try:
@@ -308,8 +315,10 @@ def run_demo(
     auth_key_file: str | None = None,
     mode: str = "pull",
     multi_turn: bool = False,
+    tp_size: int = 1,
 ) -> dict[str, Any]:
-    """Run the demo (``multi_turn``: a conversation, see the module's docstring); returns the
+    """Run the demo (``multi_turn``: a conversation, see the module's docstring; ``tp_size``:
+    both engines tensor-parallel, ``server --tp-size``); returns the
     results (what ``--json`` prints). Never raises for a failed
     check: ``result["ok"]`` says whether everything passed and ``result["checks"]`` which.
 
@@ -326,6 +335,7 @@ def run_demo(
         auth_key_file=auth_key_file,
         mode=mode,
         multi_turn=multi_turn,
+        tp_size=tp_size,
     )
     children = ChildProcesses(grace=10.0)
 
@@ -336,7 +346,7 @@ def run_demo(
     try:
         return _run(
             children, num_prompts, max_tokens, lease, transport, kill, quiet_when_stopping,
-            auth_key_file, mode, multi_turn,
+            auth_key_file, mode, multi_turn, tp_size,
         )  # fmt: skip
     finally:
         children.close()
@@ -353,6 +363,7 @@ def _run(
     auth_key_file: str | None = None,
     mode: str = "pull",
     multi_turn: bool = False,
+    tp_size: int = 1,
 ) -> dict[str, Any]:
     interval, extension = lease / 6, lease * 2 / 3
     ports = {k: _free_port() for k in ("prefill", "decode", "router")}
@@ -363,6 +374,8 @@ def _run(
     ttl = decoder_ttl(lease)
     # Multi-turn: each engine holds KV for the other and reads the other's (kv_both).
     roles = ("kv_both", "kv_both") if multi_turn else ("kv_producer", "kv_consumer")
+    if tp_size != 1:
+        common += ["--tp-size", str(tp_size)]
     if multi_turn:
         common += ["--decoder-ttl", str(ttl)]
         common += ["--kv-extra", json.dumps({"kv_recompute_threshold": DEMO_RECOMPUTE_THRESHOLD})]
@@ -420,6 +433,7 @@ def _run(
     result: dict[str, Any] = {
         "mode": mode,
         "multi_turn": multi_turn,
+        "tp_size": tp_size,
         "transport": transport,
         "lease_duration_s": lease,
         "authenticated": auth_key_file is not None,
@@ -431,7 +445,8 @@ def _run(
         log(
             f"starting prefill, decode and router on 127.0.0.1:{ports['prefill']}, "
             f"{ports['decode']}, {ports['router']} (transport {transport}, {mode} mode"
-            f"{', multi-turn' if multi_turn else ''}; pids "
+            f"{', multi-turn' if multi_turn else ''}"
+            f"{f', tensor-parallel {tp_size} ranks each' if tp_size > 1 else ''}; pids "
             f"{pids}) ..."
         )
         for p in procs.values():
@@ -476,11 +491,13 @@ def _run(
             ttfts = [b["timing"].get("ttft_s", 0.0) for c, b in ok_resps]
             starts = [b["router_timing"]["decode_start_s"] for c, b in ok_resps]
             d_c, p_c = d_stats["counters"], p_stats["counters"]
-            loads = int(d_c.get("loads_done", 0))
+            # The workers' counters add over the ranks, and every rank of a TP engine moves
+            # its own heads of each request: per request, divide by the ranks.
+            loads = int(d_c.get("loads_done", 0)) // tp_size
             if mode == "push":  # P WRITEs into D's blocks: P measures the transfers
                 moved = int(p_c.get("bytes_written", 0))
                 transfer_s = float(p_c.get("push_seconds", 0.0))
-                pushed = int(p_c.get("pushes_done", 0))
+                pushed = int(p_c.get("pushes_done", 0)) // tp_size
                 checks["every request's KV was pushed by P (D's loads, P's pushes)"] = (
                     from_p == loads == pushed == num_prompts and moved > 0
                 )
@@ -971,6 +988,10 @@ def main(argv: list[str] | None = None) -> int:
         "from D, which kept it (bidirectional mode; both engines kv_both)",
     )  # fmt: skip
     ap.add_argument(
+        "--tp-size", type=int, default=1,
+        help="tensor-parallel ranks of each engine (worker processes: server --tp-size; 1)",
+    )  # fmt: skip
+    ap.add_argument(
         "--no-kill", action="store_true",
         help="skip the D-killed phase (with --multi-turn: the wait for D's ttl)",
     )  # fmt: skip
@@ -1005,6 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
                     transport=args.transport,
                     mode=args.mode,
                     multi_turn=args.multi_turn,
+                    tp_size=args.tp_size,
                 )
                 key_file = os.path.join(keydir, "fleet.key")
                 KeyRing.generate_file(key_file, "demo")
@@ -1019,6 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
                 auth_key_file=key_file,
                 mode=args.mode,
                 multi_turn=args.multi_turn,
+                tp_size=args.tp_size,
             )
     except ConfigError as exc:
         print(f"kvframe demo: {exc}", file=sys.stderr)
