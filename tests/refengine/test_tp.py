@@ -19,6 +19,7 @@ import pytest
 import torch
 from kvframe_refengine import Engine, EngineConfig, FinishReason, ModelConfig
 from kvframe_refengine.model import TPShard, check_tp_size
+from kvframe_refengine.scheduler import ScheduledBatch, ScheduledSeq
 from kvframe_refengine.tp import WorkerFailed
 
 MODEL = ModelConfig(seed=7)
@@ -140,3 +141,24 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_step_every_rank_refuses_fails_alone_and_the_workers_go_on(
+    one_rank: tuple[list[list[int]], list[torch.Tensor]],
+) -> None:
+    tokens, _ = one_rank
+    with Engine(EngineConfig(**CFG, tp_size=2)) as e:
+        assert e.workers is not None
+        # Block 99 is outside every rank's 32-block cache: each rank raises at the same point
+        # (layer 0's cache write, before any all-reduce) and answers with its error.
+        bad = ScheduledBatch(
+            step=0,
+            seqs=(ScheduledSeq(request_id="x", token_ids=(1, 2), start=0, block_ids=(99,)),),
+            connector_metadata=None,
+            finished_request_ids=frozenset(),
+        )
+        with pytest.raises(WorkerFailed, match=r"step 0 failed: rank 0: .*; rank 1: "):
+            e.workers.execute(bad)
+        assert e.workers.broken is None
+        assert [list(o.token_ids) for o in e.generate(PROMPTS, 6)] == tokens
+        e.check_no_leaks()
