@@ -200,6 +200,9 @@ class TPWorkers:
 
     Raises :class:`WorkerFailed` when a worker cannot start (its error is in the message);
     every started worker is stopped then.
+
+    Threads: one thread (the engine's) calls every method; :attr:`broken` may be read from any
+    thread (a server's health check): it is one reference, set once from ``None`` to a str.
     """
 
     def __init__(
