@@ -22,6 +22,8 @@ from kvframe_refengine.model import TPShard, check_tp_size
 from kvframe_refengine.scheduler import ScheduledBatch, ScheduledSeq
 from kvframe_refengine.tp import WorkerFailed
 
+from tests.refengine._http import complete, engine_server, request
+
 MODEL = ModelConfig(seed=7)
 PROMPTS = [list(range(1, 21)), [40, 41, 42], [7] * 9, [300, 5, 77, 201, 9, 13, 64]]
 CFG = {"model": MODEL, "block_size": 8, "num_blocks": 32}
@@ -162,3 +164,19 @@ def test_a_step_every_rank_refuses_fails_alone_and_the_workers_go_on(
         assert e.workers.broken is None
         assert [list(o.token_ids) for o in e.generate(PROMPTS, 6)] == tokens
         e.check_no_leaks()
+
+
+def test_server_with_dead_workers_answers_500_then_health_503() -> None:
+    with engine_server(None, tp_size=2) as served:
+        assert served.service is not None
+        code, body = complete(served, {"prompt": [1, 2, 3], "max_tokens": 2})
+        assert code == 200, body
+        workers = served.service.engine.workers
+        assert workers is not None
+        os.kill(workers.pids()[0], signal.SIGKILL)
+        code, body = complete(served, {"prompt": [1, 2, 3], "max_tokens": 2})
+        assert code == 500, body
+        assert "worker rank 0" in body["error"]["message"]
+        code, body = request(served, "GET", "/health")
+        assert code == 503, body
+        assert body["error"]["type"] == "tp_workers_failed"
