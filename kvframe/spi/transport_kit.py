@@ -23,6 +23,9 @@ What is here, in the order a transport needs it:
 - :func:`pair_descriptors` (and the one-sided :func:`descriptor_ids`) — a request's per-block
   local/remote ids and a :class:`~kvframe.spi.transport.BlockLayout` turned into descriptor ids
   of both sides, validated together, vectorised for large requests.
+- :func:`contiguous_runs` — a request's pairs merged into one (address, length) run per stretch
+  of blocks adjacent on both sides within one region (:class:`Runs`), for a native API that
+  takes address ranges: fewer, larger operations.
 - :class:`PeerTable` — peers by name with their incarnation: adding a known name again is a
   rebuild (the old connection is torn down first, and :class:`PeerAdded` says so), removal,
   lookup with the SPI's ``PeerUnreachableError``, and the check that a remote layout was
@@ -84,6 +87,7 @@ __all__ = [
     "PeerTable",
     "PostRequest",
     "Prepared",
+    "Runs",
     "Transfer",
     "TransportOptions",
     "block_table",
@@ -92,6 +96,7 @@ __all__ = [
     "check_op",
     "check_post",
     "check_regions",
+    "contiguous_runs",
     "descriptor_ids",
     "flag",
     "instance",
@@ -623,6 +628,69 @@ def descriptor_ids(
     """
     pairs = pair_descriptors(layout, layout, blocks, blocks, regions)
     return np.asarray(pairs.local, dtype=np.int64)
+
+
+@attrs.frozen(kw_only=True)
+class Runs:
+    """A request's descriptor pairs merged into runs (see :func:`contiguous_runs`): run ``i``
+    moves ``lengths[i]`` bytes between ``local[i]`` and ``remote[i]`` (addresses), in region
+    ``local_regions[i]`` / ``remote_regions[i]`` of each side's layout."""
+
+    local: npt.NDArray[np.int64]
+    remote: npt.NDArray[np.int64]
+    lengths: npt.NDArray[np.int64]
+    local_regions: npt.NDArray[np.int64]
+    remote_regions: npt.NDArray[np.int64]
+
+    @property
+    def count(self) -> int:
+        """The number of runs (descriptors each side once merged)."""
+        return len(self.lengths)
+
+
+def _addresses(
+    layout: BlockLayout, ids: DescriptorIds
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    # (address, length, region) of each descriptor id, from the ids alone (O(request), not
+    # O(layout)): id r * num_blocks + b is block b of region r.
+    arr = np.asarray(ids, dtype=np.int64)
+    region = arr // layout.num_blocks
+    block = arr - region * layout.num_blocks
+    base = np.array([r.addr for r in layout.regions], dtype=np.int64)
+    blen = np.array(layout.block_lens, dtype=np.int64)
+    return base[region] + block * blen[region], blen[region], region
+
+
+def contiguous_runs(local: BlockLayout, remote: BlockLayout, pairs: DescriptorPairs) -> Runs:
+    """Merge a request's pairs (from :func:`pair_descriptors` on these layouts) into runs.
+
+    Pair ``i`` joins the run of pair ``i - 1`` when, on both sides, its block starts where the
+    previous one ends and lies in the same region; so a request of blocks ``[4, 5, 6, 9]`` into
+    ``[0, 1, 2, 3]`` over two regions is 4 runs (``4..6`` and ``9`` in each region), not 8
+    descriptors. The bytes moved and their order are unchanged. A pure function of its
+    arguments; raises nothing for pairs :func:`pair_descriptors` built on the same layouts.
+    """
+    la, ll, lr = _addresses(local, pairs.local)
+    ra, _, rr = _addresses(remote, pairs.remote)
+    if len(la) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Runs(
+            local=empty, remote=empty, lengths=empty, local_regions=empty, remote_regions=empty
+        )
+    joins = (
+        (la[1:] == la[:-1] + ll[:-1])
+        & (ra[1:] == ra[:-1] + ll[:-1])
+        & (lr[1:] == lr[:-1])
+        & (rr[1:] == rr[:-1])
+    )
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return Runs(
+        local=la[starts],
+        remote=ra[starts],
+        lengths=np.add.reduceat(ll, starts),
+        local_regions=lr[starts],
+        remote_regions=rr[starts],
+    )
 
 
 # -- peers -------------------------------------------------------------------------------------

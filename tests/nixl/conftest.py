@@ -174,7 +174,11 @@ def local(request: pytest.FixtureRequest) -> Iterator[Local]:
     mode = "t" if request.param else "i"
     # With the worker on, send every request to it (the default posts small ones inline).
     options = (
-        {"post_thread": True, "inline_post_bytes": 0} if request.param else {"post_thread": False}
+        # The worker's endpoint also merges adjacent blocks, so every transfer test runs
+        # both NIXL paths (prepared lists, merged runs).
+        {"post_thread": True, "inline_post_bytes": 0, "merge_runs": True}
+        if request.param
+        else {"post_thread": False}
     )
     end = Local(f"D-{mode}-{os.getpid()}", options)
     yield end

@@ -189,10 +189,46 @@ def test_stats_count_transfers(local: Local, peer: tuple[Peer, Any]) -> None:
     assert after["transfers_posted"] == before["transfers_posted"] + 1
     assert after["transfers_done"] == before["transfers_done"] + 1
     assert after["bytes"] == before["bytes"] + 2 * sum(BLOCK_LENS)
-    assert after["descriptors"] == before["descriptors"] + 2 * len(BLOCK_LENS)
+    # Blocks 0, 1 into 2, 3 are adjacent on both sides: merge_runs posts one NIXL descriptor
+    # per region.
+    merged = len(BLOCK_LENS) if local.t.options.merge_runs else 0
+    assert after["descriptors"] == before["descriptors"] + 2 * len(BLOCK_LENS) - merged
+    assert after["descriptors_merged"] == before["descriptors_merged"] + merged
     assert after["post_time_us"] > before["post_time_us"]
     assert after["nixl_xfer_us"] >= before["nixl_xfer_us"]
     assert after["peers"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("dst", "src", "runs"),
+    [
+        ([0, 1, 2, 3], [4, 5, 6, 7], 1),  # one run
+        ([0, 1, 2, 5], [4, 5, 6, 7], 2),  # the destination breaks after block 2
+        ([0, 1, 2, 3], [4, 5, 7, 8], 2),  # the source breaks after block 5
+        ([3, 2, 1, 0], [4, 5, 6, 7], 4),  # descending: nothing adjacent in request order
+        ([0, 2, 4, 6], [1, 3, 5, 7], 4),
+    ],
+)
+def test_merge_runs_posts_one_descriptor_per_run_and_region(
+    local: Local, peer: tuple[Peer, Any], dst: list[int], src: list[int], runs: int
+) -> None:
+    p, remote = peer
+    before = dict(local.t.stats())
+    rng = np.random.default_rng(len(dst) + runs)
+    for b in local.bufs:
+        b[:] = rng.integers(0, 256, b.size, dtype=np.uint8)
+    h = local.t.post(Op.READ, local.local, dst, remote, src)
+    assert h.num_descriptors == len(dst) * len(BLOCK_LENS)  # the SPI's count: blocks x regions
+    assert (st := wait(local, h)).state is XferState.DONE, st.error
+    local.t.release(h)
+    after = local.t.stats()
+    if not local.t.options.merge_runs:
+        runs = len(dst)  # one prepared descriptor per block and region
+    assert after["descriptors"] - before["descriptors"] == runs * len(BLOCK_LENS)
+    merged = (len(dst) - runs) * len(BLOCK_LENS)
+    assert after["descriptors_merged"] - before["descriptors_merged"] == merged
+    for r in range(len(BLOCK_LENS)):  # and the bytes are the peer's, block by block
+        np.testing.assert_array_equal(local.view(r)[dst], p_content(p, r)[src])
 
 
 # -- notifications ---------------------------------------------------------------------------

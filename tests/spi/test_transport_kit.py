@@ -47,6 +47,7 @@ from kvframe.spi.transport_kit import (
     check_op,
     check_post,
     check_regions,
+    contiguous_runs,
     descriptor_ids,
     flag,
     instance,
@@ -238,6 +239,59 @@ def test_pairs_match_a_brute_force_reference(nb: int, lens: list[int], data: st.
     as_arrays = pair_descriptors(local, remote, np.array(lblk, dtype=np.int64), np.array(rblk), sel)
     np.testing.assert_array_equal(as_arrays.local, pairs.local)
     np.testing.assert_array_equal(descriptor_ids(local, lblk, sel), pairs.local)
+
+
+@given(
+    nb=st.integers(1, 12),
+    lens=st.lists(st.integers(1, 64), min_size=1, max_size=3),
+    adjacent=st.booleans(),
+    data=st.data(),
+)
+def test_runs_match_a_brute_force_merge(
+    nb: int, lens: list[int], adjacent: bool, data: st.DataObject
+) -> None:
+    # adjacent: the regions touch (region r + 1 starts where region r ends), so a run could
+    # only cross them by ignoring the region boundary, which it must not.
+    gap = 0 if adjacent else 4096
+    local = BlockLayout(
+        regions=[
+            MemoryRegion(addr=(sum(lens[:i]) * nb) + gap * i, length=ln * nb)
+            for i, ln in enumerate(lens)
+        ],
+        block_lens=lens,
+        num_blocks=nb,
+    )
+    remote = _layout(lens, nb + 2, base=1 << 30)
+    n = data.draw(st.integers(0, 30))
+    lblk = data.draw(st.lists(st.integers(0, nb - 1), min_size=n, max_size=n))
+    rblk = data.draw(st.lists(st.integers(0, nb + 1), min_size=n, max_size=n))
+    sel = data.draw(st.none() | st.lists(st.integers(0, len(lens) - 1), min_size=1, unique=True))
+    pairs = pair_descriptors(local, remote, lblk, rblk, sel)
+    runs = contiguous_runs(local, remote, pairs)
+    # The reference: walk the pairs, extend the last run while both sides continue it.
+    want: list[list[int]] = []  # [local address, remote address, length, local region]
+    for r in pairs.regions:
+        for lb, rb in zip(lblk, rblk, strict=True):
+            la = local.regions[r].addr + lb * lens[r]
+            ra = remote.regions[r].addr + rb * lens[r]
+            last = want[-1] if want else None
+            if last and last[3] == r and last[0] + last[2] == la and last[1] + last[2] == ra:
+                last[2] += lens[r]
+            else:
+                want.append([la, ra, lens[r], r])
+    got = list(zip(runs.local, runs.remote, runs.lengths, runs.local_regions, strict=True))
+    assert [list(map(int, g)) for g in got] == want
+    assert runs.count == len(want)
+    np.testing.assert_array_equal(runs.local_regions, runs.remote_regions)
+    assert int(runs.lengths.sum()) == pairs.nbytes
+
+
+def test_runs_merge_adjacent_blocks_per_region() -> None:
+    layout = _layout([8, 16], 10)
+    pairs = pair_descriptors(layout, layout, [4, 5, 6, 9], [0, 1, 2, 3], None)
+    runs = contiguous_runs(layout, layout, pairs)
+    assert runs.count == 4  # blocks 4..6 and 9, in each of the two regions
+    assert runs.lengths.tolist() == [24, 8, 48, 16]
 
 
 def test_large_requests_are_numpy_arrays_of_the_asked_dtype() -> None:
