@@ -821,8 +821,9 @@ def _throughput(
             nbytes = bs * n
             results = {}
             for name, ts in times.items():
-                med = statistics.median(ts[1:])  # the first round warmed up
-                results[name] = {"median_s": med, "gbps": nbytes / med / 1e9}
+                kept = ts[1:]  # the first round warmed up
+                med = statistics.median(kept)
+                results[name] = {"median_s": med, "p90_s": _p90(kept), "gbps": nbytes / med / 1e9}
             first = methods[0].name
             ratios = {
                 f"{first}/{m.name}": results[first]["gbps"] / results[m.name]["gbps"]
@@ -836,16 +837,27 @@ def _throughput(
                         ratios[f"pd_connector/{other}"] = (
                             results["pd_connector"]["gbps"] / results[other]["gbps"]
                         )
-            rows.append(
-                {
-                    "block_bytes": bs,
-                    "blocks": n,
-                    "bytes": nbytes,
-                    "results": results,
-                    "ratios": ratios,
-                }
-            )
+            row = {
+                "block_bytes": bs,
+                "blocks": n,
+                "bytes": nbytes,
+                "results": results,
+                "ratios": ratios,
+            }
+            if "pd_connector" in results and "raw_nixl" in results:
+                # What the connector adds per request over the bare READ of the same blocks,
+                # measured in the same rounds.
+                row["fixed_cost_us"] = (
+                    results["pd_connector"]["median_s"] - results["raw_nixl"]["median_s"]
+                ) * 1e6
+            rows.append(row)
     return rows
+
+
+def _p90(samples: Sequence[float]) -> float:
+    """The 90th percentile (nearest rank) of ``samples``."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, -(-9 * len(ordered) // 10) - 1))]
 
 
 def _post_cost(
@@ -1057,6 +1069,26 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"| {_fmt_size(row['block_bytes'])} | {row['blocks']} | " + " | ".join(cells) + " |"
         )
+    if any("fixed_cost_us" in row for row in report["throughput"]):
+        lines += [
+            "",
+            "The P/D connector against raw NIXL, per request (µs): median and p90 of each; fixed "
+            "cost = connector median - raw median; ratio = raw median / connector median",
+            "",
+            "| block | blocks | raw NIXL median | raw NIXL p90 | connector median "
+            "| connector p90 | fixed cost | connector / raw |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in report["throughput"]:
+            if "fixed_cost_us" not in row:
+                continue
+            raw, pdc = row["results"]["raw_nixl"], row["results"]["pd_connector"]
+            lines.append(
+                f"| {_fmt_size(row['block_bytes'])} | {row['blocks']} | "
+                f"{raw['median_s'] * 1e6:.0f} | {raw['p90_s'] * 1e6:.0f} | "
+                f"{pdc['median_s'] * 1e6:.0f} | {pdc['p90_s'] * 1e6:.0f} | "
+                f"{row['fixed_cost_us']:.0f} | {row['ratios']['pd_connector/raw_nixl']:.2f} |"
+            )
     lines += [
         "",
         "Per-request post cost (µs, 16 KiB blocks) against descriptors",
@@ -1097,8 +1129,10 @@ def run(args: argparse.Namespace) -> int:
 
         {"benchmark": "transfer", "version": 1, "config": {...}, "methods": [names],
          "throughput": [{"block_bytes", "blocks", "bytes",
-                         "results": {method: {"median_s", "gbps"}},
-                         "ratios": {"kvframe/<method>": float}}],
+                         "results": {method: {"median_s", "p90_s", "gbps"}},
+                         "ratios": {"kvframe/<method>": float,
+                                    "pd_connector/raw_nixl": float, ...},
+                         "fixed_cost_us": float}],  # pd_connector - raw_nixl medians
          "post_cost": [{"descriptors", "kvframe_inline_post_us", "kvframe_post_thread_us",
                         "raw_make_us", "raw_make_transfer_us",
                         "pd_connector_launch_us"}],

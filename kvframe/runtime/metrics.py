@@ -202,6 +202,19 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "seconds",
     ),
     _histogram(
+        "load_done_seen_seconds",
+        "Seconds from posting a load's READ to the first poll that saw it done.",
+        "load_done_seen_seconds",
+        "seconds",
+    ),
+    _histogram(
+        "load_report_seconds",
+        "Seconds from the first poll that saw a load's READ done to the load handed to the "
+        "engine's scheduler (get_finished returning it).",
+        "load_report_seconds",
+        "seconds",
+    ),
+    _histogram(
         "load_bytes",
         "Bytes of KV cache one load read (per worker rank).",
         "bytes_read",

@@ -145,6 +145,8 @@ OBSERVATION_BUCKETS: Mapping[str, tuple[float, ...]] = {
     "transfer_seconds": _SECONDS_LONG,
     "post_seconds": _SECONDS_LONG,
     "load_wait_seconds": _SECONDS_LONG,
+    "load_done_seen_seconds": _SECONDS_LONG,
+    "load_report_seconds": _SECONDS_LONG,
     "bytes_read": tuple(float(4**i) for i in range(6, 18)),  # 4 KiB .. 16 GiB
     "push_seconds": _SECONDS_LONG,
     "push_post_seconds": _SECONDS_LONG,
@@ -227,6 +229,10 @@ class _Read:
     notice: bytes | None = None
     """The encoded done notice, when the transport does not promise a post's notification
     only after the data (``notification_after_data`` False): sent once the READ is DONE."""
+    post_perf: float = 0.0
+    """``time.perf_counter()`` when the READ was posted (timing statistics only)."""
+    done_perf: float = 0.0
+    """``time.perf_counter()`` at the first poll that saw the READ done (0: not yet)."""
 
 
 class PDConnectorWorker(WorkerReports, KVConnectorWorker):
@@ -338,6 +344,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         )
         self._reads: dict[str, _Read] = {}
         self._posted_now: list[str] = []  # READs posted in the current progress point
+        # Loads that ended DONE and are not yet reported: request id -> (posted, done seen),
+        # perf_counter readings for the per-request timing (statistics, not decisions).
+        self._timing: dict[str, tuple[float, float]] = {}
         self._pending_meta: collections.deque[PDMetadata] = collections.deque()
         # reporting
         self._finished_sending: set[str] = set()
@@ -576,11 +585,32 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         """Nothing is saved, so nothing to wait for."""
 
     def get_finished(self, finished_req_ids: Set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """A progress point after the forward pass; then every READ still in flight is polled
+        once more just before returning, so a load whose bytes landed during this progress
+        point is reported in this step, not the next."""
         self._progress()
+        if not self._closed and self._engines is not None:
+            self._settle([rid for rid, rd in self._reads.items() if rd.handle is not None])
         self._step_progress = []
         sending, recving = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
+        if self._timing:
+            self._report_timing(time.perf_counter())
         return (sending or None), (recving or None)
+
+    def _report_timing(self, reported: float) -> None:
+        # Per-request timing of the loads reported now: post -> first poll seeing the READ
+        # done -> handed to the scheduler (get_finished returning it).
+        for rid, (posted, seen) in self._timing.items():
+            self._observe("load_done_seen_seconds", max(0.0, seen - posted))
+            self._observe("load_report_seconds", max(0.0, reported - seen))
+            self._event(
+                "pd.load_timing",
+                request_id=rid,
+                done_seen_us=round((seen - posted) * 1e6, 1),
+                reported_us=round((reported - posted) * 1e6, 1),
+            )
+        self._timing.clear()
 
     def get_stats(self) -> Stats:
         for name, n in self._reader.take_counts().items():
@@ -686,11 +716,16 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._lease_output(self._holder.expire(now), now)
 
     def _poll(self, rids: Iterable[str]) -> list[tuple[str, XferStatus, XferHandle]]:
-        return [
-            (rid, self._transport.poll(rd.handle), rd.handle)
-            for rid in rids
-            if (rd := self._reads.get(rid)) is not None and rd.handle is not None
-        ]
+        out = []
+        for rid in rids:
+            rd = self._reads.get(rid)
+            if rd is None or rd.handle is None:
+                continue
+            status = self._transport.poll(rd.handle)
+            if status.state is XferState.DONE and not rd.done_perf:
+                rd.done_perf = time.perf_counter()
+            out.append((rid, status, rd.handle))
+        return out
 
     def _settle_posted(self) -> None:
         # READs posted in this progress point often complete inside the post (NIXL under
@@ -698,7 +733,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         # for them (after that observation), so the load ends now instead of a progress
         # point later.
         posted, self._posted_now = self._posted_now, []
-        states = self._poll(posted)
+        self._settle(posted)
+
+    def _settle(self, rids: Iterable[str]) -> None:
+        states = self._poll(rids)
         if not any(st.state is not XferState.PENDING for _, st, _ in states):
             return
         later = self._clock()
@@ -1070,6 +1108,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._engines.mark_failed(entry, now, str(exc))
             return out
         rd.posted_at = now
+        rd.post_perf = t0
         self._posted_now.append(action.request_id)
         self._observe("post_seconds", time.perf_counter() - t0)
         self._count("descriptors", rd.handle.num_descriptors)
@@ -1124,6 +1163,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         engine = action.engine
         if action.state is ReadState.DONE:
             self._count("loads_done", engine=engine)
+            if rd is not None and rd.post_perf:
+                self._timing[action.request_id] = (rd.post_perf, rd.done_perf or rd.post_perf)
         elif action.state is ReadState.ABORTED:
             self._count("loads_aborted", engine=engine)
         else:

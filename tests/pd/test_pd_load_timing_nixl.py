@@ -1,0 +1,111 @@
+"""D's per-request timing and same-step completion, through real NIXL across two processes.
+
+D runs in this process (the benchmark's minimal engine around the P/D connector), P in the
+benchmark's child process, which makes progress every 0.5 ms.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl_cu12", reason="the NIXL transport needs nixl-cu12")
+
+from kvframe.bench import transfer as bench
+from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
+from kvframe.spi.connector import SchedulerStep
+
+pytestmark = pytest.mark.nixl
+
+BLOCK = 16 * 1024
+POOL = 4 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def pd() -> Iterator[bench._PDConnectorMethod]:
+    bench._quiet_nixl()
+    memory = bench.Memory("cpu")
+    pool = memory.place(np.ones(POOL, dtype=np.uint8))
+    child = bench._Child(POOL)
+    config = bench.BenchConfig(
+        block_sizes=(BLOCK,),
+        blocks=(1,),
+        repeats=1,
+        descriptor_counts=(1,),
+        overlap_bytes=BLOCK,
+        pool_bytes=POOL,
+        scrub_bytes=BLOCK,
+    )
+    method = bench._PDConnectorMethod(bench.BenchEnv(child, pool, config, memory))
+    method.setup(BLOCK, POOL // BLOCK)
+    yield method
+    method.close()
+    child.close()
+
+
+def _step(engine: bench._PDEngine, forward_s: float) -> tuple[str, ConnectorOutput]:
+    """One engine step with a forward pass of ``forward_s`` between the two progress points;
+    also says where a READ was posted: ``"start"`` (start_load_kv), ``"finish"``
+    (get_finished) or ``""``."""
+    transport = engine.worker.transport  # type: ignore[attr-defined]
+    meta = engine.sched.build_connector_meta(SchedulerStep(step=engine.n, now=time.monotonic()))
+    engine.n += 1
+    engine.worker.bind_connector_metadata(
+        engine.codec.decode_as(engine.codec.encode(meta), ConnectorMetadata)
+    )
+    before = transport.stats()["transfers_posted"]
+    engine.worker.start_load_kv(None)
+    middle = transport.stats()["transfers_posted"]
+    time.sleep(forward_s)  # P makes progress meanwhile (every 0.5 ms)
+    out = engine.worker.build_connector_worker_output()
+    after = transport.stats()["transfers_posted"]
+    engine.worker.clear_connector_metadata()
+    out = engine.codec.decode_as(engine.codec.encode(out), ConnectorOutput)
+    engine.sched.update_connector_output(out)
+    where = "start" if middle > before else "finish" if after > middle else ""
+    return where, out
+
+
+def test_a_read_is_reported_in_the_step_its_bytes_land_with_its_timing(
+    pd: bench._PDConnectorMethod,
+) -> None:
+    """A READ posted before the forward pass lands during it (P progresses) and is reported
+    by that step's get_finished; one posted in get_finished (the confirmation came during
+    the forward pass) is reported by that step when the final poll sees it done, else by
+    the next. Each
+    report carries the request's timing: post, first poll seeing it done, reported."""
+    engine = pd.engine
+    assert engine is not None
+    seen = set()
+    for i in range(8):
+        dst, src = np.array([2 * i, 2 * i + 1]), np.array([40 + i, 60 + i])
+        pd.prepare(dst, src)  # P grants the lease
+        rid = f"d{pd.ids}"
+        engine.schedule(rid, pd.params or {}, dst.tolist())
+        deadline = time.monotonic() + 10
+        posted_at = None
+        step = 0
+        while True:
+            where, out = _step(engine, forward_s=0.005)
+            step += 1
+            if where:
+                posted_at = (step, where)
+            if rid in out.finished_recving:
+                break
+            assert time.monotonic() < deadline, "the load was never reported"
+            time.sleep(0.002)  # between steps P makes progress too
+        assert posted_at is not None
+        assert not out.failures
+        when, where = posted_at
+        assert when <= step <= (when if where == "start" else when + 1), (posted_at, step)
+        seen.add(where)
+        timing = [e.data for e in out.events if e.kind == "pd.load_timing"]
+        assert [t["request_id"] for t in timing] == [rid]
+        assert 0 <= timing[0]["done_seen_us"] <= timing[0]["reported_us"] < 1e6
+        counters = out.stats.counters
+        assert counters["load_done_seen_seconds"] > 0
+        assert sum(v for k, v in counters.items() if k.startswith("load_report_seconds:le=")) == 1
+    assert seen, "no READ was posted"
