@@ -1,4 +1,6 @@
-"""Bidirectional (multi-turn) mode across real processes over NIXL (issue 13, item 6).
+"""Bidirectional (multi-turn) mode across real processes over NIXL (issue 13, item 6);
+``tests/ucx/check_ucx_multiturn.py`` runs these very tests over the ``ucx`` transport (it
+imports them with another ``transport``).
 
 Two ``kv_both`` engines, each in its own process (tests/pd/node.py). Turn one: P prefills, D
 pulls it with ``keep_for_next_turn``, decodes an answer and keeps the conversation's blocks
@@ -20,6 +22,7 @@ time the test can compare with them.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import re
 import time
@@ -29,11 +32,16 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("nixl_cu12", reason="the NIXL transport needs nixl-cu12")
-
 from tests.pd.nodes import Node
 
-pytestmark = pytest.mark.nixl
+# find_spec, not importorskip: check_ucx_multiturn.py imports this module, and its process must
+# not load NIXL (the nodes load the transport, the test process neither).
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(
+        importlib.util.find_spec("nixl_cu12") is None, reason="the NIXL transport needs nixl-cu12"
+    ),
+]
 
 P_LEASE = 2.4  # P's leases for D's turn-one reads (as in test_pd_nixl.py)
 D_LEASE = 1.0  # D's leases for P's reads of kept blocks
@@ -77,19 +85,21 @@ def start(*specs: dict[str, Any]) -> list[Node]:
     return nodes
 
 
-def p_spec(name: str, **extra: Any) -> dict[str, Any]:
+def p_spec(transport: str, name: str, **extra: Any) -> dict[str, Any]:
     return {
         "engine_id": f"{name}{next(_n)}",
         "role": "kv_both",
+        "transport": transport,
         "lease": P_LEASE,
         "extra": {**P_EXTRA, **extra},
     }
 
 
-def d_spec(name: str, ttl: float, skew: float = 0.0) -> dict[str, Any]:
+def d_spec(transport: str, name: str, ttl: float, skew: float = 0.0) -> dict[str, Any]:
     return {
         "engine_id": f"{name}{next(_n)}",
         "role": "kv_both",
+        "transport": transport,
         "lease": D_LEASE,
         "skew": skew,
         "extra": {"_ttl": ttl},
@@ -97,19 +107,24 @@ def d_spec(name: str, ttl: float, skew: float = 0.0) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def nodes() -> Iterator[dict[str, Node]]:
+def transport() -> str:
+    return "nixl"
+
+
+@pytest.fixture(scope="module")
+def nodes(transport: str) -> Iterator[dict[str, Node]]:
     """Every node of the file, started at once before any test (a start is seconds of CPU,
     mostly importing torch: none runs beside a test's short leases). ``p`` and ``d`` are the
     plain pair; ``d+`` and ``d-`` are Ds whose clocks run 10,000 s ahead of and behind P's;
     ``psym`` and ``pplain`` are the Ps that test_p_killed_while_d_holds_blocks kills."""
     names = ("p", "d", "d+", "d-", "psym", "pplain")
     started = start(
-        p_spec("Pmt"),
-        d_spec("Dmt", TTL),
-        d_spec("Dahead", SHORT_TTL, 10_000.0),
-        d_spec("Dbehind", SHORT_TTL, -10_000.0),
-        {**p_spec("Psym", symmetric_leases=True), "lease": D_LEASE},
-        {**p_spec("Pplain"), "lease": D_LEASE},
+        p_spec(transport, "Pmt"),
+        d_spec(transport, "Dmt", TTL),
+        d_spec(transport, "Dahead", SHORT_TTL, 10_000.0),
+        d_spec(transport, "Dbehind", SHORT_TTL, -10_000.0),
+        {**p_spec(transport, "Psym", symmetric_leases=True), "lease": D_LEASE},
+        {**p_spec(transport, "Pplain"), "lease": D_LEASE},
     )
     yield dict(zip(names, started, strict=True))
     for node in started:  # killed: a clean shutdown takes a second or more per node
@@ -203,7 +218,7 @@ class Conversation:
 
 
 def posted(node: Node) -> float:
-    """The NIXL transfers ``node`` posted so far."""
+    """The transfers ``node``'s transport posted so far."""
     return float(node.status()["transport"].get("transfers_posted", 0))
 
 

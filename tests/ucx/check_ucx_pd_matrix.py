@@ -11,7 +11,6 @@ test where P dies stalled after its post is a death mid-WRITE here.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
@@ -26,19 +25,9 @@ from tests.pd.test_pd_matrix_nixl import (  # noqa: F401 - the tests and the pai
     test_p_killed_before_registration_and_mid_transfer,
     test_p_killed_mid_write_with_d_stalled,
 )
+from tests.ucx.over_ucx import MARKS, transport  # noqa: F401 - the fixture, by name
 
-pytestmark = [
-    pytest.mark.ucx,
-    pytest.mark.skipif(
-        importlib.util.find_spec("ucxx") is None or importlib.util.find_spec("kvframe_ucx") is None,
-        reason="the UCX tests need ucxx-cu12 and plugins/kvframe-ucx (./dev installs both)",
-    ),
-]
-
-
-@pytest.fixture(scope="module")
-def transport() -> str:
-    return "ucx"
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,7 +60,7 @@ def test_p_stalled_mid_write_past_the_lease(pair: Any) -> None:  # noqa: F811
 )
 def test_d_killed_before_registration_and_mid_transfer(
     pair: Any,  # noqa: F811 - the imported fixture, requested by name
-    transport: str,
+    transport: str,  # noqa: F811 - the imported fixture, requested by name
     mode: str,
 ) -> None:
     matrix.test_d_killed_before_registration_and_mid_transfer(pair, transport, mode)

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.ucx
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 MATRIX = HERE / "check_ucx_pd_matrix.py"
+MULTITURN = HERE / "check_ucx_multiturn.py"
 
 if importlib.util.find_spec("ucxx") is None or importlib.util.find_spec("kvframe_ucx") is None:
     pytest.skip(
@@ -61,10 +62,19 @@ def _child_pytest(targets: list[str], timeout: float, least: int) -> None:
 
 def test_ucx_suite_in_its_own_interpreter() -> None:
     assert "ucxx" not in sys.modules, "ucxx was loaded into the main test process"
-    _child_pytest(["--ignore", str(MATRIX), str(HERE)], timeout=240, least=50)
+    _child_pytest(
+        ["--ignore", str(MATRIX), "--ignore", str(MULTITURN), str(HERE)], timeout=240, least=50
+    )
 
 
 def test_ucx_pd_matrix_in_its_own_interpreter() -> None:
     """The cross-process P/D matrix over UCX (check_ucx_pd_matrix.py), in a child of its own:
     its nodes take about as long as every other UCX check together."""
     _child_pytest([str(MATRIX)], timeout=300, least=13)
+
+
+def test_ucx_multiturn_in_its_own_interpreter() -> None:
+    """Bidirectional mode across processes over UCX (check_ucx_multiturn.py: the tests of
+    tests/pd/test_pd_multiturn_nixl.py and one of its own), in a child of its own: its six
+    nodes start together and its leases are short, so it runs beside nothing else."""
+    _child_pytest([str(MULTITURN)], timeout=180, least=5)
