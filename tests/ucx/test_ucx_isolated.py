@@ -56,21 +56,23 @@ def _child_pytest(targets: list[str], timeout: float, least: int) -> None:
     assert proc.returncode == 0, tail
     summary = re.search(r"(\d+) passed", proc.stdout)
     assert summary is not None, tail
-    assert int(summary.group(1)) >= least, tail  # the checks were all collected
+    # the checks were all collected: ``least`` is every test the targets hold (update it when
+    # adding one), so one that silently stops being collected, or is skipped, fails this
+    assert int(summary.group(1)) >= least, tail
     assert re.search(r"\d+ failed", proc.stdout) is None, tail
 
 
 def test_ucx_suite_in_its_own_interpreter() -> None:
     assert "ucxx" not in sys.modules, "ucxx was loaded into the main test process"
     _child_pytest(
-        ["--ignore", str(MATRIX), "--ignore", str(MULTITURN), str(HERE)], timeout=240, least=50
+        ["--ignore", str(MATRIX), "--ignore", str(MULTITURN), str(HERE)], timeout=240, least=64
     )
 
 
 def test_ucx_pd_matrix_in_its_own_interpreter() -> None:
     """The cross-process P/D matrix over UCX (check_ucx_pd_matrix.py), in a child of its own:
     its nodes take about as long as every other UCX check together."""
-    _child_pytest([str(MATRIX)], timeout=300, least=13)
+    _child_pytest([str(MATRIX)], timeout=300, least=15)
 
 
 def test_ucx_multiturn_in_its_own_interpreter() -> None:
