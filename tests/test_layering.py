@@ -65,7 +65,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("protocol",),
     ("spi",),
-    ("transports", "connectors"),
+    ("transports", "connectors", "discovery"),
     ("runtime",),
     ("testing", "bench"),
     ("cli",),

@@ -273,6 +273,27 @@ class LeaseHolder(Generic[_PayloadT]):
         self._kept.discard(handle)
         return HolderOutput(ended=(self._table.abort(lease_id, now),))
 
+    def claimed_by(self, reader: str) -> tuple[str, ...]:
+        """The live leases ``reader`` has claimed (named in a heartbeat), by lease id."""
+        table = self._table
+        ids = (table.request_id_for(h) for h, r in self._claims.items() if r == reader)
+        return tuple(sorted(i for i in ids if i is not None))
+
+    def abort_claims(self, reader: str, now: float) -> HolderOutput[_PayloadT]:
+        """``reader`` is gone for good (its engine left the fleet): end every live lease it
+        claimed at once (``ABORTED``) instead of at its expiry. Leases nobody claimed yet are
+        untouched: the holder cannot know which reader they were meant for, and they end at
+        their expiry as usual. Only for a reader that can no longer be reading: a reader
+        still alive would lose blocks under a bound this holder confirmed.
+
+        :raises LeaseError: ``now`` is not finite (nothing changes).
+        """
+        check_now(now)
+        ended: list[Lease[_PayloadT]] = []
+        for lease_id in self.claimed_by(reader):
+            ended.extend(self.abort(lease_id, now).ended)
+        return HolderOutput(ended=tuple(ended))
+
     # -- internals -----------------------------------------------------------------------
     def _split_claims(self, reader: str, handles: Iterable[int]) -> tuple[list[int], list[int]]:
         claims = self._claims

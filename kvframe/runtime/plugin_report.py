@@ -49,9 +49,9 @@ def report(host: PluginHost) -> dict[str, Any]:
     Keys: ``autoload`` (bool), ``blocked`` and ``unmatched_blocks`` (lists of names),
     ``plugins`` (name, source, status, distribution, version, target, what it registered,
     error), ``transports`` (name, plugin, distribution, version, capabilities),
-    ``connectors``, ``offload_tiers`` and ``eviction_policies`` (name, plugin, distribution,
-    version, object), and ``errors`` (one message per problem). An ambiguous name is listed
-    once per plugin that registered it, with ``"conflict": true``.
+    ``connectors``, ``offload_tiers``, ``eviction_policies`` and ``discovery_backends``
+    (name, plugin, distribution, version, object), and ``errors`` (one message per problem).
+    An ambiguous name is listed once per plugin that registered it, with ``"conflict": true``.
     """
     plugins = []
     for p in host.plugins():
@@ -67,6 +67,7 @@ def report(host: PluginHost) -> dict[str, Any]:
                 "connectors": list(p.connectors),
                 "offload_tiers": list(p.offload_tiers),
                 "eviction_policies": list(p.eviction_policies),
+                "discovery_backends": list(p.discovery_backends),
                 "error": str(p.error) if p.error is not None else None,
             }
         )
@@ -94,6 +95,7 @@ def report(host: PluginHost) -> dict[str, Any]:
         "connectors": by_kind[Kind.CONNECTOR],
         "offload_tiers": by_kind[Kind.OFFLOAD_TIER],
         "eviction_policies": by_kind[Kind.EVICTION_POLICY],
+        "discovery_backends": by_kind[Kind.DISCOVERY],
         "errors": [str(e) for e in host.errors()],
     }
 
@@ -132,6 +134,7 @@ def format_text(data: dict[str, Any]) -> str:
                 ("connectors", "connectors"),
                 ("offload_tiers", "offload tiers"),
                 ("eviction_policies", "eviction policies"),
+                ("discovery_backends", "discovery backends"),
             )
             if p[key]
         ]
@@ -142,6 +145,7 @@ def format_text(data: dict[str, Any]) -> str:
         ("connectors", "connectors", lambda r: str(r["object"])),
         ("offload_tiers", "offload tiers", lambda r: str(r["object"])),
         ("eviction_policies", "eviction policies", lambda r: str(r["object"])),
+        ("discovery_backends", "discovery backends", lambda r: str(r["object"])),
     ]
     for key, title, detail in sections:
         out.append("")

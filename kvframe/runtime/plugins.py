@@ -7,7 +7,8 @@ registrations. The hooks are specified in :mod:`kvframe.spi.hookspecs`.
 Discovery, in order, when :meth:`PluginHost.load` runs:
 
 1. **Built-ins** (:data:`BUILTIN_PLUGINS`: the in-process transport, the P/D, offloading and
-   multi connectors, the offload tiers and eviction policies) are imported and registered by
+   multi connectors, the offload tiers and eviction policies, the ``mem`` and ``file``
+   discovery backends) are imported and registered by
    the host through the same hooks a third-party plugin implements. They load even when
    entry-point autoloading is off, so a kvframe without any installed plugin still works.
 2. **Entry points** of the ``kvframe`` group, one plugin per entry point, unless autoloading is
@@ -64,6 +65,7 @@ from kvframe.errors import (
 )
 from kvframe.spi import hookspecs
 from kvframe.spi.connector import KVConnector
+from kvframe.spi.discovery import Discovery, DiscoveryParams
 from kvframe.spi.transport import (
     Transport,
     TransportCapabilities,
@@ -102,6 +104,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("pd", "kvframe.connectors.pd"),
     ("offload", "kvframe.connectors.offload"),
     ("multi", "kvframe.connectors.multi"),
+    ("discovery", "kvframe.discovery"),
 )
 #: What a registered name must look like (it appears in configuration files and commands).
 #: Case is kept and matters (``PDConnector`` follows vLLM's connector names); a lookup that
@@ -119,6 +122,7 @@ class Kind(enum.Enum):
     CONNECTOR = "connector"
     OFFLOAD_TIER = "offload tier"
     EVICTION_POLICY = "eviction policy"
+    DISCOVERY = "discovery backend"
 
     @property
     def hook(self) -> str:
@@ -136,6 +140,7 @@ _HOOK_OF = {
     Kind.CONNECTOR: "kvframe_register_connectors",
     Kind.OFFLOAD_TIER: "kvframe_register_offload_tiers",
     Kind.EVICTION_POLICY: "kvframe_register_eviction_policies",
+    Kind.DISCOVERY: "kvframe_register_discovery_backends",
 }
 
 
@@ -271,6 +276,7 @@ class PluginInfo:
     connectors: tuple[str, ...] = ()
     offload_tiers: tuple[str, ...] = ()
     eviction_policies: tuple[str, ...] = ()
+    discovery_backends: tuple[str, ...] = ()
     error: PluginError | None = None
     """Why the plugin failed (``status`` is ``FAILED``); the original exception is its
     ``__cause__``."""
@@ -332,6 +338,7 @@ class _Plugin:
             connectors=tuple(self.names[Kind.CONNECTOR]),
             offload_tiers=tuple(self.names[Kind.OFFLOAD_TIER]),
             eviction_policies=tuple(self.names[Kind.EVICTION_POLICY]),
+            discovery_backends=tuple(self.names[Kind.DISCOVERY]),
             error=self.error,
         )
 
@@ -800,23 +807,11 @@ class PluginHost:
             not a :class:`~kvframe.spi.transport.Transport` (the message names the plugin;
             the original exception is the cause). No transport is left open by the host.
         """
-        e = self._entry(Kind.TRANSPORT, name)
-        try:
-            transport = e.obj(params)
-        except KVFrameError:
-            raise
-        except Exception as exc:
-            raise PluginError(
-                f"the factory of transport {name!r} from {e.plugin.describe()} raised "
-                f"{_first_line(exc)}"
-            ) from exc
-        if not isinstance(transport, Transport):
-            raise PluginError(
-                f"the factory of transport {name!r} from {e.plugin.describe()} returned "
-                f"{type(transport).__name__}, not a kvframe.spi.transport.Transport; the "
-                "plugin is broken (report it to its authors)"
-            )
-        return transport
+        built = self._build(
+            Kind.TRANSPORT, name, params, Transport, "kvframe.spi.transport.Transport"
+        )
+        assert isinstance(built, Transport)
+        return built
 
     # -- connectors -----------------------------------------------------------------------
     def connector_names(self) -> tuple[str, ...]:
@@ -875,6 +870,52 @@ class PluginHost:
         :meth:`transport_info`."""
         return self.eviction_policy_info(name).factory
 
+    # -- discovery backends ---------------------------------------------------------------
+    def discovery_backend_names(self) -> tuple[str, ...]:
+        """Registered discovery-backend names, sorted."""
+        return self.names(Kind.DISCOVERY)
+
+    def discovery_backend_info(self, name: str) -> ComponentInfo:
+        """The discovery backend registered as ``name``; raises as :meth:`transport_info`."""
+        return self._component(Kind.DISCOVERY, name)
+
+    def create_discovery(self, name: str, params: DiscoveryParams) -> Discovery:
+        """Build a discovery backend with the factory registered as ``name``.
+
+        :raises PluginNotFoundError: as :meth:`transport_info`.
+        :raises PluginConflictError: as :meth:`transport_info`.
+        :raises KVFrameError: whatever kvframe error the factory raises (typically
+            :class:`~kvframe.errors.ConfigError` for bad options), unchanged.
+        :raises PluginError: the factory raised anything else or returned something that is
+            not a :class:`~kvframe.spi.discovery.Discovery` (the message names the plugin).
+        """
+        built = self._build(
+            Kind.DISCOVERY, name, params, Discovery, "kvframe.spi.discovery.Discovery"
+        )
+        assert isinstance(built, Discovery)
+        return built
+
+    def _build(self, kind: Kind, name: str, params: object, want: type, what: str) -> object:
+        """Call the factory registered as ``name``; kvframe errors pass, others and a wrong
+        result become a :class:`PluginError` naming the plugin."""
+        e = self._entry(kind, name)
+        try:
+            built = e.obj(params)
+        except KVFrameError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"the factory of {kind.value} {name!r} from {e.plugin.describe()} raised "
+                f"{_first_line(exc)}"
+            ) from exc
+        if not isinstance(built, want):
+            raise PluginError(
+                f"the factory of {kind.value} {name!r} from {e.plugin.describe()} returned "
+                f"{type(built).__name__}, not a {what}; the plugin is broken (report it to its "
+                "authors)"
+            )
+        return built
+
 
 class _Reject(Exception):
     """Internal: a plugin is refused; carries the reason and the original exception."""
@@ -899,6 +940,7 @@ _REGISTER_SIGNATURES = {
     Kind.CONNECTOR: _signature("connector"),
     Kind.OFFLOAD_TIER: _signature("factory"),
     Kind.EVICTION_POLICY: _signature("factory"),
+    Kind.DISCOVERY: _signature("factory"),
 }
 
 

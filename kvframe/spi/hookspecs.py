@@ -38,11 +38,13 @@ from kvframe.spi.transport import TransportCapabilities, TransportFactory
 
 if TYPE_CHECKING:
     from kvframe.spi.connector import KVConnector
+    from kvframe.spi.discovery import DiscoveryFactory
     from kvframe.spi.offload import EvictionPolicyFactory, OffloadTierFactory
 
 __all__ = [
     "PROJECT_NAME",
     "ConnectorRegistrar",
+    "DiscoveryRegistrar",
     "EvictionPolicyRegistrar",
     "OffloadTierRegistrar",
     "TransportRegistrar",
@@ -52,6 +54,7 @@ __all__ = [
     "hookspec_names",
     "hookspec_since",
     "kvframe_register_connectors",
+    "kvframe_register_discovery_backends",
     "kvframe_register_eviction_policies",
     "kvframe_register_offload_tiers",
     "kvframe_register_transports",
@@ -164,6 +167,25 @@ class EvictionPolicyRegistrar(Protocol):
                 :class:`~kvframe.spi.offload.EvictionPolicy`. A class is a fine factory. The
                 host checks only that it is callable; the connector refuses a factory that
                 returns something else.
+
+        Raises:
+            PluginError: a bad name or a factory that is not callable.
+        """
+
+
+class DiscoveryRegistrar(Protocol):
+    """The ``register`` callback passed to :func:`kvframe_register_discovery_backends`."""
+
+    def __call__(self, name: str, factory: DiscoveryFactory) -> None:
+        """Register a discovery backend.
+
+        Arguments:
+            name: what users write as the backend (``"etcd"``; same rules as transport names).
+            factory: called as ``factory(DiscoveryParams(options=...))`` each time someone
+                needs the backend; returns a new :class:`~kvframe.spi.discovery.Discovery`.
+                It must not connect to anything before it is called, so an installed but
+                unused backend costs nothing beyond its import; it raises
+                :class:`~kvframe.errors.ConfigError` naming the option for bad options.
 
         Raises:
             PluginError: a bad name or a factory that is not callable.
@@ -319,6 +341,40 @@ def kvframe_register_eviction_policies(register: EvictionPolicyRegistrar) -> Non
     """
 
 
+@_spec(since="0.2.0")
+def kvframe_register_discovery_backends(register: DiscoveryRegistrar) -> None:
+    """Register discovery backends (where a fleet's engines register and are watched).
+
+    The backend contract is :class:`kvframe.spi.discovery.Discovery`: register an
+    :class:`~kvframe.core.fleet.EngineRecord` and keep it alive, watch the fleet (added,
+    changed and vanished engines, decided by :class:`~kvframe.core.fleet.FleetView`), withdraw.
+    kvframe's own ``mem`` and ``file`` backends are registered through this hook, and the
+    ``kvframe-etcd`` distribution registers ``etcd``.
+
+    Arguments:
+        register: a [`DiscoveryRegistrar`](#discoveryregistrar); call it as
+            `register(name, factory)` once per backend.
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    When it is called:
+        Once per plugin, right after the host loads it, like every registration hook.
+
+    Errors:
+        Same as `kvframe_register_transports`.
+
+    Example:
+        ```python
+        from kvframe.spi.hookspecs import hookimpl
+
+        @hookimpl
+        def kvframe_register_discovery_backends(register):
+            register("consul", ConsulDiscovery.create)  # (DiscoveryParams) -> Discovery
+        ```
+    """
+
+
 # -- introspection and the generated reference ---------------------------------------------
 
 _HOOKS: tuple[Callable[..., Any], ...] = (
@@ -326,12 +382,14 @@ _HOOKS: tuple[Callable[..., Any], ...] = (
     kvframe_register_connectors,
     kvframe_register_offload_tiers,
     kvframe_register_eviction_policies,
+    kvframe_register_discovery_backends,
 )
 _REGISTRARS: tuple[type[Any], ...] = (
     TransportRegistrar,
     ConnectorRegistrar,
     OffloadTierRegistrar,
     EvictionPolicyRegistrar,
+    DiscoveryRegistrar,
 )
 
 

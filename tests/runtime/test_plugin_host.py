@@ -603,6 +603,7 @@ def test_register_signatures_match_the_registrar_protocols() -> None:
         Kind.CONNECTOR: hookspecs.ConnectorRegistrar,
         Kind.OFFLOAD_TIER: hookspecs.OffloadTierRegistrar,
         Kind.EVICTION_POLICY: hookspecs.EvictionPolicyRegistrar,
+        Kind.DISCOVERY: hookspecs.DiscoveryRegistrar,
     }
     for kind, proto in protocols.items():
         declared = inspect.signature(proto.__call__).parameters

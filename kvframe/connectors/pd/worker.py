@@ -343,6 +343,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             ),
         )
         self._reads: dict[str, _Read] = {}
+        # (what, engine id, reason) from engine_gone / fence / unfence (any thread; deque
+        # appends and pops are atomic), applied at the next progress point
+        self._liveness: collections.deque[tuple[str, str, str]] = collections.deque()
+        self._fenced: str | None = None  # why this engine may not read now
         self._posted_now: list[str] = []  # READs posted in the current progress point
         # Loads that ended DONE and are not yet reported: request id -> (posted, done seen),
         # perf_counter readings for the per-request timing (statistics, not decisions).
@@ -684,13 +688,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._posted_now = []
         self._writes_posted_now = []
         for peer in self._gone_reader_peers:
-            for lid in [lid for lid, pre in self._pre.items() if pre.peer == peer]:
-                self._drop_pre(lid)
-            self._run_push(self._push.peer_gone(peer, now), now)
-            self._run_writer(
-                self._writer.peer_failed(peer, "the decoder connected again", now), now
-            )
+            self._reader_peer_gone(peer, "the decoder connected again", now)
         self._gone_reader_peers = []
+        while self._liveness:
+            self._apply_liveness(*self._liveness.popleft(), now)
         for peer in self._new_reader_peers:
             self._run_writer(self._writer.peer_ready(peer, now), now)
         self._new_reader_peers = []
@@ -714,6 +715,96 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._run_writer(self._writer.tick(now), now)
             self._settle_writes()
         self._lease_output(self._holder.expire(now), now)
+
+    # -- liveness --------------------------------------------------------------------------
+    def engine_gone(self, engine_id: str, reason: str = "it left the fleet") -> None:
+        """Engine ``engine_id`` is gone for good (dead, or withdrawn from the fleet): act now
+        instead of waiting for leases and timeouts to notice.
+
+        Safe to call from any thread (a discovery watcher's, an operator's); it takes effect
+        at this worker's next progress point. As a **holder** (P) every live lease that a
+        worker of that engine claimed is aborted at once (its blocks reported in
+        ``finished_sending``), and writes to it in push mode stop. As a **reader** (D) every
+        pending load from that engine fails at once with ``reason`` (failure policy applies;
+        posted READs are stopped first) and its connection is dropped; a later request naming
+        the engine handshakes again. Unknown engines are ignored.
+
+        Call it only for an engine that can no longer be reading from this one: aborting a
+        live reader's leases frees blocks under a bound this worker confirmed to it.
+        kvframe's discovery backends report an engine gone only after its registration
+        lapsed, and a registrant reports its own registration lost before that (see
+        ``docs/fleet.md``). Without any call, leases bound everything as before.
+        """
+        if not isinstance(engine_id, str) or not engine_id:
+            raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
+        self._liveness.append(("gone", engine_id, str(reason)))
+
+    def fence(self, reason: str) -> None:
+        """This engine may have been reported gone (its own fleet registration lapsed): stop
+        reading at once. Any thread; effective at the next progress point.
+
+        Every pending load fails with ``reason`` (posted READs are stopped first), every load
+        the scheduler adds while fenced fails at once, and no heartbeat is sent, so no lease
+        is claimed or renewed: a prefill engine that saw this engine vanish and aborted its
+        leases can free their blocks safely. :meth:`unfence` ends it.
+        """
+        self._liveness.append(("fence", "", str(reason)))
+
+    def unfence(self) -> None:
+        """Read again (the registration is confirmed again). Any thread."""
+        self._liveness.append(("unfence", "", ""))
+
+    @property
+    def fenced(self) -> bool:
+        """Whether the worker is fenced (as of its latest progress point)."""
+        return self._fenced is not None
+
+    def _apply_liveness(self, what: str, engine_id: str, reason: str, now: float) -> None:
+        if what == "gone":
+            self._engine_gone(engine_id, reason, now)
+        elif what == "fence":
+            if self._fenced is None:
+                self._count("fenced")
+                self._event("pd.fenced", reason=reason)
+            self._fenced = reason
+            self._fail_fenced(now)
+        else:
+            if self._fenced is not None:
+                self._event("pd.unfenced")
+            self._fenced = None
+
+    def _fail_fenced(self, now: float) -> None:
+        why = f"this engine is fenced: {self._fenced}"
+        for engine in sorted({rd.spec.remote.engine_id for rd in self._reads.values()}):
+            self._run(self._reader.peer_failed(engine, why, now), now)
+        for rid in list(self._pushes):
+            self._push_abort(rid, now)
+
+    def _engine_gone(self, engine_id: str, reason: str, now: float) -> None:
+        self._count("engines_gone")
+        self._event("pd.engine_gone", engine=engine_id, reason=reason)
+        for (eid, _rank), peer in list(self._reader_peers.items()):
+            if eid != engine_id:
+                continue
+            out = self._holder.abort_claims(peer, now)
+            self._count("leases_aborted_engine_gone", len(out.ended))
+            self._lease_output(out, now)
+            self._reader_peer_gone(peer, f"decoder {engine_id!r} is gone: {reason}", now)
+        if self._engines is None:
+            return
+        entry = self._engines.find(engine_id)
+        why = f"left the fleet ({reason})"
+        if entry is not None:
+            self._engines.mark_failed(entry, now, why)
+            if self._pushes:
+                self._run_receiver(self._receiver.peer_failed(engine_id, why, now), now)
+        self._run(self._reader.peer_failed(engine_id, why, now), now)
+
+    def _reader_peer_gone(self, peer: str, reason: str, now: float) -> None:
+        for lid in [lid for lid, pre in self._pre.items() if pre.peer == peer]:
+            self._drop_pre(lid)
+        self._run_push(self._push.peer_gone(peer, now), now)
+        self._run_writer(self._writer.peer_failed(peer, reason, now), now)
 
     def _poll(self, rids: Iterable[str]) -> list[tuple[str, XferStatus, XferHandle]]:
         out = []
@@ -796,6 +887,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 not_after = self._kept_cap(entry, load.kept_until)
                 if not_after is None:  # no clock sample yet: capped before the peer is ready
                     self._uncapped[load.request_id] = (load.remote.engine_id, load.kept_until)
+            if self._fenced is not None:
+                # The peer marked down first: the load waits for it, sending nothing, and
+                # fails with the others below.
+                why = f"this engine is fenced: {self._fenced}"
+                self._run(self._reader.peer_failed(load.remote.engine_id, why, now), now)
             self._run(
                 self._reader.add(
                     load.request_id,
@@ -807,12 +903,17 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 ),
                 now,
             )
+        if self._fenced is not None:
+            self._fail_fenced(now)
         for rid in meta.abort_request_ids:
             if rid in self._pushes:
                 self._push_abort(rid, now)
             else:
                 self._run(self._reader.abort(rid, now), now)
         for engine_id, ids in meta.pd_heartbeats.items():
+            if self._fenced is not None:
+                self._count("heartbeats_fenced", len(ids))
+                continue
             self._run(self._reader.heartbeat(engine_id, ids, now), now)
         releases: dict[str, list[str]] = {}
         for rel in meta.releases:

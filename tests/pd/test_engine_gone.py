@@ -1,0 +1,156 @@
+"""Liveness feeds the leases: ``PDConnectorWorker.engine_gone`` on a fake clock.
+
+A decoder that is gone has its claimed leases aborted by the prefill engine at once (no time
+passes), and a prefill engine that is gone fails the decoder's pending loads at once; an
+engine nobody reports gone is bounded by its leases exactly as before."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvframe.testing.clock import FakeClock
+from tests.pd.driver import Driver
+from tests.pd.test_pd_fake_clock import (
+    LEASE,
+    _arrive,
+    _ended,
+    _failure,
+    _prefill,
+    _schedule,
+    _steps,
+)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(500.0)
+
+
+@pytest.fixture
+def pd(clock: FakeClock) -> Iterator[tuple[Driver, Driver]]:
+    p = Driver(f"Pgone{id(clock)}", "kv_producer", lease=LEASE, clock=clock)
+    d = Driver(f"Dgone{id(clock)}", "kv_consumer", lease=LEASE, clock=clock)
+    yield p, d
+    d.shutdown()
+    p.shutdown()
+
+
+def _counter(drv: Driver, name: str) -> float:
+    return sum(o.stats.counters.get(name, 0) for o in drv.outputs)
+
+
+def test_a_gone_decoder_has_its_claimed_leases_aborted_at_once(
+    pd: tuple[Driver, Driver], clock: FakeClock
+) -> None:
+    p, d = pd
+    claimed = _prefill(p, "r", [1, 2])
+    _prefill(p, "u", [3])
+    _arrive(d, "q", claimed, clock)
+    engine = claimed["remote_engine_id"]
+    _steps(
+        [d, p],
+        lambda: d.worker.reader.confirmed_bound(engine, claimed["remote_request_id"]) > clock(),
+    )
+    assert p.worker.holder.live_count == 2
+    before = clock()
+    p.worker.engine_gone(d.config.engine_id, "its registration expired")
+    p.step()
+    assert clock() == before  # no time passed: the lease ended long before its expiry
+    assert _ended(p, "r", "finished_sending")
+    assert _counter(p, "leases_aborted_engine_gone") == 1
+    assert _counter(p, "leases_aborted") == 1
+    # A lease nobody claimed is not "for" any decoder: it stays until its own expiry.
+    assert not _ended(p, "u", "finished_sending")
+    assert p.worker.holder.live_count == 1
+    # Why a reader reported gone must really be gone (or fenced): this one is alive and
+    # still holds a confirmed bound, so it reads the freed blocks (one-sided: P only learns
+    # of it from the done notice for a lease it no longer has).
+    _schedule(d, "q", claimed, [5, 6])
+    _steps([d, p], lambda: _ended(d, "q", "finished_recving"))
+    assert _counter(p, "done_for_unknown_lease") == 1
+
+
+def test_a_gone_prefill_engine_fails_the_decoders_loads_at_once(
+    pd: tuple[Driver, Driver], clock: FakeClock
+) -> None:
+    p, d = pd
+    params = _prefill(p, "r", [1])
+    _arrive(d, "q", params, clock)
+    _schedule(d, "q", params, [5])
+    d.step()
+    assert d.worker.reader.state("q") is not None
+    before = clock()
+    d.worker.engine_gone(p.config.engine_id, "its registration expired")
+    d.step()
+    assert clock() == before
+    assert _ended(d, "q", "finished_recving")
+    assert "left the fleet (its registration expired)" in _failure(d, "q")
+    assert _counter(d, "engines_gone") == 1
+    assert len(d.worker.reader) == 0
+
+
+def test_an_unknown_engine_changes_nothing_and_leases_still_bound_everything(
+    pd: tuple[Driver, Driver], clock: FakeClock
+) -> None:
+    p, d = pd
+    params = _prefill(p, "r", [1])
+    _arrive(d, "q", params, clock)
+    engine = params["remote_engine_id"]
+    _steps(
+        [d, p],
+        lambda: d.worker.reader.confirmed_bound(engine, params["remote_request_id"]) > clock(),
+    )
+    p.worker.engine_gone("someone-else")
+    p.step()
+    assert p.worker.holder.live_count == 1
+    # Discovery says nothing about the silent decoder: its lease ends at its expiry, as
+    # without discovery (one extension after its last heartbeat).
+    expiry = p.worker.holder.table.lease(params["remote_request_id"]).expiry
+    clock.advance(expiry - clock() + 0.001)
+    p.step()
+    assert _ended(p, "r", "finished_sending")
+    assert _counter(p, "leases_expired") == 1
+
+
+def test_engine_gone_refuses_a_bad_engine_id(pd: tuple[Driver, Driver]) -> None:
+    p, _ = pd
+    with pytest.raises(ValueError, match="engine_id must be a non-empty string"):
+        p.worker.engine_gone("")
+
+
+def test_a_fenced_decoder_claims_nothing_and_fails_its_loads_at_once(
+    pd: tuple[Driver, Driver], clock: FakeClock
+) -> None:
+    p, d = pd
+    first = _prefill(p, "r1", [1])
+    _arrive(d, "q1", first, clock)
+    _schedule(d, "q1", first, [5])
+    d.step()
+    d.worker.fence("registration lapsed")
+    d.step()
+    assert d.worker.fenced
+    assert "this engine is fenced: registration lapsed" in _failure(d, "q1")
+    # A load added while fenced fails at once, and its lease is never claimed at P.
+    second = _prefill(p, "r2", [2])
+    _arrive(d, "q2", second, clock)
+    _schedule(d, "q2", second, [6])
+    for _ in range(50):
+        d.step()
+        p.step()
+    assert "fenced" in _failure(d, "q2")
+    assert p.worker.holder.claimant(second["remote_request_id"]) is None
+    # So aborting everything this decoder claimed frees nothing it could still be reading.
+    p.worker.engine_gone(d.config.engine_id)
+    p.step()
+    assert _counter(p, "leases_aborted_engine_gone") <= 1  # at most r1, claimed before
+    assert p.worker.holder.live_count >= 1  # r2 (never claimed) stays until its expiry
+    d.worker.unfence()
+    d.step()
+    assert not d.worker.fenced
+    third = _prefill(p, "r3", [3])
+    _arrive(d, "q3", third, clock)
+    _schedule(d, "q3", third, [7])
+    _steps([d, p], lambda: _ended(d, "q3", "finished_recving"))
+    assert not any("q3" in o.failures for o in d.outputs)
