@@ -25,16 +25,12 @@ import time
 from pathlib import Path
 
 from kvframe.core.fleet import EngineRecord, encode_record
-from kvframe.discovery.keepalive import KeepAliveLoop
+from kvframe.discovery.keepalive import KeepAliveLoop, KeptDiscovery
 from kvframe.discovery.options import check_options, seconds, text
 from kvframe.errors import ConfigError
 from kvframe.spi.discovery import (
-    Discovery,
     DiscoveryParams,
     FleetCallback,
-    FleetWatch,
-    LostCallback,
-    Registration,
     WatchBase,
 )
 
@@ -88,23 +84,23 @@ class _FileWatch(WatchBase):
             time.sleep(self._poll)
 
 
-class FileDiscovery(Discovery):
+class FileDiscovery(KeptDiscovery):
     """The ``file`` backend (see the module docstring)."""
 
     def __init__(self, directory: Path, *, ttl: float, interval: float | None, poll: float) -> None:
         self._dir = directory
         self._ttl = ttl
         self._poll = poll
-        self._loop = KeepAliveLoop(
-            "file",
-            ttl=ttl,
-            interval=interval,
-            grant=self._write,
-            refresh=self._rewrite,
-            revoke=self._remove,
+        super().__init__(
+            KeepAliveLoop(
+                "file",
+                ttl=ttl,
+                interval=interval,
+                grant=self._write,
+                refresh=self._rewrite,
+                revoke=self._remove,
+            )
         )
-        self._watches: list[_FileWatch] = []
-        self._closed = False
 
     @classmethod
     def create(cls, params: DiscoveryParams) -> FileDiscovery:
@@ -145,29 +141,6 @@ class FileDiscovery(Discovery):
     def _remove(self, record: EngineRecord, _: EngineRecord) -> None:
         self._path(record).unlink(missing_ok=True)
 
-    # -- the contract ----------------------------------------------------------------------
-    def register(
-        self, record: EngineRecord, *, on_lost: LostCallback | None = None
-    ) -> Registration:
-        """Write the registration file and keep rewriting it every interval."""
-        self._check_open()
-        return self._loop.add(record, on_lost)
-
-    def watch(self, callback: FleetCallback) -> FleetWatch:
+    def new_watch(self, callback: FleetCallback) -> WatchBase:
         """List the directory every ``poll_interval`` on a thread of its own."""
-        self._check_open()
-        w = _FileWatch(self._dir, self._poll, callback)
-        self._watches.append(w)
-        return w
-
-    def close(self) -> None:
-        """Delete this backend's registration files, stop its threads. Safe twice."""
-        self._closed = True
-        self._loop.close()
-        for w in self._watches:
-            w.cancel()
-        self._watches.clear()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConfigError("this discovery backend was closed; create another")
+        return _FileWatch(self._dir, self._poll, callback)

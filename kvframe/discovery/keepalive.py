@@ -25,15 +25,24 @@ blocking calls run outside it.
 
 from __future__ import annotations
 
+import abc
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kvframe.core.fleet import EngineRecord, KeepAliveClock
-from kvframe.spi.discovery import LostCallback, Registration
+from kvframe.errors import ConfigError
+from kvframe.spi.discovery import (
+    Discovery,
+    FleetCallback,
+    FleetWatch,
+    LostCallback,
+    Registration,
+    WatchBase,
+)
 
-__all__ = ["KeepAliveLoop", "KeptRegistration"]
+__all__ = ["KeepAliveLoop", "KeptDiscovery", "KeptRegistration"]
 
 GrantFn = Callable[[EngineRecord], tuple[Any, float]]
 RefreshFn = Callable[[Any], "float | None"]
@@ -247,3 +256,45 @@ class KeepAliveLoop:
                     self._try_grant(reg)
                 else:
                     self._keepalive(reg, handle)
+
+
+class KeptDiscovery(Discovery):
+    """The shared half of a TTL backend: registrations on a :class:`KeepAliveLoop`, watches
+    made by :meth:`new_watch`, :meth:`close` that ends both. A subclass builds the loop with
+    its ``grant``/``refresh``/``revoke`` calls and implements :meth:`new_watch`."""
+
+    def __init__(self, loop: KeepAliveLoop) -> None:
+        self._loop = loop
+        self._watches: list[WatchBase] = []
+        self._closed = False
+
+    @abc.abstractmethod
+    def new_watch(self, callback: FleetCallback) -> WatchBase:
+        """Start a watch (its own thread) delivering to ``callback``."""
+
+    def register(
+        self, record: EngineRecord, *, on_lost: LostCallback | None = None
+    ) -> Registration:
+        """Grant ``record`` and keep it alive on the loop; an unreachable service does not
+        raise: the registration stays lost and is granted again as soon as possible."""
+        self._check_open()
+        return self._loop.add(record, on_lost)
+
+    def watch(self, callback: FleetCallback) -> FleetWatch:
+        """Follow the fleet on a thread of the watch's own."""
+        self._check_open()
+        w = self.new_watch(callback)
+        self._watches.append(w)
+        return w
+
+    def close(self) -> None:
+        """Withdraw this backend's registrations, cancel its watches. Safe twice."""
+        self._closed = True
+        self._loop.close()
+        for w in self._watches:
+            w.cancel()
+        self._watches.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this discovery backend was closed; create another")

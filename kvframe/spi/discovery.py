@@ -178,6 +178,11 @@ class WatchBase(FleetWatch):
         """Whether :meth:`cancel` was called."""
         return self._cancelled.is_set()
 
+    def wait_cancelled(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, less if :meth:`cancel` is called; return whether
+        it was (a backend thread's interruptible wait)."""
+        return self._cancelled.wait(timeout)
+
     def cancel(self) -> None:
         """Stop delivering events; backends stop their thread when they see it."""
         with self._lock:
@@ -189,17 +194,17 @@ class WatchBase(FleetWatch):
 
     def observe_put(self, key: str, data: bytes, now: float) -> None:
         """``key`` was written."""
-        self._apply(lambda: self._view.put(key, data, now))
+        self._feed(lambda: self._view.put(key, data, now))
 
     def observe_delete(self, key: str, now: float) -> None:
         """``key`` was deleted or expired."""
-        self._apply(lambda: self._view.delete(key, now))
+        self._feed(lambda: self._view.delete(key, now))
 
     def observe_snapshot(self, items: Mapping[str, bytes], now: float) -> None:
         """A complete listing of the fleet's keys."""
-        self._apply(lambda: self._view.snapshot(items, now))
+        self._feed(lambda: self._view.snapshot(items, now))
 
-    def _apply(self, step: Callable[[], list[FleetEvent]]) -> None:
+    def _feed(self, step: Callable[[], list[FleetEvent]]) -> None:
         with self._lock:
             if self._cancelled.is_set():
                 return

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvframe.core.fleet import EngineRecord, EngineRole, EngineVanished, FleetEvent
 
@@ -62,3 +66,41 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
             raise AssertionError(f"not within {timeout} s: {what}")
         time.sleep(0.01)
     return time.monotonic() - t0
+
+
+_CHILD = """
+import json, sys, time
+from kvframe.core.fleet import EngineRecord, EngineRole
+from kvframe.runtime.plugins import PluginHost
+from kvframe.spi.discovery import DiscoveryParams
+h = PluginHost(env={}); h.load()
+d = h.create_discovery(sys.argv[1], DiscoveryParams(options=json.loads(sys.argv[2])))
+reg = d.register(EngineRecord(engine_id=sys.argv[3], role=EngineRole.CONSUMER, host="127.0.0.1",
+    side_channel_ports=(1,), transport="inprocess", tp_size=1, incarnation="child"))
+while reg.lost:
+    time.sleep(0.01)
+print("registered", flush=True)
+time.sleep(600)
+"""
+
+
+def start_registered_child(
+    backend: str, options: dict[str, Any], engine_id: str
+) -> subprocess.Popen[str]:
+    """A separate process that registers ``engine_id`` and then just lives (to be killed)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, backend, json.dumps(options), engine_id],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "registered"
+    return child
+
+
+def stop_child(child: subprocess.Popen[str]) -> None:
+    if child.poll() is None:
+        child.kill()
+    child.wait()
+    if child.stdout is not None:
+        child.stdout.close()

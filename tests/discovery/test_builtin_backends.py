@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ from kvframe.runtime.fleet import FleetLiveness
 from kvframe.runtime.plugins import PluginHost
 from kvframe.spi.discovery import Discovery, DiscoveryParams
 from kvframe.spi.hookspecs import hookimpl
-from tests.discovery.helpers import Events, record, wait_for
+from tests.discovery.helpers import Events, record, start_registered_child, stop_child, wait_for
 
 
 @pytest.fixture
@@ -86,42 +84,6 @@ def test_options_are_checked(host: PluginHost, tmp_path: Path) -> None:
         )
     with pytest.raises(ConfigError, match="'ttl' must be a number of seconds"):
         host.create_discovery("file", DiscoveryParams(options={"directory": "x", "ttl": "10"}))
-
-
-_CHILD = """
-import sys, time
-from kvframe.core.fleet import EngineRecord, EngineRole
-from kvframe.runtime.plugins import PluginHost
-from kvframe.spi.discovery import DiscoveryParams
-h = PluginHost(env={}); h.load()
-d = h.create_discovery(sys.argv[1], DiscoveryParams(options=eval(sys.argv[2])))
-d.register(EngineRecord(engine_id=sys.argv[3], role=EngineRole.CONSUMER, host="127.0.0.1",
-    side_channel_ports=(1,), transport="inprocess", tp_size=1, incarnation="child"))
-print("registered", flush=True)
-time.sleep(600)
-"""
-
-
-def start_registered_child(
-    backend: str, options: dict[str, Any], engine_id: str
-) -> subprocess.Popen[str]:
-    """A separate process that registers ``engine_id`` and then just lives (to be killed)."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, backend, repr(options), engine_id],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None
-    assert child.stdout.readline().strip() == "registered"
-    return child
-
-
-def stop_child(child: subprocess.Popen[str]) -> None:
-    if child.poll() is None:
-        child.kill()
-    child.wait()
-    if child.stdout is not None:
-        child.stdout.close()
 
 
 def test_file_a_sigkilled_engine_vanishes_within_its_ttl(host: PluginHost, tmp_path: Path) -> None:
