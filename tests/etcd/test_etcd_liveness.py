@@ -69,6 +69,7 @@ def test_a_decoder_that_dies_has_its_leases_freed_through_the_watch(
         finally:
             stop_child(child)
             live.close()
+        print(f"leases freed {freed:.2f} s after the decoder was killed (ttl 2 s)")
         assert freed <= 2.0 + 0.6 + 0.2, freed  # the TTL, etcd's expiry sweep, a step
         assert [e.record.engine_id for e in live.gone] == [d.config.engine_id]
         assert counter(p, "leases_aborted_engine_gone") == 1
@@ -175,6 +176,7 @@ def test_a_prefill_engine_that_dies_fails_the_decoders_loads_through_the_watch(
             stop_child(child)
             live.close()
         # Without discovery the load would wait for a confirmation (one lease extension).
+        print(f"loads failed {failed:.2f} s after the prefill engine was killed (ttl 2 s)")
         assert failed <= 2.0 + 0.6 + 0.2, failed
         reason = next(o.failures["qr"] for o in d.outputs if "qr" in o.failures)
         assert "left the fleet" in reason
