@@ -78,7 +78,8 @@ class FleetLiveness:
         self._closed = threading.Event()
         self._monitor: threading.Thread | None = None
         self.gone: list[EngineVanished] = []
-        """Every vanish reported to the workers, in order (for diagnostics and tests)."""
+        """Every vanish reported to the workers, in order (for diagnostics and tests); a
+        ``replaced`` one is not reported (see :meth:`_on_events`)."""
         self._registration: Registration = discovery.register(record, on_lost=self._on_lost)
         self._watch: FleetWatch = discovery.watch(self._on_events)
 
@@ -109,6 +110,12 @@ class FleetLiveness:
     def _on_events(self, events: Sequence[FleetEvent]) -> None:
         for ev in events:
             if not isinstance(ev, EngineVanished) or ev.record.engine_id == self._record.engine_id:
+                continue
+            if ev.reason == "replaced":
+                # A new incarnation registered already: it may have connected and claimed
+                # leases under the same peer names, so aborting "its" claims could free blocks
+                # the new instance reads. The old instance's leases expire (as without
+                # discovery), and its connection is rebuilt by the new handshake.
                 continue
             self.gone.append(ev)
             why = f"its fleet registration is gone ({ev.reason})"

@@ -152,3 +152,23 @@ def test_fleet_liveness_reports_vanished_engines_and_fences_on_a_lapse(
         live.close()
         other.close()
         backend.close()
+
+
+def test_fleet_liveness_leaves_a_replaced_engine_to_its_leases(host: PluginHost) -> None:
+    # A restarted decoder (another incarnation under the same id) may already have claimed
+    # leases over the same peer names: only deleted or missing engines are reported gone.
+    fleet = MemFleet()
+    mine = host.create_discovery("mem", DiscoveryParams(options={"fleet": fleet}))
+    other = host.create_discovery("mem", DiscoveryParams(options={"fleet": fleet}))
+    worker = FakeWorker()
+    live = FleetLiveness(mine, record("p1"), [worker], hold=0.1)
+    try:
+        other.register(record("d1", EngineRole.CONSUMER))
+        other.register(record("d1", EngineRole.CONSUMER))  # restarted: a new incarnation
+        assert worker.calls == []
+        fleet.drop("d1")
+        assert worker.calls == [("gone", "d1")]
+    finally:
+        live.close()
+        other.close()
+        mine.close()
