@@ -126,8 +126,13 @@ def test_a_fenced_decoder_claims_nothing_and_fails_its_loads_at_once(
     p, d = pd
     first = _prefill(p, "r1", [1])
     _arrive(d, "q1", first, clock)
+    engine = first["remote_engine_id"]
+    # Connected and confirmed before the fence (the load then waits for its blocks).
+    _steps(
+        [d, p],
+        lambda: d.worker.reader.confirmed_bound(engine, first["remote_request_id"]) > clock(),
+    )
     _schedule(d, "q1", first, [5])
-    d.step()
     d.worker.fence("registration lapsed")
     d.step()
     assert d.worker.fenced
@@ -144,11 +149,14 @@ def test_a_fenced_decoder_claims_nothing_and_fails_its_loads_at_once(
     # So aborting everything this decoder claimed frees nothing it could still be reading.
     p.worker.engine_gone(d.config.engine_id)
     p.step()
-    assert _counter(p, "leases_aborted_engine_gone") <= 1  # at most r1, claimed before
+    assert _counter(p, "leases_aborted_engine_gone") == 1  # r1, claimed before the fence
     assert p.worker.holder.live_count >= 1  # r2 (never claimed) stays until its expiry
     d.worker.unfence()
     d.step()
     assert not d.worker.fenced
+    # The fence dropped the connection: the next request handshakes again, after the
+    # handshake retry backoff (at most 75 ms after one failure).
+    clock.advance(0.1)
     third = _prefill(p, "r3", [3])
     _arrive(d, "q3", third, clock)
     _schedule(d, "q3", third, [7])

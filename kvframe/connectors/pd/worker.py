@@ -767,15 +767,23 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._count("fenced")
                 self._event("pd.fenced", reason=reason)
             self._fenced = reason
-            self._fail_fenced(now)
+            self._fail_fenced(now, sweep=True)
         else:
             if self._fenced is not None:
                 self._event("pd.unfenced")
             self._fenced = None
 
-    def _fail_fenced(self, now: float) -> None:
+    def _fail_fenced(self, now: float, *, sweep: bool = False) -> None:
+        # Fail every load; on entering the fence (sweep) also drop every connection, so that
+        # heartbeats deferred for a handshake under way are dropped with it and, once
+        # unfenced, the next request handshakes again and the reader hears the peer ready.
         why = f"this engine is fenced: {self._fenced}"
-        for engine in sorted({rd.spec.remote.engine_id for rd in self._reads.values()}):
+        engines = {rd.spec.remote.engine_id for rd in self._reads.values()}
+        if sweep and self._engines is not None:
+            for entry in self._engines.entries():
+                engines.add(entry.engine_id)
+                self._engines.mark_failed(entry, now, why)
+        for engine in sorted(engines):
             self._run(self._reader.peer_failed(engine, why, now), now)
         for rid in list(self._pushes):
             self._push_abort(rid, now)
