@@ -743,9 +743,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         """This engine may have been reported gone (its own fleet registration lapsed): stop
         reading at once. Any thread; effective at the next progress point.
 
-        Every pending load fails with ``reason`` (posted READs are stopped first), every load
-        the scheduler adds while fenced fails at once, and no heartbeat is sent, so no lease
-        is claimed or renewed: a prefill engine that saw this engine vanish and aborted its
+        Every pending load fails with ``reason`` (posted READs are stopped first), every
+        connection to a prefill engine is dropped (the next request handshakes again), every
+        load the scheduler adds while fenced fails at once, and no heartbeat is sent, so no
+        lease is claimed or renewed: a prefill engine that saw this engine vanish and aborted its
         leases can free their blocks safely. :meth:`unfence` ends it.
         """
         self._liveness.append(("fence", "", str(reason)))
