@@ -42,7 +42,7 @@ def test_bench_reports_every_figure_and_a_correct_decode() -> None:
     assert report["benchmark"] == "vllm"
     r = report["results"]["kvframe"]
     assert r["outputs_match_reference"] is True
-    assert r["kv_bytes_per_request"] == 64 * 1024  # 2 blocks × 32 KiB of KV
+    assert r["kv_bytes_per_request"] == 128 * 1024  # 2 blocks × 64 KiB of float32 KV
     assert r["ttft_decode_ms"] > 0
     assert r["decode_tokens_per_s"] > 0
     assert r["decode_death"]["reclaimed"] is True

