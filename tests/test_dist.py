@@ -42,6 +42,7 @@ DISTRIBUTIONS = (
     "kvframe",
     "kvframe_nixl",
     "kvframe_ucx",
+    "kvframe_etcd",
     "kvframe_refengine",
     "kvframe_vllm",
     "kvframe_example_transport",
