@@ -98,9 +98,9 @@ def _check_host(inst: Any, attribute: Any, value: str) -> None:
 
 
 def _check_ports(inst: Any, attribute: Any, value: tuple[int, ...]) -> None:
-    if not value or len(value) > _MAX_PORTS:
+    if len(value) > _MAX_PORTS:
         raise ValueError(
-            f"side_channel_ports must list 1-{_MAX_PORTS} ports (one per TP rank), got {len(value)}"
+            f"side_channel_ports must list 0-{_MAX_PORTS} ports (one per TP rank), got {len(value)}"
         )
     for p in value:
         if type(p) is not int or not 0 < p < 65536:
@@ -127,6 +127,11 @@ def _check_caps(inst: Any, attribute: Any, value: frozenset[str]) -> None:
         _check_name(inst, attribute, c)
 
 
+def _check_api_port(inst: Any, attribute: Any, value: int | None) -> None:
+    if value is not None and (type(value) is not int or not 0 < value < 65536):
+        raise ValueError(f"api_port: {value!r} is not a TCP port (1-65535) or None")
+
+
 def _check_token(inst: Any, attribute: Any, value: str) -> None:
     if not isinstance(value, str) or _TOKEN.fullmatch(value) is None:
         raise ValueError(
@@ -148,7 +153,8 @@ class EngineRecord:
     host: str = attrs.field(validator=_check_host)
     """The address its side channel listens on."""
     side_channel_ports: tuple[int, ...] = attrs.field(converter=tuple, validator=_check_ports)
-    """One handshake port per TP rank, rank order."""
+    """One handshake port per TP rank, rank order; empty for an engine that runs no side
+    channel (a decoder that only reads)."""
     transport: str = attrs.field(validator=_check_name)
     """The transport its connector uses (``"nixl"``, ``"ucx"``, ``"inprocess"``)."""
     tp_size: int = attrs.field(validator=_check_tp)
@@ -159,9 +165,12 @@ class EngineRecord:
     incarnation: str = attrs.field(validator=_check_token)
     """A random token per engine start: a record with another incarnation is another instance
     of the engine (the old one's leases and KV are gone)."""
+    api_port: int | None = attrs.field(default=None, validator=_check_api_port)
+    """The TCP port of the engine's serving API (HTTP) on :attr:`host`, where a router sends
+    its requests; ``None`` for an engine that serves none (encoded only when set)."""
 
     def __attrs_post_init__(self) -> None:
-        if len(self.side_channel_ports) != self.tp_size:
+        if self.side_channel_ports and len(self.side_channel_ports) != self.tp_size:
             raise ValueError(
                 f"engine {self.engine_id!r}: side_channel_ports lists "
                 f"{len(self.side_channel_ports)} port(s) for tp_size {self.tp_size}; give one "
@@ -171,21 +180,20 @@ class EngineRecord:
 
 def encode_record(record: EngineRecord) -> bytes:
     """The record as compact JSON (UTF-8), with the schema version; never pickle."""
-    return json.dumps(
-        {
-            "kvframe_engine": RECORD_SCHEMA,
-            "engine_id": record.engine_id,
-            "role": record.role.value,
-            "host": record.host,
-            "side_channel_ports": list(record.side_channel_ports),
-            "transport": record.transport,
-            "tp_size": record.tp_size,
-            "capabilities": sorted(record.capabilities),
-            "incarnation": record.incarnation,
-        },
-        separators=(",", ":"),
-        sort_keys=True,
-    ).encode()
+    fields: dict[str, Any] = {
+        "kvframe_engine": RECORD_SCHEMA,
+        "engine_id": record.engine_id,
+        "role": record.role.value,
+        "host": record.host,
+        "side_channel_ports": list(record.side_channel_ports),
+        "transport": record.transport,
+        "tp_size": record.tp_size,
+        "capabilities": sorted(record.capabilities),
+        "incarnation": record.incarnation,
+    }
+    if record.api_port is not None:
+        fields["api_port"] = record.api_port
+    return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
 
 
 _FIELDS = {
@@ -199,6 +207,7 @@ _FIELDS = {
     "capabilities",
     "incarnation",
 }
+_OPTIONAL = {"api_port"}
 
 
 def decode_record(data: bytes) -> EngineRecord:
@@ -225,9 +234,9 @@ def decode_record(data: bytes) -> EngineRecord:
             f"engine record schema {version!r} is not {RECORD_SCHEMA}: a record from another "
             "kvframe version or not a kvframe record"
         )
-    if set(obj) != _FIELDS:
+    if not _FIELDS <= set(obj) <= _FIELDS | _OPTIONAL:
         missing = sorted(_FIELDS - set(obj))
-        extra = sorted(set(obj) - _FIELDS)
+        extra = sorted(set(obj) - _FIELDS - _OPTIONAL)
         raise CodecError(f"engine record fields: missing {missing}, unknown {extra}")
     ports, caps = obj["side_channel_ports"], obj["capabilities"]
     if not isinstance(ports, list) or not isinstance(caps, list):
@@ -244,6 +253,7 @@ def decode_record(data: bytes) -> EngineRecord:
             tp_size=obj["tp_size"],
             capabilities=frozenset(caps),
             incarnation=obj["incarnation"],
+            api_port=obj.get("api_port"),
         )
     except (TypeError, ValueError) as exc:
         raise CodecError(f"engine record is invalid: {exc}") from None

@@ -17,10 +17,68 @@ recently freed first (LRU).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
-__all__ = ["BlockPool", "OutOfBlocksError"]
+import attrs
+
+__all__ = ["BlockPool", "CacheEvents", "CacheJournal", "OutOfBlocksError"]
+
+#: Journal entries a :class:`CacheJournal` keeps by default (older ones are dropped; a reader
+#: that fell behind them gets a snapshot instead).
+JOURNAL_CAPACITY = 8192
+
+
+@attrs.frozen
+class CacheEvents:
+    """What :meth:`CacheJournal.since` returns: the prefix cache's changes after a sequence
+    number, or (``snapshot`` not ``None``) every cached hash when those changes are gone."""
+
+    seq: int
+    """The sequence number of the latest change included (ask ``since(seq)`` next)."""
+    events: tuple[tuple[bool, bytes], ...]
+    """``(stored, hash)`` in order: ``True`` cached, ``False`` dropped."""
+    snapshot: tuple[bytes, ...] | None
+    """Every hash cached now, when the reader asked for changes older than the journal keeps
+    (replace what you knew); ``None`` otherwise."""
+    more: bool
+    """More changes follow ``seq`` (the answer was cut at ``limit``)."""
+
+
+class CacheJournal:
+    """The prefix cache's KV events: every block hash cached (``stored``) or dropped
+    (``removed``: evicted, uncached), numbered from 1, the latest ``capacity`` kept.
+
+    A router learns which prefixes an engine holds by reading it (``GET /v1/kv_events``).
+    """
+
+    def __init__(self, capacity: int = JOURNAL_CAPACITY) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity = {capacity!r}; it must be a positive int")
+        self._entries: deque[tuple[int, bool, bytes]] = deque(maxlen=capacity)
+        self.seq = 0
+        """The latest change's number (0: none yet)."""
+
+    def add(self, stored: bool, block_hash: bytes) -> None:
+        self.seq += 1
+        self._entries.append((self.seq, stored, block_hash))
+
+    def since(self, after: int, cached: Iterable[bytes], limit: int) -> CacheEvents:
+        """The changes numbered above ``after``, at most ``limit`` of them; a snapshot of
+        ``cached`` (at most ``limit`` hashes) when ``after`` is older than the oldest change
+        kept or newer than the latest (another instance's number)."""
+        if limit < 1:
+            raise ValueError(f"limit = {limit!r}; it must be >= 1")
+        oldest = self._entries[0][0] if self._entries else self.seq + 1
+        if after > self.seq or after < oldest - 1:
+            snap = tuple(itertools.islice(cached, limit))
+            return CacheEvents(self.seq, (), snap, False)
+        start = after - oldest + 1  # index of the first change after ``after``
+        picked = list(itertools.islice(self._entries, start, start + limit))
+        last = picked[-1][0] if picked else after
+        events = tuple((st, h) for _, st, h in picked)
+        return CacheEvents(last, events, None, last < self.seq)
 
 
 class OutOfBlocksError(RuntimeError):
@@ -50,6 +108,8 @@ class BlockPool:
         self._block_to_hash: dict[int, bytes] = {}
         self.num_evictions = 0
         """How many cached blocks lost their hash to make room (a counter for tests)."""
+        self.journal = CacheJournal()
+        """Every hash cached or dropped: the engine's KV events (:class:`CacheJournal`)."""
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -61,6 +121,10 @@ class BlockPool:
     def num_cached(self) -> int:
         """Blocks currently registered under a block hash (held or free)."""
         return len(self._block_to_hash)
+
+    def cached_hashes(self) -> Iterable[bytes]:
+        """Every hash cached now (held or free blocks), in no particular order."""
+        return iter(self._hash_to_block)
 
     def ref_count(self, block: int) -> int:
         """Holders of ``block``. Raises ``IndexError`` for an id outside the pool."""
@@ -114,6 +178,7 @@ class BlockPool:
             if h is not None:
                 del self._hash_to_block[h]
                 self.num_evictions += 1
+                self.journal.add(False, h)
             self._refs[block] = 1
             out.append(block)
         return out
@@ -168,6 +233,7 @@ class BlockPool:
             return False
         self._hash_to_block[block_hash] = block
         self._block_to_hash[block] = block_hash
+        self.journal.add(True, block_hash)
         return True
 
     def uncache(self, block: int) -> None:
@@ -176,6 +242,7 @@ class BlockPool:
         h = self._block_to_hash.pop(block, None)
         if h is not None:
             del self._hash_to_block[h]
+            self.journal.add(False, h)
             if self._refs[block] == 0:
                 self._free.move_to_end(block, last=False)
 

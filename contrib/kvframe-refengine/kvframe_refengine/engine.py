@@ -236,6 +236,7 @@ class Engine:
                 handshake = self.workers.handshake_metadata
             if sched_conn is not None:
                 sched_conn.set_xfer_handshake_metadata(handshake)
+            self._handshake = dict(handshake)
         except BaseException:
             self._shutdown_connector()
             raise
@@ -294,6 +295,35 @@ class Engine:
             world_size=self.config.tp_size,
             model=f"refengine-tinylm-{digest}",
         )
+
+    def side_channel_ports(self) -> tuple[int, ...]:
+        """The P/D connector's side-channel port of every rank, rank order (what a fleet
+        registration announces); empty when it runs no side channel (a decoder that only
+        reads). Raises :class:`~kvframe.errors.ConfigError` for an engine without kvframe's
+        ``PDConnector`` or whose ranks did not all tell their address."""
+        from kvframe.connectors.pd import PDConnector
+        from kvframe.connectors.pd.metadata import PDWorkerAddress
+
+        kv = self.kv_transfer_config
+        if kv is None or kv.kv_connector != "PDConnector":
+            name = "none" if kv is None else kv.kv_connector
+            raise ConfigError(
+                f"this engine's connector is {name!r}: only kvframe's PDConnector has a side "
+                "channel to announce; run the engine with kv_connector PDConnector"
+            )
+        if not self._handshake:
+            return ()
+        if len(self._handshake) != self.config.tp_size:
+            raise ConfigError(
+                f"{len(self._handshake)} of {self.config.tp_size} ranks told their side-channel "
+                "address (the connector runs no side channel?)"
+            )
+        codec = codec_for(PDConnector, kv)
+        ports = []
+        for rank in sorted(self._handshake):
+            address = codec.decode_as(self._handshake[rank], PDWorkerAddress)
+            ports.append(address.port)
+        return tuple(ports)
 
     @staticmethod
     def _default_codec(kv: KVTransferConfig | None, ctx: BuildContext | None) -> Codec:

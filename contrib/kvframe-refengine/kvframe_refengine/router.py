@@ -89,9 +89,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from kvframe.errors import ConfigError, PluginError
 from kvframe.runtime.metrics import CONTENT_TYPE
 from kvframe_refengine import _http
 from kvframe_refengine._http import HTTPError
+from kvframe_refengine.fleet import POLICIES, FleetTable, KVEventPoller, Member, watch_fleet
 
 __all__ = [
     "MAX_CONVERSATIONS",
@@ -333,6 +335,26 @@ class _Turn:
         return {**(params if isinstance(params, dict) else {}), "keep_for_next_turn": True}
 
 
+@attrs.define
+class _Target:
+    """One engine a request's leg goes to, and what became of it."""
+
+    url: str
+    member: Member | None = None
+    """In fleet mode, the engine as the fleet table knows it."""
+    ok: bool = False
+    """It answered 200."""
+    down: bool = False
+    """It could not be reached, or answered 503 (its engine loop died): retry elsewhere."""
+
+
+class _NoEngine(Exception):
+    def __init__(self, status: int, answer: dict[str, Any]) -> None:
+        super().__init__(status)
+        self.status = status
+        self.answer = answer
+
+
 class Router:
     """Routes completions through prefill and decode: one after the other (``mode="pull"``)
     or both at once (``mode="push"``, see the module's docstring).
@@ -343,9 +365,11 @@ class Router:
 
     def __init__(
         self,
-        prefill: str,
-        decode: str,
+        prefill: str | None = None,
+        decode: str | None = None,
         *,
+        fleet: FleetTable | None = None,
+        retries: int | None = None,
         mode: str = "pull",
         history: bool = True,
         max_conversations: int = MAX_CONVERSATIONS,
@@ -353,8 +377,26 @@ class Router:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-        self.prefill = prefill.rstrip("/")
-        self.decode = decode.rstrip("/")
+        if (fleet is None) != (prefill is not None and decode is not None) or (
+            fleet is not None and (prefill is not None or decode is not None)
+        ):
+            raise ValueError(
+                "give either prefill and decode (one engine each) or fleet (engines found "
+                "through discovery), not both"
+            )
+        if retries is None:
+            retries = 0 if fleet is None else 2
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries = {retries!r}; it must be an int >= 0")
+        self.prefill = "" if prefill is None else prefill.rstrip("/")
+        self.decode = "" if decode is None else decode.rstrip("/")
+        self.fleet = fleet
+        """In fleet mode, the engines discovery reported (``None``: one P and one D)."""
+        self.retries = retries
+        """How many more times a request whose engine was unreachable or dead is routed
+        again from the start (fleet mode; default 2; 0 with one P and one D)."""
+        self.retried = 0
+        """Requests routed again after an engine was found dead."""
         self.mode = mode
         self.history = history
         self.conversations = Conversations(max_conversations)
@@ -364,7 +406,7 @@ class Router:
         self.failed = 0
         self.metrics = RouterMetrics()
         self._lock = threading.Lock()
-        self._address: dict[str, Any] | None = None
+        self._addresses: dict[str, dict[str, Any]] = {}
         self._fetching = threading.Lock()
         self.address_fetches = 0
         """How many times push mode fetched the prefill engine's ``/v1/kv_address``."""
@@ -388,23 +430,79 @@ class Router:
         body = {k: v for k, v in body.items() if k != "conversation_id"}
         turn = self._turn(conversation_id)
         timeout = checked.timeout_s + _UPSTREAM_MARGIN_S
-        if self.mode == "push":
-            code, d_resp, p_resp = self._complete_push(body, timeout, turn)
-        else:
-            code, d_resp, p_resp = self._complete_pull(body, timeout, turn)
+        dead: set[str] = set()
+        for attempt in range(1 + self.retries):
+            try:
+                p, d = self._targets(checked.prompt, dead)
+            except _NoEngine as exc:
+                return exc.status, exc.answer
+            try:
+                if self.mode == "push":
+                    code, d_resp, p_resp = self._complete_push(body, timeout, turn, p, d)
+                else:
+                    code, d_resp, p_resp = self._complete_pull(body, timeout, turn, p, d)
+            finally:
+                self._release(p, d, checked.prompt)
+            down = [t.member for t in (p, d) if t.down and t.member is not None]
+            if not down or attempt == self.retries:
+                break
+            # An engine died or could not be reached before answering: nothing of this
+            # request was served. Route it again from the start (a fresh prefill leg: a dead
+            # decoder's ticket is never reused) on other engines.
+            dead.update(m.engine_id for m in down)
+            with self._lock:
+                self.retried += 1
         if code == 200:
             self._end_turn(turn, d_resp, p_resp)
         return code, d_resp
 
+    # -- choosing engines --------------------------------------------------------------------
+    def _targets(self, prompt: list[int], dead: set[str]) -> tuple[_Target, _Target]:
+        # Raises _NoEngine when the fleet has no live engine for a leg.
+        if self.fleet is None:
+            return _Target(self.prefill), _Target(self.decode)
+        p = self.fleet.pick("prefill", prompt, dead)
+        if p is None:
+            raise self._no_engine("prefill", dead)
+        d = self.fleet.pick("decode", prompt, dead)
+        if d is None:
+            self.fleet.done(p)
+            raise self._no_engine("decode", dead)
+        return _Target(p.url, p), _Target(d.url, d)
+
+    def _no_engine(self, side: str, dead: set[str]) -> _NoEngine:
+        self.metrics.backend_failures.labels(side, "unreachable").inc()
+        with self._lock:
+            self.failed += 1
+        also = f" (found dead: {', '.join(sorted(dead))})" if dead else ""
+        return _NoEngine(
+            503,
+            _error(
+                f"no live {side} engine in the fleet{also}; start one registered with the same "
+                "discovery URL (--discovery)",
+                f"no_{side}_engine",
+            ),
+        )
+
+    def _release(self, p: _Target, d: _Target, prompt: list[int]) -> None:
+        if self.fleet is None:
+            return
+        for t in (p, d):
+            if t.member is None:
+                continue
+            if t.down:
+                self.fleet.mark_down(t.member)
+            self.fleet.done(t.member, served=prompt if t.ok else None)
+
     def _complete_pull(
-        self, body: dict[str, Any], timeout: float, turn: _Turn
+        self, body: dict[str, Any], timeout: float, turn: _Turn, p: _Target, d: _Target
     ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
         t0 = time.monotonic()
         p_body = dict(body)
         p_body["max_tokens"] = 1
         p_body["kv_transfer_params"] = turn.prefill_params({"do_remote_decode": True})
         p_body.pop("request_id", None)
-        code, p_resp = self._ask("prefill", self.prefill, p_body, timeout)
+        code, p_resp = self._ask("prefill", p, p_body, timeout)
         if code != 200:
             return code, p_resp, None
         t1 = time.monotonic()
@@ -412,7 +510,7 @@ class Router:
         d_body["kv_transfer_params"] = turn.decode_params(
             p_resp.get("kv_transfer_params"), self.history
         )
-        code, d_resp = self._ask("decode", self.decode, d_body, timeout)
+        code, d_resp = self._ask("decode", d, d_body, timeout)
         if code != 200:
             return code, d_resp, None
         t2 = time.monotonic()
@@ -423,9 +521,15 @@ class Router:
             "total_s": t2 - t0,
         }
         d_resp["prefill_id"] = p_resp.get("id")
+        self._name_engines(d_resp, p, d)
         with self._lock:
             self.routed += 1
         return 200, d_resp, p_resp
+
+    @staticmethod
+    def _name_engines(d_resp: dict[str, Any], p: _Target, d: _Target) -> None:
+        if p.member is not None and d.member is not None:
+            d_resp["engines"] = {"prefill": p.member.engine_id, "decode": d.member.engine_id}
 
     # -- conversations ---------------------------------------------------------------------
     def _turn(self, conversation_id: str | None) -> _Turn:
@@ -454,19 +558,24 @@ class Router:
         d_resp["prefill_usage"] = None if p_resp is None else p_resp.get("usage")
 
     # -- push mode -------------------------------------------------------------------------
-    def kv_address(self, timeout: float = 30.0) -> tuple[int, dict[str, Any]]:
+    def kv_address(
+        self, timeout: float = 30.0, target: _Target | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """(200, the prefill engine's push address), kept after the first fetch; or the
         (status, error) to give the client (502/504 naming the prefill engine). One fetch at
-        a time: requests that arrive meanwhile wait for it and use what it got."""
+        a time: requests that arrive meanwhile wait for it and use what it got. ``target``:
+        which prefill engine (fleet mode; default the one prefill engine)."""
+        target = target or _Target(self.prefill)
         with self._fetching:
             with self._lock:
-                if self._address is not None:
-                    return 200, self._address
-            return self._fetch_address(timeout)
+                kept = self._addresses.get(target.url)
+                if kept is not None:
+                    return 200, kept
+            return self._fetch_address(timeout, target)
 
-    def _fetch_address(self, timeout: float) -> tuple[int, dict[str, Any]]:
+    def _fetch_address(self, timeout: float, target: _Target) -> tuple[int, dict[str, Any]]:
         self.metrics.backend_requests.labels("prefill").inc()
-        url = f"{self.prefill}/v1/kv_address"
+        url = f"{target.url}/v1/kv_address"
         t0 = time.monotonic()
         try:
             code, resp = get_json(url, timeout=timeout)
@@ -476,8 +585,9 @@ class Router:
                 "prefill", "timeout",
             )  # fmt: skip
         except OSError as exc:
+            target.down = True
             return self._fail(
-                502, f"the prefill engine at {self.prefill} cannot be reached: {exc}",
+                502, f"the prefill engine at {target.url} cannot be reached: {exc}",
                 "prefill", "unreachable",
             )  # fmt: skip
         except ValueError as exc:
@@ -494,19 +604,23 @@ class Router:
                 "prefill", "failed",
             )  # fmt: skip
         with self._lock:
-            self._address = dict(resp)
+            self._addresses[target.url] = dict(resp)
             self.address_fetches += 1
         return 200, dict(resp)
 
-    def forget_address(self) -> None:
-        """Drop the kept push address: the next push request fetches it again."""
+    def forget_address(self, url: str | None = None) -> None:
+        """Drop the kept push address (of the prefill engine at ``url``; default every one):
+        the next push request fetches it again."""
         with self._lock:
-            self._address = None
+            if url is None:
+                self._addresses.clear()
+            else:
+                self._addresses.pop(url, None)
 
     def _complete_push(
-        self, body: dict[str, Any], timeout: float, turn: _Turn
+        self, body: dict[str, Any], timeout: float, turn: _Turn, p: _Target, d: _Target
     ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
-        code, address = self.kv_address()
+        code, address = self.kv_address(target=p)
         if code != 200:
             return code, address, None
         push_id = secrets.token_urlsafe(16)
@@ -526,19 +640,19 @@ class Router:
 
         def prefill() -> None:
             try:
-                pc, pr = self._ask("prefill", self.prefill, p_body, timeout)
+                pc, pr = self._ask("prefill", p, p_body, timeout)
                 p_leg.set_result((pc, pr, time.monotonic()))
             except BaseException as exc:  # handed over to the request's thread
                 p_leg.set_exception(exc)
 
         threading.Thread(target=prefill, name="router-prefill-leg", daemon=True).start()
-        d_code, d_resp = self._ask("decode", self.decode, d_body, timeout)
+        d_code, d_resp = self._ask("decode", d, d_body, timeout)
         t_d = time.monotonic()
         p_code, p_resp, t_p = p_leg.result()
         t2 = time.monotonic()
         landed = d_code == 200 and (d_resp.get("usage") or {}).get("external_tokens", 0) > 0
         if p_code != 200 or not landed:
-            self.forget_address()  # P may have restarted (a new incarnation): ask again
+            self.forget_address(p.url)  # P may have restarted (a new incarnation): ask again
         if d_code != 200:
             if p_code != 200:
                 err = dict(d_resp["error"])
@@ -553,6 +667,7 @@ class Router:
             "total_s": t2 - t0,
         }
         d_resp["push_id"] = push_id
+        self._name_engines(d_resp, p, d)
         if p_code == 200:
             d_resp["prefill_id"] = p_resp.get("id")
         else:
@@ -563,9 +678,11 @@ class Router:
         return 200, d_resp, p_resp if p_code == 200 else None
 
     def _ask(
-        self, side: str, base: str, body: dict[str, Any], timeout: float
+        self, side: str, target: _Target, body: dict[str, Any], timeout: float
     ) -> tuple[int, dict[str, Any]]:
-        """(200, the engine's answer), or the (status, error) to give the client."""
+        """(200, the engine's answer), or the (status, error) to give the client; marks
+        ``target`` ok (200) or down (unreachable, or 503: its engine loop died)."""
+        base = target.url
         self.metrics.backend_requests.labels(side).inc()
         t0 = time.monotonic()
         try:
@@ -575,6 +692,7 @@ class Router:
                 504, f"the {side} engine did not answer within {timeout:g} s", side, "timeout"
             )
         except OSError as exc:
+            target.down = True
             return self._fail(
                 502, f"the {side} engine at {base} cannot be reached: {exc}", side, "unreachable"
             )
@@ -586,7 +704,10 @@ class Router:
             )  # fmt: skip
         self.metrics.backend_seconds.labels(side).observe(time.monotonic() - t0)
         if code == 200:
+            target.ok = True
             return code, resp
+        if code == 503:
+            target.down = True
         err = resp.get("error")
         if not isinstance(err, dict):
             err = {"message": resp}
@@ -614,10 +735,16 @@ def _handler(router: Router) -> type[_http.JSONHandler]:
             if self.path != "/health":
                 super().get()
                 return
-            self.send_json(
-                200,
-                {"ok": True, "mode": router.mode, "routed": router.routed, "failed": router.failed},
-            )
+            health: dict[str, Any] = {
+                "ok": True,
+                "mode": router.mode,
+                "routed": router.routed,
+                "failed": router.failed,
+            }
+            if router.fleet is not None:
+                health["retried"] = router.retried
+                health["fleet"] = router.fleet.describe()
+            self.send_json(200, health)
 
         def post(self) -> None:
             if self.path != "/v1/completions":
@@ -638,8 +765,33 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvframe_refengine.router")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--prefill", required=True, help="base URL of the prefill engine")
-    ap.add_argument("--decode", required=True, help="base URL of the decode engine")
+    ap.add_argument("--prefill", help="base URL of the prefill engine (one P and one D)")
+    ap.add_argument("--decode", help="base URL of the decode engine (one P and one D)")
+    ap.add_argument(
+        "--discovery", metavar="URL",
+        help="find the prefill and decode engines through this discovery backend instead "
+        "(etcd://HOST:PORT, file:///DIRECTORY; the engines' --discovery)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--policy", choices=POLICIES, default="prefix",
+        help="with --discovery: prefix (the engine that caches the longest prefix of the "
+        "request, among the least loaded; default) or round_robin",
+    )  # fmt: skip
+    ap.add_argument(
+        "--retries", type=int, default=None,
+        help="with --discovery: how many more times a request whose engine was unreachable or "
+        "dead is routed again from the start (default 2)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--max-imbalance", type=int, default=2,
+        help="with --policy prefix: an engine is chosen for its prefix only while it has at "
+        "most this many requests in flight more than the least loaded one (default 2)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--quarantine", type=float, default=10.0,
+        help="seconds an engine a request found dead gets no request unless discovery "
+        "reports it again (default 10)",
+    )  # fmt: skip
     ap.add_argument(
         "--mode", choices=MODES, default="pull",
         help="pull: prefill, then decode (default); push: both legs at once, P writes into "
@@ -651,16 +803,44 @@ def main(argv: list[str] | None = None) -> int:
         "recomputes every turn (the recompute side of a benchmark)",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    router = Router(args.prefill, args.decode, mode=args.mode, history=not args.no_history)
+    if (args.discovery is None) == (args.prefill is not None and args.decode is not None) or (
+        args.discovery is not None and (args.prefill or args.decode)
+    ):
+        ap.error("give --prefill and --decode (one engine each), or --discovery URL")
+    table: FleetTable | None = None
+    closers: list[Callable[[], None]] = []
+    if args.discovery is not None:
+        try:
+            table = FleetTable(
+                policy=args.policy, max_imbalance=args.max_imbalance, quarantine=args.quarantine
+            )
+            backend, watch = watch_fleet(args.discovery, table)
+        except (ConfigError, PluginError) as exc:
+            ap.error(f"--discovery {args.discovery}: {exc}")
+        poller = KVEventPoller(table)
+        closers = [poller.close, watch.cancel, backend.close]
+    try:
+        router = Router(
+            args.prefill,
+            args.decode,
+            fleet=table,
+            retries=args.retries,
+            mode=args.mode,
+            history=not args.no_history,
+        )
+    except ValueError as exc:
+        ap.error(str(exc))
     httpd = serve(router, args.host, args.port)
     import signal
 
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    print(json.dumps({"ready": True, "port": args.port}), flush=True)
+    print(json.dumps({"ready": True, "port": int(httpd.server_address[1])}), flush=True)
     done.wait()
     httpd.shutdown()
+    for close in closers:
+        close()
     return 0
 
 

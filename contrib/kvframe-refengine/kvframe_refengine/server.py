@@ -24,6 +24,12 @@ Endpoints (JSON in and out; the limits and error codes are in the docs' HTTP API
 - ``GET /metrics`` — the same connector statistics as Prometheus metrics (text format 0.0.4):
   kvframe's metric catalogue (:data:`kvframe.runtime.metrics.CATALOGUE`, docs/metrics.md),
   every series labelled ``engine_id``.
+- ``GET /v1/kv_events?after=SEQ&limit=N`` — the engine's KV events: every block hash its
+  prefix cache stored or dropped after ``SEQ`` (``{"engine_id", "epoch", "block_size", "seq",
+  "events": [[stored, hash hex], ...], "snapshot": null | [hash hex, ...], "more"}``; a
+  snapshot of every cached hash when ``SEQ`` is older than the journal keeps or not this
+  instance's; at most 4096 entries). A fleet router learns from it which prefixes each engine
+  holds (:mod:`kvframe_refengine.fleet`); a bad ``after`` or ``limit`` is a 400.
 - ``GET /leaks`` — the leak oracle: ``{"clean": bool, "problems": str}``.
 - ``GET /v1/kv_address`` — this engine's push address (a prefill engine's
   ``PDConnectorScheduler.kv_address()``: ``remote_engine_id``, ``remote_host``,
@@ -50,8 +56,10 @@ import itertools
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from http.server import ThreadingHTTPServer
@@ -65,7 +73,7 @@ from kvframe.connectors.pd.scheduler import PDConnectorScheduler
 from kvframe.errors import ConfigError
 from kvframe.protocol.messages import ConnectorOutput, Stats
 from kvframe.runtime.metrics import CONTENT_TYPE, StatsAccumulator, to_prometheus
-from kvframe_refengine import _http
+from kvframe_refengine import _http, fleet
 from kvframe_refengine._http import Completion, HTTPError
 from kvframe_refengine.engine import Engine, EngineConfig, LeakError
 from kvframe_refengine.model import ModelConfig
@@ -124,6 +132,8 @@ class EngineService:
         self.engine = engine
         self.engine_id = engine_id
         self.role = role
+        self.epoch = secrets.token_hex(8)
+        """A random token of this service's start (the KV events' ``epoch``)."""
         self.worker_stats = StatsAccumulator()
         """The connector worker's statistics, from every step's output."""
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
@@ -460,6 +470,15 @@ def _complete(service: EngineService, c: Completion) -> dict[str, Any]:
 def _handler(service: EngineService) -> type[_http.JSONHandler]:
     class Handler(_http.JSONHandler):
         def get(self) -> None:
+            path, _, query = self.path.partition("?")
+            if path == "/v1/kv_events":
+                try:
+                    fields = dict(urllib.parse.parse_qsl(query, max_num_fields=4))
+                    with _engine_reachable():
+                        self.send_json(200, fleet.kv_events_answer(service, fields))
+                except ValueError as exc:
+                    raise HTTPError(400, f"GET /v1/kv_events: {exc}") from None
+                return
             with _engine_reachable():
                 if self.path == "/health":
                     self.send_json(*service.health())
@@ -615,7 +634,23 @@ def main(argv: list[str] | None = None) -> int:
         help="more kv_connector_extra_config keys, a JSON object (for instance "
         '\'{"symmetric_leases": true, "kv_recompute_threshold": 32}\')',
     )  # fmt: skip
+    ap.add_argument(
+        "--discovery", default=None, metavar="URL",
+        help="register this engine in a fleet through a discovery backend "
+        "(etcd://HOST:PORT?ttl=10, file:///DIRECTORY?ttl=5; docs/fleet.md): kept alive, "
+        "withdrawn at shutdown, vanished peers' leases and loads ended at once",
+    )  # fmt: skip
+    ap.add_argument(
+        "--advertise-host", default=None,
+        help="the address routers and peers reach this engine at (default --host)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--fleet-role", choices=fleet.FLEET_ROLES, default=None,
+        help="what this engine serves in the fleet (default from --role; required for kv_both)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.discovery is not None and args.role in (None, "none"):
+        ap.error("--discovery needs --role (an engine with the P/D connector)")
     engine = build_engine(
         engine_id=args.engine_id,
         role=None if args.role in (None, "none") else args.role,
@@ -632,13 +667,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     service = EngineService(engine, engine_id=args.engine_id, role=args.role or "none")
     httpd = serve(service, args.host, args.port)
+    member: fleet.FleetMember | None = None
+    if args.discovery is not None:
+        try:
+            member = fleet.FleetMember(
+                service,
+                args.discovery,
+                host=args.advertise_host or args.host,
+                api_port=int(httpd.server_address[1]),
+                fleet_role=args.fleet_role,
+            )
+        except BaseException:
+            httpd.shutdown()
+            service.close()
+            raise
     import signal
 
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    print(json.dumps({"ready": True, "port": args.port}), flush=True)
+    print(json.dumps({"ready": True, "port": int(httpd.server_address[1])}), flush=True)
     done.wait()
+    if member is not None:
+        member.close()  # withdrawn first: routers stop sending before the API goes away
     httpd.shutdown()
     service.close()
     return 0
