@@ -964,9 +964,20 @@ def _table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``kvframe demo`` / ``python -m kvframe_refengine.demo``; returns the exit status (2 for
-    a bad option, with a message naming it; nothing was started then)."""
+    a bad option, with a message naming it; nothing was started then). ``--fleet`` runs the
+    fleet demo instead (:mod:`kvframe_refengine.demo_fleet`, its own options)."""
+    args_in = sys.argv[1:] if argv is None else argv
+    if "--fleet" in args_in:
+        from kvframe_refengine import demo_fleet
+
+        return demo_fleet.main(args_in)
     ap = argparse.ArgumentParser(prog="kvframe demo", description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print the results as JSON only")
+    ap.add_argument(
+        "--fleet", action="store_true",
+        help="run the fleet demo instead: 2 P + 2 D + router on a real etcd, one P and one D "
+        "killed under load (`kvframe demo --fleet --help`)",
+    )  # fmt: skip
     ap.add_argument(
         "--prompts", type=int, default=8, help=f"requests per batch, 1..{MAX_PROMPTS} (8)"
     )

@@ -803,9 +803,9 @@ def main(argv: list[str] | None = None) -> int:
         "recomputes every turn (the recompute side of a benchmark)",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    if (args.discovery is None) == (args.prefill is not None and args.decode is not None) or (
-        args.discovery is not None and (args.prefill or args.decode)
-    ):
+    static = args.prefill is not None and args.decode is not None
+    with_fleet = args.discovery is not None and args.prefill is None and args.decode is None
+    if not (static and args.discovery is None) and not with_fleet:
         ap.error("give --prefill and --decode (one engine each), or --discovery URL")
     table: FleetTable | None = None
     closers: list[Callable[[], None]] = []
