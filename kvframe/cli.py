@@ -73,6 +73,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvframe.bench.offload",
         "offload tiers vs memcpy and os.pwrite/pread, lookup cost, LRU vs ARC hit rates",
     ),
+    "fleet": (
+        "kvframe.bench.fleet",
+        "requests through a fleet router: 1P+1D vs 2P+2D, prefix-aware vs round-robin routing",
+    ),
     "vllm": (
         "kvframe.bench.vllm",
         "P/D inside real vLLM engines: vLLM's NixlConnector vs kvframe's PDConnector",

@@ -55,15 +55,15 @@ def test_bad_urls_say_what_to_write(url: str, why: str) -> None:
 
 
 def _rec(**kw: object) -> EngineRecord:
-    fields: dict = dict(
-        engine_id="d0",
-        role=EngineRole.CONSUMER,
-        host="10.0.0.1",
-        side_channel_ports=(),
-        transport="nixl",
-        tp_size=2,
-        incarnation="i",
-    )
+    fields: dict = {
+        "engine_id": "d0",
+        "role": EngineRole.CONSUMER,
+        "host": "10.0.0.1",
+        "side_channel_ports": (),
+        "transport": "nixl",
+        "tp_size": 2,
+        "incarnation": "i",
+    }
     fields.update(kw)
     return EngineRecord(**fields)
 

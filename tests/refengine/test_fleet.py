@@ -15,10 +15,6 @@ from typing import Any
 
 import attrs
 import pytest
-
-from kvframe.core.fleet import EngineRecord, EngineRole
-from kvframe.errors import ConfigError
-from kvframe.spi.request import block_hashes
 from kvframe_refengine.block_pool import CacheJournal
 from kvframe_refengine.fleet import (
     MAX_EVENTS_BYTES,
@@ -30,6 +26,10 @@ from kvframe_refengine.fleet import (
     watch_fleet,
 )
 from kvframe_refengine.router import Router
+
+from kvframe.core.fleet import EngineRecord, EngineRole
+from kvframe.errors import ConfigError
+from kvframe.spi.request import block_hashes
 from tests.refengine._http import Served, engine_server, request
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,9 +79,11 @@ def _live(router: Router, role: str) -> list[str]:
 def test_an_engine_registers_what_a_router_needs_and_withdraws_at_close(url: str) -> None:
     with member("kv_producer", "fp-0", url) as (p, m), fleet_router(url) as router:
         rec = m.record
-        assert rec.role is EngineRole.PRODUCER and rec.api_port == p.port
+        assert rec.role is EngineRole.PRODUCER
+        assert rec.api_port == p.port
         assert rec.capabilities == {"prefill", "block_size:16", "kv_events"}
-        assert len(rec.side_channel_ports) == 1 and rec.transport == "inprocess"
+        assert len(rec.side_channel_ports) == 1
+        assert rec.transport == "inprocess"
         _wait(lambda: _live(router, "prefill") == ["fp-0"])
         m.close()
         _wait(lambda: _live(router, "prefill") == [])
@@ -118,15 +120,23 @@ def test_kv_events_name_the_blocks_the_engine_cached(url: str) -> None:
         events = parse_kv_events(json.dumps(body).encode())
         want = block_hashes(prompt, 16)
         assert [h for stored, h in events.events if stored] == list(want)
-        assert events.snapshot is None and events.seq == 2 and not events.more
+        assert events.snapshot is None
+        assert events.seq == 2
+        assert not events.more
         code, body = request(p, "GET", f"/v1/kv_events?after={events.seq}")
-        assert code == 200 and body["events"] == [] and body["seq"] == 2
+        assert code == 200
+        assert body["events"] == []
+        assert body["seq"] == 2
         code, body = request(p, "GET", "/v1/kv_events?after=999")  # not this instance's
-        assert code == 200 and sorted(body["snapshot"]) == sorted(h.hex() for h in want)
+        assert code == 200
+        assert sorted(body["snapshot"]) == sorted(h.hex() for h in want)
         code, body = request(p, "GET", "/v1/kv_events?after=1&limit=1")
-        assert body["seq"] == 2 and len(body["events"]) == 1 and not body["more"]
+        assert body["seq"] == 2
+        assert len(body["events"]) == 1
+        assert not body["more"]
         code, body = request(p, "GET", "/v1/kv_events?after=0&limit=1")
-        assert body["seq"] == 1 and body["more"]
+        assert body["seq"] == 1
+        assert body["more"]
         for bad in ("after=-1", "after=x", "limit=0", "limit=5000"):
             code, body = request(p, "GET", f"/v1/kv_events?{bad}")
             assert code == 400, bad
@@ -137,9 +147,11 @@ def test_the_journal_snapshots_a_reader_that_fell_behind() -> None:
     for i in range(5):
         j.add(True, bytes([i]) * 32)
     got = j.since(0, [b"x"], limit=10)  # changes 1 and 2 are gone
-    assert got.snapshot == (b"x",) and got.seq == 5
+    assert got.snapshot == (b"x",)
+    assert got.seq == 5
     got = j.since(2, [], limit=10)
-    assert got.snapshot is None and [h[0] for _, h in got.events] == [2, 3, 4]
+    assert got.snapshot is None
+    assert [h[0] for _, h in got.events] == [2, 3, 4]
 
 
 @pytest.mark.parametrize(
@@ -174,8 +186,10 @@ def test_the_prefix_index_is_bounded() -> None:
     index = PrefixIndex(capacity=3)
     hashes = [bytes([i]) * 32 for i in range(5)]
     index.add(hashes)
-    assert len(index) == 3 and index.dropped == 2
-    assert index.match(hashes[2:]) == 3 and index.match(hashes) == 0
+    assert len(index) == 3
+    assert index.dropped == 2
+    assert index.match(hashes[2:]) == 3
+    assert index.match(hashes) == 0
 
 
 def _record(engine_id: str, role: str, port: int) -> EngineRecord:
@@ -206,7 +220,8 @@ def test_the_table_picks_the_longest_prefix_among_the_least_loaded() -> None:
     second = table.pick("prefill", prompt)
     assert second is p1  # one more in flight: within max_imbalance
     third = table.pick("prefill", prompt)
-    assert third is not None and third is not p1  # p1 would be 2 above the least loaded
+    assert third is not None
+    assert third is not p1
     assert table.pick("prefill", prompt, exclude={"p0", "p1", "p2"}) is None
     table.mark_down(p1)
     for m in (first, second, third):
@@ -262,7 +277,8 @@ def test_two_p_two_d_route_on_prefixes_and_survive_a_vanished_and_a_dead_engine(
         # Each group's shared prefix stays on the P that computed it first.
         assert all(len(engines_seen) == 1 for engines_seen in by_group.values()), by_group
         assert all(len(engines_seen) == 1 for engines_seen in d_of_group.values()), d_of_group
-        assert router.fleet is not None and router.fleet.prefix_hits >= 6
+        assert router.fleet is not None
+        assert router.fleet.prefix_hits >= 6
 
         # A P withdraws (a clean shutdown): the router stops routing to it.
         gone = sorted(by_group[0])[0]
@@ -270,7 +286,8 @@ def test_two_p_two_d_route_on_prefixes_and_survive_a_vanished_and_a_dead_engine(
         _wait(lambda: gone not in _live(router, "prefill"))
         for i in range(4):
             code, ans = router.complete({"prompt": _prompt(0, 10 + i), "max_tokens": 3})
-            assert code == 200 and ans["engines"]["prefill"] != gone
+            assert code == 200
+            assert ans["engines"]["prefill"] != gone
 
         # A D dies without withdrawing (its HTTP API gone, still registered): the request
         # that finds it dead is routed again from the start on the other D.
@@ -294,7 +311,8 @@ def test_no_live_engine_is_a_503_naming_the_side(url: str) -> None:
     with member("kv_consumer", "fn-d", url), fleet_router(url) as router:
         _wait(lambda: _live(router, "decode") == ["fn-d"])
         code, ans = router.complete({"prompt": [1, 2, 3], "max_tokens": 2})
-        assert code == 503 and ans["error"]["type"] == "no_prefill_engine"
+        assert code == 503
+        assert ans["error"]["type"] == "no_prefill_engine"
 
 
 def test_a_router_takes_engines_or_a_fleet_not_both() -> None:

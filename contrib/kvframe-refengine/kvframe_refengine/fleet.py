@@ -163,17 +163,19 @@ class FleetMember:
         worker = _pd_worker(engine.connector_worker)
         incarnation = getattr(worker, "incarnation", None) or secrets.token_hex(8)
         extra = kv.kv_connector_extra_config
-        self.record = EngineRecord(
-            engine_id=service.engine_id,
-            role=role,
-            host=host,
-            side_channel_ports=ports,
-            transport=str(extra.get("transport", "nixl")),
-            tp_size=engine.config.tp_size,
-            capabilities={fleet_role, f"block_size:{engine.config.block_size}", "kv_events"},
-            incarnation=incarnation,
-            api_port=api_port,
-        )
+        fields: dict[str, Any] = {
+            "engine_id": service.engine_id,
+            "role": role,
+            "host": host,
+            "side_channel_ports": ports,
+            "transport": str(extra.get("transport", "nixl")),
+            "tp_size": engine.config.tp_size,
+            "capabilities": {fleet_role, f"block_size:{engine.config.block_size}", "kv_events"},
+            "incarnation": incarnation,
+            "api_port": api_port,
+        }
+        self.record = EngineRecord(**fields)
+        """This engine's registration."""
         self.discovery, ttl = open_discovery(url, plugin_host)
         targets = [worker] if worker is not None and engine.config.tp_size == 1 else []
         try:
@@ -289,6 +291,8 @@ def parse_kv_events(data: bytes) -> KVEvents:
         if not all(isinstance(h, str) and _HASH.fullmatch(h) for h in snapshot):
             raise ValueError("snapshot holds something that is not 64 hex digits")
         snap = tuple(bytes.fromhex(h) for h in snapshot)
+    assert isinstance(size, int)
+    assert isinstance(seq, int)
     return KVEvents(epoch, size, seq, tuple(checked), snap, more)
 
 

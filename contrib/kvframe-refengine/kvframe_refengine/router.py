@@ -521,15 +521,19 @@ class Router:
             "total_s": t2 - t0,
         }
         d_resp["prefill_id"] = p_resp.get("id")
-        self._name_engines(d_resp, p, d)
+        self._name_engines(d_resp, p, d, p_resp)
         with self._lock:
             self.routed += 1
         return 200, d_resp, p_resp
 
     @staticmethod
-    def _name_engines(d_resp: dict[str, Any], p: _Target, d: _Target) -> None:
+    def _name_engines(
+        d_resp: dict[str, Any], p: _Target, d: _Target, p_resp: dict[str, Any] | None
+    ) -> None:
+        # Fleet mode: which engines served, and P's usage (its cached_tokens: prefix hits).
         if p.member is not None and d.member is not None:
             d_resp["engines"] = {"prefill": p.member.engine_id, "decode": d.member.engine_id}
+            d_resp.setdefault("prefill_usage", None if p_resp is None else p_resp.get("usage"))
 
     # -- conversations ---------------------------------------------------------------------
     def _turn(self, conversation_id: str | None) -> _Turn:
@@ -667,7 +671,7 @@ class Router:
             "total_s": t2 - t0,
         }
         d_resp["push_id"] = push_id
-        self._name_engines(d_resp, p, d)
+        self._name_engines(d_resp, p, d, p_resp if p_code == 200 else None)
         if p_code == 200:
             d_resp["prefill_id"] = p_resp.get("id")
         else:
