@@ -390,7 +390,7 @@ class FleetTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}
-        self._turn = itertools.count()
+        self._turns = {role: itertools.count() for role in FLEET_ROLES}
         self.ignored = 0
         """Registrations skipped: no ``api_port``, or not exactly one of prefill/decode."""
         self.malformed_events = 0
@@ -462,7 +462,7 @@ class FleetTable:
             if not live:
                 return None
             live.sort(key=lambda m: m.engine_id)
-            turn = next(self._turn)
+            turn = next(self._turns[fleet_role])  # one turn per role: a request picks both
             order = live[turn % len(live) :] + live[: turn % len(live)]
             chosen = order[0]
             matched = 0
@@ -479,6 +479,12 @@ class FleetTable:
             self.picks += 1
             if matched:
                 self.prefix_hits += 1
+            if self.policy == "prefix" and chosen.block_size is not None:
+                # The engine is about to compute these blocks: requests with the same prefix
+                # that arrive meanwhile go there too, not to an engine that would compute them
+                # again. (If this request fails, the engine may not hold them: a later miss,
+                # never a wrong answer; its KV events and the LRU correct it.)
+                chosen.index.add(block_hashes(prompt, chosen.block_size))
             chosen.inflight += 1
             chosen.routed += 1
             return chosen
