@@ -36,7 +36,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvframe.bench._stats import p90
 from kvframe.bench.progress import Progress
 from kvframe.core.fleet import FleetEvent
 from kvframe.errors import ConfigError
@@ -91,6 +90,13 @@ class _Arm:
         self.poller.close()
         self.watch.cancel()
         self.backend.close()
+
+
+def _p90(samples: Sequence[float]) -> float:
+    """The 90th percentile (inclusive method, as every kvframe benchmark prints it)."""
+    if len(samples) < 2:
+        return samples[0]
+    return statistics.quantiles(samples, n=10, method="inclusive")[8]
 
 
 def _quiet(message: str) -> None:
@@ -177,7 +183,7 @@ def measure(
             "hit_rate": sum(c for _, c, _ in samples[name]) / sum(n for _, _, n in samples[name]),
             "mean_ttft_s": statistics.fmean(ttfts),
             "median_ttft_s": statistics.median(ttfts),
-            "p90_ttft_s": p90(ttfts),
+            "p90_ttft_s": _p90(ttfts),
             "wall_s": walls[name],
         }
     report["arms"] = out
