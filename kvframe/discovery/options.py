@@ -1,4 +1,5 @@
-"""Option checking shared by discovery backends (the built-ins and ``kvframe-etcd``).
+"""Option checking shared by discovery backends (the built-ins and ``kvframe-etcd``), and
+discovery URLs (:func:`parse_discovery_url`: one string for a command line's ``--discovery``).
 
 Every bad option raises :class:`~kvframe.errors.ConfigError` naming the backend, the key and
 what to write instead.

@@ -320,3 +320,39 @@ def test_a_router_takes_engines_or_a_fleet_not_both() -> None:
         Router("http://a", "http://b", fleet=FleetTable())
     with pytest.raises(ValueError, match="either"):
         Router("http://a")
+
+
+def test_engines_join_and_leave_while_traffic_runs(url: str) -> None:
+    import threading
+
+    answers: list[tuple[int, dict[str, Any]]] = []
+    stop = threading.Event()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(member("kv_producer", "fj-p0", url))
+        stack.enter_context(member("kv_consumer", "fj-d0", url))
+        router = stack.enter_context(fleet_router(url, policy="round_robin"))
+        _wait(lambda: len(_live(router, "prefill")) == 1 and len(_live(router, "decode")) == 1)
+
+        def traffic() -> None:
+            i = 0
+            while not stop.is_set():
+                answers.append(router.complete({"prompt": _prompt(i % 2, i), "max_tokens": 2}))
+                i += 1
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        try:
+            _, p1 = stack.enter_context(member("kv_producer", "fj-p1", url))
+            stack.enter_context(member("kv_consumer", "fj-d1", url))
+            _wait(lambda: {a["engines"]["prefill"] for c, a in answers if c == 200} >= {"fj-p1"})
+            _wait(lambda: {a["engines"]["decode"] for c, a in answers if c == 200} >= {"fj-d1"})
+            p1.close()  # leaves while requests run
+            _wait(lambda: "fj-p1" not in _live(router, "prefill"))
+            n = len(answers)
+            _wait(lambda: len(answers) >= n + 4)
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+        assert answers
+        assert all(code == 200 for code, _ in answers), [a for c, a in answers if c != 200][:3]
+        assert all(a["engines"]["prefill"] != "fj-p1" for _, a in answers[n + 1 :])

@@ -425,7 +425,7 @@ class FleetTable:
         with self._lock:
             old = self._members.get(record.engine_id)
             if old is not None and old.record.incarnation == record.incarnation:
-                old.record = record
+                old.record, old.url, old.fleet_role = record, url, role  # EngineChanged
                 return True
             self._members[record.engine_id] = Member(record, role, url, size)
         return True
