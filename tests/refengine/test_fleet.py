@@ -356,3 +356,23 @@ def test_engines_join_and_leave_while_traffic_runs(url: str) -> None:
         assert answers
         assert all(code == 200 for code, _ in answers), [a for c, a in answers if c != 200][:3]
         assert all(a["engines"]["prefill"] != "fj-p1" for _, a in answers[n + 1 :])
+
+
+def test_push_mode_in_a_fleet_fetches_each_prefill_engines_address(url: str) -> None:
+    with contextlib.ExitStack() as stack:
+        for eid, role in (
+            ("fpu-p0", "kv_producer"),
+            ("fpu-p1", "kv_producer"),
+            ("fpu-d0", "kv_consumer"),
+        ):
+            stack.enter_context(member(role, eid, url))
+        router = stack.enter_context(fleet_router(url, policy="round_robin", mode="push"))
+        _wait(lambda: len(_live(router, "prefill")) == 2 and len(_live(router, "decode")) == 1)
+        used = set()
+        for i in range(4):
+            code, ans = router.complete({"prompt": _prompt(i % 2, i), "max_tokens": 3})
+            assert code == 200, ans
+            assert ans["usage"]["external_tokens"] > 0  # D's KV came from the chosen P's push
+            used.add(ans["engines"]["prefill"])
+        assert used == {"fpu-p0", "fpu-p1"}
+        assert router.address_fetches == 2  # one per prefill engine, kept after
