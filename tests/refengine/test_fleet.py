@@ -108,6 +108,12 @@ def test_liveness_is_wired_to_the_engines_worker(url: str) -> None:
         _wait(lambda: len(mp.liveness.watch.live()) == 2)
         md.close()
         _wait(lambda: [e.record.engine_id for e in mp.liveness.gone] == ["fl-d"])
+        # The idle P applies it without a request: the liveness action wakes its loop.
+        service = _p.service
+        assert service is not None
+        # (Counters reach /stats with the next step's output: read the worker's own.)
+        worker = service.engine.connector_worker
+        _wait(lambda: service.call(lambda: worker._counters.get("engines_gone")) == 1)
 
 
 def test_kv_events_name_the_blocks_the_engine_cached(url: str) -> None:

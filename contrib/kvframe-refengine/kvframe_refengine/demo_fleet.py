@@ -253,8 +253,9 @@ def _run(
     bound = lease + ttl + 5
     clean = _wait_for(lambda: all(_get(f"{u}/leaks")["clean"] for u in (p_url, d_url)), bound, 0.1)
     clean_after = time.monotonic() - killed_at
-    # An idle engine applies a vanish at its next progress point: one more request gives
-    # both survivors one (and shows the fleet still serves).
+    # A vanish is applied at once (the liveness action wakes the engine loop), but a
+    # worker's counters reach /stats with a step's output: one more request gives both
+    # survivors a step (and shows the fleet still serves).
     probe, _ = send(0)
     p_c, d_c = _counters(p_url), _counters(d_url)
     result["phase2"] = {

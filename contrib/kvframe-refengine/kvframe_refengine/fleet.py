@@ -118,6 +118,33 @@ def _pd_worker(worker: object) -> LivenessTarget | None:
     return None
 
 
+class _Waking:
+    """A liveness target that, after telling the worker (thread-safe; applied at its next
+    progress point), wakes the engine loop to make that progress at once: an idle engine
+    steps only when a request comes, and a vanished peer's leases must not wait for one."""
+
+    def __init__(self, worker: LivenessTarget, service: EngineService) -> None:
+        self._worker = worker
+        self._service = service
+
+    def _wake(self) -> None:
+        progress = getattr(self._worker, "progress", None)
+        if progress is not None:
+            self._service.post(progress)
+
+    def engine_gone(self, engine_id: str, reason: str = "it left the fleet") -> None:
+        self._worker.engine_gone(engine_id, reason)
+        self._wake()
+
+    def fence(self, reason: str) -> None:
+        self._worker.fence(reason)
+        self._wake()
+
+    def unfence(self) -> None:
+        self._worker.unfence()
+        self._wake()
+
+
 class FleetMember:
     """One engine server in a fleet: registered through ``url``'s backend, kept alive,
     withdrawn by :meth:`close`, its P/D worker driven by :class:`FleetLiveness`.
@@ -177,7 +204,9 @@ class FleetMember:
         self.record = EngineRecord(**fields)
         """This engine's registration."""
         self.discovery, ttl = open_discovery(url, plugin_host)
-        targets = [worker] if worker is not None and engine.config.tp_size == 1 else []
+        targets: list[LivenessTarget] = []
+        if worker is not None and engine.config.tp_size == 1:
+            targets.append(_Waking(worker, service))
         try:
             self.liveness = FleetLiveness(self.discovery, self.record, targets, hold=ttl)
         except BaseException:

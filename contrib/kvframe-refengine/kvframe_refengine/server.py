@@ -250,6 +250,18 @@ class EngineService:
             self._cmds.put((fn, fut))
         return fut.result(timeout)
 
+    def post(self, fn: Callable[[], Any]) -> bool:
+        """Queue ``fn`` to run on the engine thread without waiting for it (it wakes an idle
+        loop at once); what it raises is logged, not propagated. Returns False when the engine
+        loop is not running (nothing was queued)."""
+        fut: Future[Any] = Future()
+        fut.add_done_callback(_log_failure)
+        with self._gate:
+            if self.failed is not None:
+                return False
+            self._cmds.put((fn, fut))
+        return True
+
     def submit(
         self,
         prompt: list[int],
@@ -391,6 +403,12 @@ class EngineService:
 
 class _Closed(Exception):
     """:meth:`EngineService.close` was called."""
+
+
+def _log_failure(fut: Future[Any]) -> None:
+    exc = fut.exception()
+    if exc is not None and not isinstance(exc, EngineLoopDied):
+        _log.error("a posted engine command failed: %s: %s", type(exc).__name__, exc)
 
 
 def _pd_scheduler(sched: object) -> PDConnectorScheduler | None:
