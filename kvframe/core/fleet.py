@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import hashlib
 import json
 import math
 import re
@@ -305,14 +306,20 @@ class FleetView:
     takes ``now`` and returns the events that follow, in order; nothing here reads a clock.
 
     :param remember_vanished: how many vanished engines :meth:`vanished_at` remembers.
+    :param remember_malformed: how many malformed entries (key and a digest of the bytes) are
+        remembered so that seeing the same bytes again (every poll of a listing backend,
+        every relist) does not count them again; the oldest is forgotten first.
     """
 
-    def __init__(self, *, remember_vanished: int = 1024) -> None:
+    def __init__(self, *, remember_vanished: int = 1024, remember_malformed: int = 1024) -> None:
         self._live: dict[str, EngineRecord] = {}
         self._vanished: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._remember = remember_vanished
         self._malformed = 0
         self._last_error: str | None = None
+        # key -> digest of the malformed bytes last seen under it (bounded, oldest first out).
+        self._bad: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._remember_bad = remember_malformed
 
     # -- inspection ----------------------------------------------------------------------
     def live(self) -> tuple[EngineRecord, ...]:
@@ -329,7 +336,8 @@ class FleetView:
 
     @property
     def malformed(self) -> int:
-        """Records skipped because they did not decode or did not match their key."""
+        """Records skipped because they did not decode or did not match their key; the same
+        bytes under the same key, seen again, are not counted again."""
         return self._malformed
 
     @property
@@ -349,6 +357,7 @@ class FleetView:
     def delete(self, key: str, now: float) -> list[FleetEvent]:
         """``key`` was deleted (withdrawn, or its lease expired)."""
         _check_now(now)
+        self._bad.pop(key, None)
         engine_id = _engine_of(key)
         old = self._live.pop(engine_id, None)
         if old is None:
@@ -360,6 +369,9 @@ class FleetView:
         vanish (``"missing"``), the others are put. Malformed entries are skipped and counted;
         an engine whose only entry is malformed counts as missing."""
         _check_now(now)
+        # Entries no longer listed are forgotten: they count again if they come back.
+        for key in [k for k in self._bad if k not in items]:
+            del self._bad[key]
         seen: dict[str, EngineRecord] = {}
         for key, data in items.items():
             record = self._decode(key, data)
@@ -377,14 +389,23 @@ class FleetView:
         try:
             record = decode_record(data)
         except CodecError as exc:
-            self._skip(f"{key[:200]!r}: {exc}")
+            self._skip(key, data, f"{key[:200]!r}: {exc}")
             return None
         if _engine_of(key) != record.engine_id:
-            self._skip(f"{key[:200]!r} holds the record of engine {record.engine_id!r}")
+            self._skip(key, data, f"{key[:200]!r} holds the record of engine {record.engine_id!r}")
             return None
+        self._bad.pop(key, None)
         return record
 
-    def _skip(self, why: str) -> None:
+    def _skip(self, key: str, data: bytes, why: str) -> None:
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        if self._bad.get(key) == digest:
+            self._bad.move_to_end(key)
+            return
+        self._bad[key] = digest
+        self._bad.move_to_end(key)
+        while len(self._bad) > self._remember_bad:
+            self._bad.popitem(last=False)
         self._malformed += 1
         self._last_error = why
 

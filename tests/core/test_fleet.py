@@ -119,6 +119,35 @@ def test_a_malformed_record_is_skipped_and_counted_and_changes_nothing() -> None
     assert v.live() == (a,)
 
 
+def test_the_same_malformed_bytes_count_once_across_polls() -> None:
+    # A listing backend (file) hands the same directory to every poll: a bad file is one
+    # malformed record, not one per poll; new bytes under its key count again, and so does
+    # an entry that left the listing and came back.
+    v = FleetView(remember_malformed=2)
+    good = encode_record(rec("p0"))
+    listing = {key("p0"): good, key("x"): b"garbage"}
+    for t in range(1, 6):
+        v.snapshot(listing, float(t))
+    assert v.malformed == 1
+    v.put(key("x"), b"garbage", 6.0)
+    assert v.malformed == 1
+    v.put(key("x"), b"other garbage", 7.0)
+    assert v.malformed == 2
+    v.snapshot({key("p0"): good}, 8.0)
+    v.snapshot({key("p0"): good, key("x"): b"other garbage"}, 9.0)
+    assert v.malformed == 3
+    v.delete(key("x"), 10.0)
+    v.put(key("x"), b"other garbage", 11.0)
+    assert v.malformed == 4
+    # Bounded: with room for two, a third bad key pushes the oldest out.
+    v.put(key("y"), b"bad y", 12.0)
+    v.put(key("z"), b"bad z", 13.0)
+    assert v.malformed == 6
+    v.put(key("x"), b"other garbage", 14.0)
+    assert v.malformed == 7
+    assert [r.engine_id for r in v.live()] == ["p0"]
+
+
 def test_a_snapshot_diffs_against_the_view() -> None:
     v = FleetView()
     a, b, c = rec("a"), rec("b"), rec("c")

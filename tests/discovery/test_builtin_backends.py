@@ -110,6 +110,23 @@ def test_file_a_sigkilled_engine_vanishes_within_its_ttl(host: PluginHost, tmp_p
     assert os.path.exists(tmp_path / "d7.json")  # a dead process leaves its file; it expired
 
 
+def test_file_counts_a_malformed_file_once_however_many_polls(
+    host: PluginHost, tmp_path: Path
+) -> None:
+    opts = {"directory": str(tmp_path), "ttl": 1.0, "poll_interval": 0.02}
+    watcher: Discovery = host.create_discovery("file", DiscoveryParams(options=opts))
+    (tmp_path / "x.json").write_bytes(b"{not json")  # no expiry line: never expires
+    try:
+        w = watcher.watch(Events())
+        wait_for(lambda: w.malformed == 1, 5, "the bad file counted")
+        time.sleep(0.3)  # about 15 polls of the same directory
+        assert w.malformed == 1
+        (tmp_path / "x.json").write_bytes(b"{still not json")
+        wait_for(lambda: w.malformed == 2, 5, "new bytes counted again")
+    finally:
+        watcher.close()
+
+
 class FakeWorker:
     def __init__(self) -> None:
         self.calls: list[tuple[str, ...]] = []
