@@ -15,6 +15,7 @@ MODULES = [
     "kvframe.core.heartbeat",
     "kvframe.core.clock",
     "kvframe.core.wire",
+    "kvframe.core.tp",
     "kvframe.core._checks",
     "kvframe.bench.lease",
 ]
