@@ -15,6 +15,11 @@ answers the readers (decode workers) that talk to it through the transport's not
   naming it is told it is lost (``CLAIMED``) and can neither renew nor end it. A ticket that a
   router sent to two decoders is thus read by one of them only, and a consumption by one can
   never free blocks the other is reading;
+- **reader groups** (heterogeneous tensor parallelism): the decode ranks of one engine that
+  read from this holder form one group (:meth:`LeaseHolder.join`): the group claims a lease,
+  every member renews it, and it ends only when *every* member reported it done (consumed when
+  all read it, else aborted), or at its expiry. A reader that never joined is a group of one,
+  as before;
 - :meth:`LeaseHolder.expire` reclaims leases nobody renewed in time;
 - :meth:`LeaseHolder.revoke` (push mode, where D holds its destination blocks) stops renewing a
   lease the holder no longer wants written: heartbeats naming it are answered ``ABORTED``, and
@@ -119,7 +124,11 @@ class LeaseHolder(Generic[_PayloadT]):
     ) -> None:
         self._table: LeaseTable[_PayloadT] = LeaseTable(policy, remember_ended=remember_ended)
         self._guard = HeartbeatGuard(max_drift)
-        self._claims: dict[int, str] = {}  # live lease handle -> the reader that claimed it
+        self._claims: dict[int, str] = {}  # live lease handle -> the group that claimed it
+        # reader -> (its group, its member id in the group, the group's member count)
+        self._members: dict[str, tuple[str, int, int]] = {}
+        # live lease handle -> member id -> its done reason (groups of several members only)
+        self._reported: dict[int, dict[int, wire.DoneReason]] = {}
         self._revoked: set[int] = set()  # live lease handles no longer renewed
         self._kept: set[int] = set()  # live kept (TTL) lease handles nobody has claimed yet
         self._heartbeats = 0
@@ -143,8 +152,19 @@ class LeaseHolder(Generic[_PayloadT]):
         return self._table.live_count
 
     def claimant(self, lease_id: str) -> str | None:
-        """The reader that claimed the live lease ``lease_id``, or ``None``."""
+        """The group (for a reader that never joined one: the reader) that claimed the live
+        lease ``lease_id``, or ``None``."""
         return self._claims.get(lease_handle(lease_id))
+
+    def group_of(self, reader: str) -> str:
+        """The group ``reader`` belongs to (itself unless it joined one)."""
+        member = self._members.get(reader)
+        return reader if member is None else member[0]
+
+    def reported(self, lease_id: str) -> tuple[int, ...]:
+        """The members of the claiming group that reported the live lease ``lease_id`` done
+        while others had not yet (ascending; empty for groups of one)."""
+        return tuple(sorted(self._reported.get(lease_handle(lease_id), ())))
 
     @property
     def counters(self) -> HolderCounters:
@@ -238,6 +258,30 @@ class LeaseHolder(Generic[_PayloadT]):
         """A reader (re)connected: its sequence numbers start again. Claims it holds stay."""
         self._guard.forget(reader)
 
+    def join(self, reader: str, group: str, member: int, members: int) -> None:
+        """``reader`` is member ``member`` (``0 .. members - 1``, stable across its
+        reconnections: a decode rank) of ``group`` (a decode engine), whose ``members`` readers
+        all read every lease the group claims from this holder. A lease the group claimed ends
+        when every member reported it done (or at its expiry): a member's done notice alone
+        frees nothing while another member may still be reading. A reader that joins again
+        (reconnected) keeps its member id; its reports so far stay counted.
+
+        :raises ValueError: ``members`` is not a positive int, ``member`` lies outside
+            ``0 .. members - 1``, or ``group`` is empty.
+        """
+        if type(members) is not int or members < 1:
+            raise ValueError(f"members = {members!r}; it must be a positive int")
+        if type(member) is not int or not 0 <= member < members:
+            raise ValueError(f"member = {member!r}; it must lie in 0..{members - 1}")
+        if not isinstance(group, str) or not group:
+            raise ValueError(f"group = {group!r}; it must be a non-empty string")
+        self._members[reader] = (group, member, members)
+
+    def leave(self, reader: str) -> None:
+        """Forget ``reader``'s group membership (its connection was removed). Claims and
+        reports of its group stay."""
+        self._members.pop(reader, None)
+
     def receive(self, reader: str, message: wire.Message, now: float) -> HolderOutput[_PayloadT]:
         """A decoded notification from ``reader``. Holder-bound messages are heartbeats and
         lease-done notices; anything else (an ack or loss notice sent the wrong way) is ignored.
@@ -260,6 +304,7 @@ class LeaseHolder(Generic[_PayloadT]):
                 claims.pop(lease.handle, None)
                 self._revoked.discard(lease.handle)
                 self._kept.discard(lease.handle)
+                self._reported.pop(lease.handle, None)
         return HolderOutput(ended=tuple(ended))
 
     def abort(self, lease_id: str, now: float) -> HolderOutput[_PayloadT]:
@@ -271,17 +316,20 @@ class LeaseHolder(Generic[_PayloadT]):
         self._claims.pop(handle, None)
         self._revoked.discard(handle)
         self._kept.discard(handle)
+        self._reported.pop(handle, None)
         return HolderOutput(ended=(self._table.abort(lease_id, now),))
 
     def claimed_by(self, reader: str) -> tuple[str, ...]:
-        """The live leases ``reader`` has claimed (named in a heartbeat), by lease id."""
+        """The live leases ``reader``'s group has claimed (named in a heartbeat), by lease
+        id."""
         table = self._table
-        ids = (table.request_id_for(h) for h, r in self._claims.items() if r == reader)
+        group = self.group_of(reader)
+        ids = (table.request_id_for(h) for h, r in self._claims.items() if r == group)
         return tuple(sorted(i for i in ids if i is not None))
 
     def abort_claims(self, reader: str, now: float) -> HolderOutput[_PayloadT]:
-        """``reader`` is gone for good (its engine left the fleet): end every live lease it
-        claimed at once (``ABORTED``) instead of at its expiry. Leases nobody claimed yet are
+        """``reader`` is gone for good (its engine left the fleet): end every live lease its
+        group claimed at once (``ABORTED``) instead of at its expiry. Leases nobody claimed yet are
         untouched: the holder cannot know which reader they were meant for, and they end at
         their expiry as usual. Only for a reader that can no longer be reading: a reader
         still alive would lose blocks under a bound this holder confirmed.
@@ -299,6 +347,7 @@ class LeaseHolder(Generic[_PayloadT]):
         claims = self._claims
         if not claims:
             return list(handles), []
+        reader = self.group_of(reader)
         mine: list[int] = []
         theirs: list[int] = []
         for h in handles:
@@ -334,8 +383,9 @@ class LeaseHolder(Generic[_PayloadT]):
         self._claimed_elsewhere += len(theirs)
         renewed = result.renewed.tolist()
         claim = self._claims.setdefault
+        group = self.group_of(reader)
         for h in renewed:
-            claim(h, reader)
+            claim(h, group)
         for h, why in result.ignored.items():
             if why is RenewIgnored.STALE:
                 continue  # live: a fresher heartbeat will renew it
@@ -364,6 +414,7 @@ class LeaseHolder(Generic[_PayloadT]):
         lost: dict[wire.LostReason, list[int]] = {}
         ended: list[Lease[_PayloadT]] = []
         table = self._table
+        group, member, members = self._members.get(reader, (reader, 0, 1))
         for h in msg.handles:
             rid = table.request_id_for(h)
             state = LeaseState.ABSENT if rid is None else table.state(rid)
@@ -372,14 +423,26 @@ class LeaseHolder(Generic[_PayloadT]):
                 lost.setdefault(_LOST_FOR_STATE[state], []).append(h)
                 continue
             owner = self._claims.get(h)
-            if owner is not None and owner != reader:
+            if owner is not None and owner != group:
                 self._claimed_elsewhere += 1
                 lost.setdefault(wire.LostReason.CLAIMED, []).append(h)
                 continue
+            reason = msg.reason
+            if members > 1:
+                # A group's lease ends at its last member's report: the others may still be
+                # reading under bounds this holder confirmed to them.
+                self._claims[h] = group
+                reports = self._reported.setdefault(h, {})
+                reports[member] = reason
+                if len(reports) < members:
+                    continue
+                del self._reported[h]
+                if any(r is not wire.DoneReason.READ for r in reports.values()):
+                    reason = wire.DoneReason.RELEASED
             self._claims.pop(h, None)
             self._revoked.discard(h)
             self._kept.discard(h)
-            if msg.reason is wire.DoneReason.READ:
+            if reason is wire.DoneReason.READ:
                 ended.append(table.consume(rid, now))
             else:
                 ended.append(table.abort(rid, now))

@@ -316,3 +316,89 @@ def test_a_time_that_is_not_finite_raises_and_changes_nothing(message: str) -> N
         h.receive("D1", msg, math.nan)
     after = (h.claimant("L"), h.claimant("M"), h.table.lease("L"), h.table.lease("M"))
     assert after == before, "a refused call dropped a claim: another reader can now take it"
+
+
+# -- reader groups (heterogeneous tensor parallelism) ------------------------------------------
+def grouped() -> LeaseHolder[str]:
+    """A holder read by decode engine D's ranks 0 and 2 (peers D.0, D.2: members 0 and 1 of
+    group D), as P rank 0 at TP 2 is by D at TP 4."""
+    h = make()
+    h.join("D.0", "D", 0, 2)
+    h.join("D.2", "D", 1, 2)
+    return h
+
+
+def test_a_group_lease_ends_only_when_every_member_reported() -> None:
+    h = grouped()
+    h.grant("L", 0.0, "blocks")
+    assert acked(h.receive("D.0", beat(1, 0.0, "L"), 0.1)) == {"L": 6.0}
+    assert h.claimant("L") == "D"
+    # The other member renews the group's lease (not CLAIMED) and gets its own ack.
+    assert acked(h.receive("D.2", beat(1, 1.0, "L"), 1.1)) == {"L": 6.0}
+    out = h.receive("D.0", done(2, READ, "L"), 2.0)
+    assert out == HolderOutput()  # member 1 may still be reading: nothing freed
+    assert h.table.state("L") is LeaseState.LIVE
+    assert h.reported("L") == (0,)
+    assert acked(h.receive("D.2", beat(2, 3.0, "L"), 3.0)) == {"L": 7.0}
+    out = h.receive("D.2", done(3, READ, "L"), 3.5)
+    assert ended(out) == {"L": LeaseState.CONSUMED}
+    assert h.claimant("L") is None
+    assert h.reported("L") == ()
+
+
+def test_a_group_lease_one_member_released_is_aborted_at_the_last_report() -> None:
+    h = grouped()
+    h.grant("L", 0.0, "blocks")
+    h.receive("D.2", beat(1, 0.0, "L"), 0.0)
+    assert h.receive("D.2", done(2, RELEASED, "L"), 0.5).ended == ()
+    assert ended(h.receive("D.0", done(1, READ, "L"), 1.0)) == {"L": LeaseState.ABORTED}
+
+
+def test_a_member_reporting_twice_does_not_end_the_group_lease() -> None:
+    """A member that read again on a new connection (a new peer name, same member id) and
+    reported twice still counts once: the other member's read is not cut short."""
+    h = grouped()
+    h.grant("L", 0.0, "blocks")
+    h.receive("D.0", beat(1, 0.0, "L"), 0.0)
+    assert h.receive("D.0", done(2, READ, "L"), 0.5).ended == ()
+    h.join("D.0'", "D", 0, 2)  # member 0 reconnected under a new peer name
+    h.leave("D.0")
+    assert h.receive("D.0'", done(1, READ, "L"), 1.0).ended == ()
+    assert h.table.state("L") is LeaseState.LIVE
+    assert ended(h.receive("D.2", done(1, READ, "L"), 1.5)) == {"L": LeaseState.CONSUMED}
+
+
+def test_another_engine_cannot_renew_or_end_a_group_lease() -> None:
+    h = grouped()
+    h.join("E.0", "E", 0, 2)
+    h.grant("L", 0.0, "blocks")
+    h.receive("D.0", beat(1, 0.0, "L"), 0.0)
+    assert lost(h.receive("E.0", beat(1, 0.5, "L"), 0.5)) == {"L": wire.LostReason.CLAIMED}
+    assert lost(h.receive("E.0", done(2, READ, "L"), 0.6)) == {"L": wire.LostReason.CLAIMED}
+    assert lost(h.receive("solo", done(1, READ, "L"), 0.7)) == {"L": wire.LostReason.CLAIMED}
+    assert h.reported("L") == ()
+    assert h.claimed_by("D.2") == ("L",)  # any member names the group's claims
+
+
+def test_a_group_lease_still_expires_and_engine_gone_aborts_it() -> None:
+    h = grouped()
+    h.grant("L", 0.0, "blocks")
+    h.grant("M", 0.0, "blocks")
+    h.receive("D.0", beat(1, 0.0, "L", "M"), 0.0)
+    h.receive("D.0", done(2, READ, "L", "M"), 0.5)  # member 1 never reports
+    assert ended(h.expire(6.0)) == {"L": LeaseState.EXPIRED, "M": LeaseState.EXPIRED}
+    assert h.reported("L") == ()
+    h.grant("N", 7.0, "blocks")
+    h.receive("D.2", beat(2, 7.0, "N"), 7.0)
+    assert ended(h.abort_claims("D.0", 7.5)) == {"N": LeaseState.ABORTED}
+
+
+def test_join_refuses_bad_membership() -> None:
+    h = make()
+    with pytest.raises(ValueError, match="members = 0"):
+        h.join("D.0", "D", 0, 0)
+    with pytest.raises(ValueError, match="member = 2"):
+        h.join("D.0", "D", 2, 2)
+    with pytest.raises(ValueError, match="group = ''"):
+        h.join("D.0", "", 0, 1)
+    assert h.group_of("D.0") == "D.0"
