@@ -230,6 +230,13 @@ class EngineInfo:
     model: str = ""
     """What the engine serves (a model name or digest); connectors compare it in the handshake
     so that KV never moves between engines serving different models."""
+    num_kv_heads: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
+    """The model's KV heads (all of them, not one rank's share), or ``None`` when the engine
+    does not say. Given, it lets the P/D connector move KV between engines of different
+    tensor-parallel sizes (each rank's cache then must be ``[blocks, 2, block_size,
+    heads of this rank, head_dim]``); ``None`` allows equal sizes only."""
 
 
 @runtime_checkable

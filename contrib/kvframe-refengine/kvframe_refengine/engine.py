@@ -288,12 +288,14 @@ class Engine:
     def engine_info(self) -> EngineInfo:
         """What connectors learn about this engine; ``model`` is a digest of the model
         configuration, so engines with different weights never exchange KV; ``world_size``
-        is ``tp_size``."""
+        is ``tp_size``; ``num_kv_heads`` is the model's (its cache is NHD), so engines of
+        different tensor-parallel sizes exchange KV."""
         digest = hashlib.sha256(repr(self.config.model).encode()).hexdigest()[:16]
         return EngineInfo(
             block_size=self.config.block_size,
             world_size=self.config.tp_size,
             model=f"refengine-tinylm-{digest}",
+            num_kv_heads=self.config.model.num_kv_heads,
         )
 
     def side_channel_ports(self) -> tuple[int, ...]:

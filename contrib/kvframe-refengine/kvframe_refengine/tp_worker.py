@@ -61,7 +61,12 @@ def _build_connector(init: WorkerInit) -> tuple[KVConnectorWorker | None, Codec]
     host.load()
     ctx = BuildContext(host=host)
     cls = host.connector(kv.kv_connector)
-    info = EngineInfo(block_size=init.block_size, world_size=init.tp_size, model=init.engine_model)
+    info = EngineInfo(
+        block_size=init.block_size,
+        world_size=init.tp_size,
+        model=init.engine_model,
+        num_kv_heads=init.model.num_kv_heads,
+    )
     return cls.build_worker(kv, info, init.rank, ctx), codec_for(cls, kv)
 
 

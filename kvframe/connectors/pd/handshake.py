@@ -218,6 +218,9 @@ class HandshakeRequest:
     rank: int = attrs.field(validator=_rank)
     transport: str
     transport_metadata: bytes
+    tp_size: int = attrs.field(default=1, validator=_positive_int)
+    """D's tensor-parallel size: P works out which of D's ranks read from it (heterogeneous
+    tensor parallelism, :mod:`kvframe.core.tp`)."""
     proof: bytes = attrs.field(default=b"", validator=_proof)
     """D's proof (authenticated handshakes; empty otherwise): HMAC over P's nonce, D's nonce,
     D's engine id, rank, transport, transport metadata and layout."""
@@ -375,7 +378,7 @@ def _p_binds(d_nonce: bytes, p_nonce: bytes, engine_id: str, rank: int) -> tuple
 
 def _d_binds(p_nonce: bytes, d_nonce: bytes, request: HandshakeRequest) -> tuple[bytes, ...]:
     meta = hashlib.sha256(request.transport_metadata).digest()
-    fields = (request.engine_id, str(request.rank), request.transport)
+    fields = (request.engine_id, str(request.rank), request.transport, str(request.tp_size))
     binds = (p_nonce, d_nonce, *(f.encode() for f in fields), meta)
     if request.layout is None:
         return binds

@@ -108,6 +108,7 @@ class RemoteEngines:
         rng: random.Random | None = None,
         keys: KeyRing | None = None,
         layout: BlockLayout | None = None,
+        tp_size: int = 1,
     ) -> None:
         self._transport = transport
         self._keys = keys
@@ -119,6 +120,7 @@ class RemoteEngines:
                 local_metadata if local_metadata is not None else transport.local_metadata()
             ),
             layout=layout,
+            tp_size=tp_size,
         )
         self._max_retry_after = max_retry_after
         self._rng = rng or random.Random()
@@ -220,6 +222,11 @@ class RemoteEngines:
             if eid == engine_id:
                 return entry
         return None
+
+    def find_all(self, engine_id: str) -> list[RemoteEngine]:
+        """Every entry of ``engine_id`` (several ranks when this worker reads from several:
+        heterogeneous tensor parallelism)."""
+        return [entry for (eid, _rank), entry in self._engines.items() if eid == engine_id]
 
     def get(self, engine_id: str, rank: int) -> RemoteEngine | None:
         """The entry for ``(engine_id, rank)``, or ``None``."""

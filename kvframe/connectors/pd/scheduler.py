@@ -49,6 +49,7 @@ from kvframe.core.requests import (
     DecodeRequestEvent,
     DecodeRequestState,
 )
+from kvframe.core.tp import check_tp_pair
 from kvframe.errors import CodecError, ConfigError
 from kvframe.protocol.codec import Codec
 from kvframe.protocol.messages import ConnectorOutput, KVEvent, Stats
@@ -255,7 +256,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # against the fleet key: only the address and its shape are checked here.
         assert request.kv_transfer_params is not None
         params = PushPrefillParams.from_dict(request.kv_transfer_params)
-        self._check_peer(params.transport, params.tp_size, params.remote_ports)
+        self._check_peer(params.transport, params.tp_size, params.remote_ports, "push")
         if self._options.keys is not None and not request.prompt_token_ids:
             raise ConfigError(
                 "this engine has a fleet key but gives its connector no prompt token ids "
@@ -264,18 +265,33 @@ class PDConnectorScheduler(KVConnectorScheduler):
             )
         return params
 
-    def _check_peer(self, transport: str, tp_size: int, ports: tuple[int, ...]) -> None:
+    def _check_peer(
+        self, transport: str, tp_size: int, ports: tuple[int, ...], mode: str = "pull"
+    ) -> None:
         if transport != self._options.transport:
             raise ConfigError(
                 f"kv_transfer_params.transport = {transport!r} but this engine "
                 f"uses {self._options.transport!r}; both engines must use one transport"
             )
-        if tp_size != self._engine.world_size:
-            raise ConfigError(
-                f"kv_transfer_params.tp_size = {tp_size} but this engine has "
-                f"{self._engine.world_size} workers; heterogeneous tensor parallelism is "
-                "not supported"
-            )
+        mine = self._engine.world_size
+        if tp_size != mine:
+            heads = self._engine.num_kv_heads
+            if mode != "pull":
+                raise ConfigError(
+                    f"kv_transfer_params.tp_size = {tp_size} but this engine has {mine} "
+                    f"workers; heterogeneous tensor parallelism is supported in pull mode "
+                    f"only, not in {mode} mode: run both engines at one size, or pull"
+                )
+            if heads is None:
+                raise ConfigError(
+                    f"kv_transfer_params.tp_size = {tp_size} but this engine has {mine} "
+                    "workers; heterogeneous tensor parallelism needs the engine to give its "
+                    "connector the model's KV-head count (EngineInfo.num_kv_heads)"
+                )
+            try:
+                check_tp_pair(tp_size, mine, heads)
+            except ValueError as exc:
+                raise ConfigError(f"kv_transfer_params.tp_size = {tp_size}: {exc}") from None
         if ports and len(ports) != tp_size:
             raise ConfigError(
                 f"kv_transfer_params.remote_ports has {len(ports)} ports for "
@@ -301,7 +317,13 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # The signature first (a forged or altered ticket names nothing), then its engine.
         if self._options.keys is not None:
             params.verify(self._options.keys)
-        self._check_peer(params.transport, params.tp_size, params.remote_ports)
+        history = where != "kv_transfer_params."
+        self._check_peer(
+            params.transport,
+            params.tp_size,
+            params.remote_ports,
+            "bidirectional (kv_history)" if history else "pull",
+        )
         if len(params.remote_block_ids) != self._engine.num_kv_groups:
             raise ConfigError(
                 f"{where}remote_block_ids has {len(params.remote_block_ids)} KV groups; this "

@@ -112,6 +112,15 @@ from kvframe.core.receiver import (
     Revoke,
     SendRegistration,
 )
+from kvframe.core.tp import (
+    HeadSlice,
+    check_tp_pair,
+    consumers_of,
+    head_sources,
+    kv_heads_of,
+    slice_units,
+    unit_heads,
+)
 from kvframe.errors import CodecError, KVFrameError, PeerUnreachableError, TransportError
 from kvframe.protocol.codec import Codec
 from kvframe.protocol.messages import ConnectorMetadata, KVEvent, Stats
@@ -152,6 +161,28 @@ OBSERVATION_BUCKETS: Mapping[str, tuple[float, ...]] = {
     "push_post_seconds": _SECONDS_LONG,
     "bytes_written": tuple(float(4**i) for i in range(6, 18)),
 }
+
+
+def _unit_layout(
+    layout: BlockLayout, block_size: int, heads: int, unit: int, whose: str
+) -> BlockLayout:
+    """``layout`` (NHD blocks of ``heads`` heads per token) cut into runs of ``unit`` heads of
+    one token's K or V: a transport moves them as its blocks (:func:`kvframe.core.tp.slice_units`
+    numbers them)."""
+    rows = 2 * block_size * heads
+    lens: list[int] = []
+    for blen in layout.block_lens:
+        if blen % rows:
+            raise ValueError(
+                f"{whose} blocks of {blen} bytes do not hold 2 x {block_size} tokens x "
+                f"{heads} heads of equal size; the KV layout is not NHD"
+            )
+        lens.append(blen // rows * unit)
+    return BlockLayout(
+        regions=layout.regions,
+        block_lens=lens,
+        num_blocks=layout.num_blocks * rows // unit,
+    )
 
 
 def observation_key(name: str, value: float) -> str:
@@ -220,10 +251,29 @@ class _PushIn:
 
 
 @attrs.define(eq=False)
+class _Split:
+    """A request read from several prefill ranks: its per-source loads, and how they ended."""
+
+    subs: list[str]
+    ended: dict[str, ReadState] = attrs.field(factory=dict)
+    failure: str | None = None
+    """The first failure's reason (the other loads are then stopped before it is reported)."""
+    perf: tuple[float, float] = (0.0, 0.0)
+
+
+@attrs.define(eq=False)
 class _Read:
     """A load the reader was told about: what to read, and its transfer once posted."""
 
     spec: PDLoad
+    key: str = ""
+    """The reader's engine key of the source rank (the engine id when the engines' tensor
+    parallel sizes are equal; ``<engine id>#<rank>`` otherwise)."""
+    heads: HeadSlice | None = None
+    """Heterogeneous tensor parallelism: the heads read from the source rank (``None``: whole
+    blocks)."""
+    parent: str = ""
+    """The request id (this load is one of its per-source loads when it differs)."""
     handle: XferHandle | None = None
     posted_at: float = 0.0
     notice: bytes | None = None
@@ -278,6 +328,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._max_notif = caps.max_notification_bytes
         self._tag_bytes = TAG_BYTES if options.keys is not None else 0
         self._local: LayoutHandle | None = None
+        self._local_heads = 0  # KV heads of this rank (num_kv_heads given)
         self._layout: BlockLayout | None = None
         self._chash = b""
         self._local_meta = b""
@@ -293,7 +344,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         # (D engine, rank, transport metadata, session key) from the handshake thread; bounded,
         # so a flood of handshakes cannot queue unbounded work for the engine thread.
         self._pending_peers: queue.Queue[
-            tuple[str, int, bytes, bytes | None, BlockLayout | None]
+            tuple[str, int, bytes, bytes | None, BlockLayout | None, int]
         ] = queue.Queue(maxsize=_MAX_PENDING_PEERS)
         self._reader_peers: dict[tuple[str, int], str] = {}  # (D engine, rank) -> peer
         self._readers: dict[str, str] = {}  # transport peer -> D engine id
@@ -342,7 +393,17 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 margin=options.read_margin,
             ),
         )
-        self._reads: dict[str, _Read] = {}
+        self._reads: dict[str, _Read] = {}  # per-source load id -> its read
+        # Heterogeneous tensor parallelism: request id -> its per-source loads; (engine id,
+        # its tp size) -> the reader keys and head slices of this rank's sources; reader key
+        # -> (engine id, source rank); engine id -> its reader keys.
+        self._splits: dict[str, _Split] = {}
+        self._sources: dict[tuple[str, int], list[tuple[str, int, HeadSlice | None]]] = {}
+        self._key_rank: dict[str, tuple[str, int]] = {}
+        self._rank_key: dict[tuple[str, int], str] = {}
+        self._engine_keys: dict[str, list[str]] = {}
+        self._unit_handles: dict[tuple[str | None, int], LayoutHandle] = {}
+        self._members: dict[str, int] = {}  # P: reader peer -> its member id in its group
         # (what, engine id, reason) from engine_gone / fence / unfence (any thread; deque
         # appends and pops are atomic), applied at the next progress point
         self._liveness: collections.deque[tuple[str, str, str]] = collections.deque()
@@ -416,12 +477,18 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         assert num_blocks is not None
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._layout = BlockLayout(regions=regions, block_lens=block_lens, num_blocks=num_blocks)
+        heads = self._engine.num_kv_heads
+        if heads is not None:
+            # Heterogeneous tensor parallelism is possible: the caches must be NHD, and what
+            # both sides must agree on is the whole model's shape, not this rank's share.
+            facts = self._nhd_facts(kv_caches, heads)
         self._chash = compat_hash(
             kv=tuple(facts),
             block_size=self._engine.block_size,
             model=self._engine.model,
             transport=self._options.transport,
             groups=self._engine.num_kv_groups,
+            **({"num_kv_heads": heads, "kv_layout": "NHD"} if heads is not None else {}),
         )
         self._transport.register_memory(regions)
         self._local = self._transport.prepare_local(self._layout)
@@ -460,7 +527,35 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 local_metadata=self._local_meta,
                 keys=self._keys,
                 layout=self._layout,
+                tp_size=self._engine.world_size,
             )
+
+    def _nhd_facts(self, kv_caches: Mapping[str, torch.Tensor], heads: int) -> list[Any]:
+        # Each layer must be [blocks, 2, block_size, this rank's heads, head_dim]; the facts
+        # hashed name the whole model's head count instead of this rank's.
+        try:
+            local = len(kv_heads_of(self._rank, self._engine.world_size, heads))
+        except ValueError as exc:
+            raise ValueError(f"EngineInfo.num_kv_heads = {heads}: {exc}") from None
+        facts: list[Any] = []
+        want = f"[blocks, 2, {self._engine.block_size}, {local}, head_dim]"
+        for name, t in kv_caches.items():
+            shape = tuple(int(x) for x in t.shape)
+            if (
+                len(shape) != 5
+                or shape[1:4] != (2, self._engine.block_size, local)
+                or not t.is_contiguous()
+            ):
+                raise ValueError(
+                    f"KV cache {name!r} has shape {list(shape)}; with EngineInfo.num_kv_heads "
+                    f"= {heads} at tensor-parallel size {self._engine.world_size}, rank "
+                    f"{self._rank} needs a contiguous {want} (K/V, tokens, then heads: the "
+                    "NHD layout). Leave num_kv_heads unset to move whole blocks between "
+                    "engines of equal tensor-parallel sizes only"
+                )
+            facts.append((name, (2, shape[2], heads, shape[4]), str(t.dtype)))
+        self._local_heads = local
+        return facts
 
     def _check_access(self, peer: str, op: Op, ranges: Sequence[tuple[int, int]]) -> str | None:
         # Runs inside the transport's progress, on the engine thread (the holder's thread).
@@ -491,7 +586,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 break
             owners.extend(x for x in leases if x)
         else:
-            mine = {lid for lid in set().union(*owners) if self._holder.claimant(lid) == peer}
+            group = self._holder.group_of(peer)
+            mine = {lid for lid in set().union(*owners) if self._holder.claimant(lid) == group}
             if all(not mine.isdisjoint(x) for x in owners):
                 return None
         self._count("access_refused")
@@ -537,6 +633,20 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 f"this engine uses transport {self._options.transport!r}, not {request.transport!r}"
             )
         assert self._layout is not None
+        mine = self._engine.world_size
+        if request.tp_size != mine:
+            heads = self._engine.num_kv_heads
+            if heads is None:
+                raise ValueError(
+                    f"decoder {request.engine_id!r} runs at tensor-parallel size "
+                    f"{request.tp_size} and this engine at {mine}; engines of different sizes "
+                    "need both to give their connector EngineInfo.num_kv_heads"
+                )
+            check_tp_pair(mine, request.tp_size, heads)
+            if request.rank >= request.tp_size:
+                raise ValueError(
+                    f"decoder rank {request.rank} is outside its tp_size {request.tp_size}"
+                )
         try:
             self._pending_peers.put_nowait(
                 (
@@ -545,6 +655,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     request.transport_metadata,
                     session,
                     request.layout,
+                    request.tp_size,
                 )
             )
         except queue.Full:
@@ -779,10 +890,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         # heartbeats deferred for a handshake under way are dropped with it and, once
         # unfenced, the next request handshakes again and the reader hears the peer ready.
         why = f"this engine is fenced: {self._fenced}"
-        engines = {rd.spec.remote.engine_id for rd in self._reads.values()}
+        engines = {rd.key for rd in self._reads.values()}
         if sweep and self._engines is not None:
             for entry in self._engines.entries():
-                engines.add(entry.engine_id)
+                engines.add(self._key_of(entry))
                 self._engines.mark_failed(entry, now, why)
         for engine in sorted(engines):
             self._run(self._reader.peer_failed(engine, why, now), now)
@@ -801,13 +912,14 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._reader_peer_gone(peer, f"decoder {engine_id!r} is gone: {reason}", now)
         if self._engines is None:
             return
-        entry = self._engines.find(engine_id)
         why = f"left the fleet ({reason})"
-        if entry is not None:
+        entries = self._engines.find_all(engine_id)
+        for entry in entries:
             self._engines.mark_failed(entry, now, why)
-            if self._pushes:
-                self._run_receiver(self._receiver.peer_failed(engine_id, why, now), now)
-        self._run(self._reader.peer_failed(engine_id, why, now), now)
+        if entries and self._pushes:
+            self._run_receiver(self._receiver.peer_failed(engine_id, why, now), now)
+        for key in self._keys_of(engine_id):
+            self._run(self._reader.peer_failed(key, why, now), now)
 
     def _reader_peer_gone(self, peer: str, reason: str, now: float) -> None:
         for lid in [lid for lid, pre in self._pre.items() if pre.peer == peer]:
@@ -885,26 +997,58 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             if load.push_id:
                 self._push_add(load, now)
                 continue
-            self._reads[load.request_id] = _Read(spec=load)
-            rank = self._remote_rank(load.remote)
-            incarnation = (
-                load.remote_incarnations[rank] if rank < len(load.remote_incarnations) else None
-            )
-            entry = self._ensure(load.remote, now, incarnation)
+            self._add_load(load, now)
+        if self._fenced is not None:
+            self._fail_fenced(now)
+        for rid in meta.abort_request_ids:
+            if rid in self._pushes:
+                self._push_abort(rid, now)
+            else:
+                split = self._splits.get(rid)
+                for sub in split.subs if split is not None else [rid]:
+                    self._run(self._reader.abort(sub, now), now)
+        for engine_id, ids in meta.pd_heartbeats.items():
+            if self._fenced is not None:
+                self._count("heartbeats_fenced", len(ids))
+                continue
+            # Every source rank of this rank hears each heartbeat batch.
+            for key in self._keys_of(engine_id):
+                self._run(self._reader.heartbeat(key, ids, now), now)
+        releases: dict[str, list[str]] = {}
+        for rel in meta.releases:
+            self._ensure(rel.remote, now)
+            releases.setdefault(rel.remote.engine_id, []).append(rel.remote_request_id)
+        for engine_id, lids in releases.items():
+            for key in self._keys_of(engine_id):
+                self._run(self._reader.release(key, lids, now), now)
+
+    def _add_load(self, load: PDLoad, now: float) -> None:
+        # One load per source rank of this rank (one: equal tensor-parallel sizes, whole
+        # blocks under the request id); the request ends when all of them ended.
+        sources = self._sources_of(load.remote)
+        rid = load.request_id
+        entry = self._ensure(load.remote, now, load.remote_incarnations)
+        subs = [rid] if len(sources) == 1 else [f"{rid}#{rank}" for _, rank, _ in sources]
+        if len(subs) > 1:
+            self._splits[rid] = _Split(subs=subs)
+        for sub, (key, rank, heads) in zip(subs, sources, strict=True):
+            self._reads[sub] = _Read(spec=load, key=key, heads=heads, parent=rid)
+            incs = load.remote_incarnations
+            incarnation = incs[rank] if rank < len(incs) else None
             not_after = None
             if load.kept_until is not None:
                 not_after = self._kept_cap(entry, load.kept_until)
                 if not_after is None:  # no clock sample yet: capped before the peer is ready
-                    self._uncapped[load.request_id] = (load.remote.engine_id, load.kept_until)
+                    self._uncapped[sub] = (load.remote.engine_id, load.kept_until)
             if self._fenced is not None:
                 # The peer marked down first: the load waits for it, sending nothing, and
                 # fails with the others below.
                 why = f"this engine is fenced: {self._fenced}"
-                self._run(self._reader.peer_failed(load.remote.engine_id, why, now), now)
+                self._run(self._reader.peer_failed(key, why, now), now)
             self._run(
                 self._reader.add(
-                    load.request_id,
-                    load.remote.engine_id,
+                    sub,
+                    key,
                     load.remote_request_id,
                     now,
                     incarnation=incarnation,
@@ -912,24 +1056,6 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 ),
                 now,
             )
-        if self._fenced is not None:
-            self._fail_fenced(now)
-        for rid in meta.abort_request_ids:
-            if rid in self._pushes:
-                self._push_abort(rid, now)
-            else:
-                self._run(self._reader.abort(rid, now), now)
-        for engine_id, ids in meta.pd_heartbeats.items():
-            if self._fenced is not None:
-                self._count("heartbeats_fenced", len(ids))
-                continue
-            self._run(self._reader.heartbeat(engine_id, ids, now), now)
-        releases: dict[str, list[str]] = {}
-        for rel in meta.releases:
-            self._ensure(rel.remote, now)
-            releases.setdefault(rel.remote.engine_id, []).append(rel.remote_request_id)
-        for engine_id, lids in releases.items():
-            self._run(self._reader.release(engine_id, lids, now), now)
 
     # -- notifications -------------------------------------------------------------------
     def _seal(self, key: bytes | None, payload: bytes) -> bytes | None:
@@ -993,7 +1119,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     self._run_writer(self._writer.release(sender, dropped, now), now)
             self._run_writer(self._writer.receive(sender, msg, now), now)
         if entry is not None:
-            self._run(self._reader.receive(entry.engine_id, msg, now), now)
+            self._run(self._reader.receive(self._key_of(entry), msg, now), now)
 
     def _lease_output(
         self, out: HolderOutput[tuple[str, tuple[tuple[int, ...], ...]]], now: float
@@ -1014,7 +1140,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _reply(self, peer: str, messages: Iterable[wire.Message]) -> None:
         for msg in messages:
             if isinstance(msg, wire.LeaseAck):
-                self._count("leases_renewed", len(msg.handles))
+                # Once per heartbeat batch of a decoder, whatever its number of ranks reading
+                # from this one: its other members' acks are not counted again.
+                if not self._members.get(peer):
+                    self._count("leases_renewed", len(msg.handles))
             elif isinstance(msg, wire.LeaseLost):
                 self._count("heartbeat_ids_ignored", len(msg.handles))
             key = self._peer_keys.get(peer) or self._engine_key(peer)
@@ -1033,7 +1162,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _add_pending_peers(self) -> None:
         while True:
             try:
-                engine_id, rank, meta, session, layout = self._pending_peers.get_nowait()
+                engine_id, rank, meta, session, layout, tp = self._pending_peers.get_nowait()
             except queue.Empty:
                 return
             # A reader that handshakes again saw its connection fail, or restarted: rebuild
@@ -1043,6 +1172,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 with contextlib.suppress(TransportError):
                     self._transport.remove_peer(old)
                 self._readers.pop(old, None)
+                self._holder.leave(old)
+                self._members.pop(old, None)
                 self._peer_keys.pop(old, None)
                 self._reader_layouts.pop(old, None)
                 self._reader_handles.pop(old, None)
@@ -1062,24 +1193,82 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._reader_layouts[peer] = layout
                 self._new_reader_peers.append(peer)
             self._holder.connected(peer)
+            self._join(peer, engine_id, rank, tp)
+
+    def _join(self, peer: str, engine_id: str, rank: int, tp: int) -> None:
+        # Heterogeneous tensor parallelism: the decoder's ranks that read from this rank
+        # form one reader group; a lease they claim ends at the last one's report.
+        heads = self._engine.num_kv_heads
+        if tp == self._engine.world_size or heads is None:
+            return
+        consumers = consumers_of(self._rank, self._engine.world_size, tp, heads)
+        if rank in consumers:
+            member = consumers.index(rank)
+            self._holder.join(peer, engine_id, member, len(consumers))
+            self._members[peer] = member
 
     # -- D: peers ------------------------------------------------------------------------
     def _remote_rank(self, addr: RemoteEngineAddr) -> int:
         return self._rank % max(1, addr.tp_size)
 
+    def _sources_of(self, addr: RemoteEngineAddr) -> list[tuple[str, int, HeadSlice | None]]:
+        """This rank's sources at ``addr``: (reader key, remote rank, heads or None). Equal
+        tensor-parallel sizes: rank ``r`` reads whole blocks from rank ``r`` under the engine
+        id. Different sizes: the ranks :func:`~kvframe.core.tp.head_sources` names, each under
+        ``<engine id>#<rank>`` (the scheduler refused the pair unless num_kv_heads is given
+        and both sizes shard it)."""
+        cache_key = (addr.engine_id, addr.tp_size)
+        found = self._sources.get(cache_key)
+        if found is not None:
+            return found
+        world, heads = self._engine.world_size, self._engine.num_kv_heads
+        if addr.tp_size == world or heads is None:
+            found = [(addr.engine_id, self._remote_rank(addr), None)]
+        else:
+            found = [
+                (f"{addr.engine_id}#{sl.p_rank}", sl.p_rank, sl)
+                for sl in head_sources(self._rank, world, addr.tp_size, heads)
+            ]
+        if len(self._sources) > 4096:  # engines come and go: bounded
+            self._sources.clear()
+        self._sources[cache_key] = found
+        self._engine_keys[addr.engine_id] = [key for key, _, _ in found]
+        for key, rank, _ in found:
+            self._key_rank[key] = (addr.engine_id, rank)
+            self._rank_key[(addr.engine_id, rank)] = key
+        return found
+
+    def _keys_of(self, engine_id: str) -> list[str]:
+        """The reader keys of ``engine_id`` (its engine id alone until a load names it)."""
+        return self._engine_keys.get(engine_id) or [engine_id]
+
+    def _key_of(self, entry: RemoteEngine) -> str:
+        """The reader key of a remote engine rank's entry."""
+        return self._rank_key.get((entry.engine_id, entry.rank), entry.engine_id)
+
+    def _engine_of(self, key: str) -> str:
+        found = self._key_rank.get(key)
+        return key if found is None else found[0]
+
     def _ensure(
-        self, addr: RemoteEngineAddr, now: float, incarnation: str | None = None
+        self, addr: RemoteEngineAddr, now: float, incarnations: Sequence[str] = ()
     ) -> RemoteEngine:
+        """Start (or keep) the connection to every source rank at ``addr``; returns the first
+        one's entry."""
         assert self._engines is not None
-        rank = self._remote_rank(addr)
-        before = self._engines.get(addr.engine_id, rank)
-        entry = self._engines.ensure(
-            addr.engine_id, rank, addr.host, addr.port_for(rank), now, incarnation=incarnation
-        )
-        if before is not None and before is not entry and before.state is PeerState.READY:
-            # A new handshake replaced a usable connection (the engine moved).
-            self._run(self._reader.peer_lost(addr.engine_id, now), now)
-        return entry
+        first: RemoteEngine | None = None
+        for key, rank, _ in self._sources_of(addr):
+            incarnation = incarnations[rank] if rank < len(incarnations) else None
+            before = self._engines.get(addr.engine_id, rank)
+            entry = self._engines.ensure(
+                addr.engine_id, rank, addr.host, addr.port_for(rank), now, incarnation=incarnation
+            )
+            if before is not None and before is not entry and before.state is PeerState.READY:
+                # A new handshake replaced a usable connection (the engine moved).
+                self._run(self._reader.peer_lost(key, now), now)
+            first = first or entry
+        assert first is not None
+        return first
 
     def _kept_cap(self, entry: RemoteEngine, kept_until: float) -> float | None:
         # A decoder's kept-blocks expiry (its clock) on this worker's clock: early by the
@@ -1099,9 +1288,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 del self._uncapped[rid]
                 self._run(self._reader.cap(rid, cap, now), now)
 
-    def _entry(self, engine_id: str) -> RemoteEngine | None:
+    def _entry(self, key: str) -> RemoteEngine | None:
         assert self._engines is not None
-        return self._engines.find(engine_id)
+        found = self._key_rank.get(key)
+        if found is not None:
+            return self._engines.get(*found)
+        return self._engines.find(key)
 
     def _poll_peers(self, now: float) -> None:
         assert self._engines is not None
@@ -1116,19 +1308,22 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 if self._uncapped:
                     self._cap_loads(entry, now)
                 self._run(
-                    self._reader.peer_ready(entry.engine_id, now, incarnation=entry.incarnation),
+                    self._reader.peer_ready(
+                        self._key_of(entry), now, incarnation=entry.incarnation
+                    ),
                     now,
                 )
             elif entry.state is PeerState.FAILED:
                 self._event("pd.handshake_failed", engine=entry.engine_id, error=entry.error)
                 self._run(
-                    self._reader.peer_failed(entry.engine_id, entry.error or "failed", now), now
+                    self._reader.peer_failed(self._key_of(entry), entry.error or "failed", now),
+                    now,
                 )
 
     def _peer_broke(self, entry: RemoteEngine, reason: str, now: float) -> list[Action]:
         assert self._engines is not None
         self._engines.mark_failed(entry, now, reason)
-        return self._reader.peer_failed(entry.engine_id, reason, now)
+        return self._reader.peer_failed(self._key_of(entry), reason, now)
 
     # -- D: executing the reader's actions -----------------------------------------------
     def _run(self, actions: list[Action], now: float) -> None:
@@ -1189,6 +1384,18 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         remote = [b for g in spec.remote_block_ids for b in g]
         if not local:
             return self._reader.transfer_done(action.request_id, now)
+        local_handle, remote_handle = self._local, entry.remote
+        if rd.heads is not None:
+            # Heterogeneous tensor parallelism: this rank's heads of each block, from the
+            # source rank's share, as units of a layout cut into head runs.
+            try:
+                local_handle, remote_handle, local, remote = self._head_units(
+                    rd.heads, spec.remote, entry, local, remote
+                )
+            except (TransportError, ValueError) as exc:
+                return self._reader.transfer_failed(
+                    action.request_id, f"cutting the heads to read failed: {exc}", now
+                )
         t0 = time.perf_counter()  # a statistic, not a decision: not the step's clock
         notice = self._seal(entry.session_key, wire.encode(action.notification))
         if notice is None:
@@ -1202,9 +1409,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         try:
             rd.handle = self._transport.post(
                 Op.READ,
-                self._local,
+                local_handle,
                 local,
-                entry.remote,
+                remote_handle,
                 remote,
                 notification=notice,
             )
@@ -1226,6 +1433,42 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._engines.touch(entry, now)
         return []
 
+    def _head_units(
+        self,
+        heads: HeadSlice,
+        addr: RemoteEngineAddr,
+        entry: RemoteEngine,
+        local: list[int],
+        remote: list[int],
+    ) -> tuple[LayoutHandle, LayoutHandle, list[int], list[int]]:
+        assert self._local is not None
+        assert entry.remote is not None
+        assert entry.peer is not None
+        num_kv_heads = self._engine.num_kv_heads
+        assert num_kv_heads is not None
+        bs = self._engine.block_size
+        unit = unit_heads(self._rank, self._engine.world_size, addr.tp_size, num_kv_heads)
+        theirs = len(kv_heads_of(heads.p_rank, addr.tp_size, num_kv_heads))
+        lh = self._unit_handles.get((None, unit))
+        if lh is None:
+            layout = _unit_layout(self._local.layout, bs, self._local_heads, unit, "this rank's")
+            lh = self._unit_handles[(None, unit)] = self._transport.prepare_local(layout)
+        rlayout = _unit_layout(entry.remote.layout, bs, theirs, unit, "the prefill rank's")
+        if rlayout.block_lens != lh.layout.block_lens:
+            raise ValueError(
+                f"a head of the prefill rank's blocks is {rlayout.block_lens[0] // unit} bytes "
+                f"per token, here {lh.layout.block_lens[0] // unit}: the engines' KV dtypes or "
+                "head sizes differ"
+            )
+        rh = self._transport.prepare_remote(entry.peer, rlayout)
+        n = len(heads)
+        return (
+            lh,
+            rh,
+            slice_units(local, bs, self._local_heads, heads.d_offset, n, unit),
+            slice_units(remote, bs, theirs, heads.p_offset, n, unit),
+        )
+
     def _transfer_state(self, rid: str, status: XferStatus, handle: XferHandle, now: float) -> None:
         rd = self._reads.get(rid)
         if rd is None or rd.handle is not handle or status.state is XferState.PENDING:
@@ -1235,7 +1478,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             broken = isinstance(err, PeerUnreachableError)
             actions = self._reader.transfer_failed(rid, str(err), now, peer_broken=broken)
             if broken:
-                entry = self._entry(rd.spec.remote.engine_id)
+                entry = self._entry(rd.key)
                 if entry is not None:
                     assert self._engines is not None
                     self._engines.mark_failed(entry, now, str(err))
@@ -1264,22 +1507,48 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             rd.handle = None
 
     def _load_ended(self, action: LoadEnded, now: float) -> None:
-        self._uncapped.pop(action.request_id, None)
-        rd = self._reads.pop(action.request_id, None)
+        sub = action.request_id
+        self._uncapped.pop(sub, None)
+        rd = self._reads.pop(sub, None)
         if rd is not None and rd.handle is not None:
             self._transport.release(rd.handle)
             rd.handle = None
-        self._finished_recving.add(action.request_id)
-        engine = action.engine
-        if action.state is ReadState.DONE:
+        engine = self._engine_of(action.engine)
+        rid = rd.parent if rd is not None and rd.parent else sub
+        state, reason = action.state, action.reason
+        timing = (rd.post_perf, rd.done_perf or rd.post_perf) if rd is not None else (0.0, 0.0)
+        split = self._splits.get(rid)
+        if split is not None:
+            # One of several per-source loads: the request ends when every one has ended
+            # (each stopped its transfer before its LoadEnded); the first failure stops the
+            # others, and the request fails with its reason.
+            split.ended[sub] = state
+            if state is ReadState.DONE and timing[0]:
+                first = min(split.perf[0], timing[0]) if split.perf[0] else timing[0]
+                split.perf = (first, max(split.perf[1], timing[1]))
+            if state not in (ReadState.DONE, ReadState.ABORTED) and split.failure is None:
+                split.failure = reason or "failed"
+                for other in split.subs:
+                    if other not in split.ended:
+                        self._run(self._reader.abort(other, now), now)
+            if self._splits.get(rid) is not split or len(split.ended) < len(split.subs):
+                return  # others still running, or a nested call reported the request
+            del self._splits[rid]
+            timing = split.perf
+            if split.failure is not None:
+                state, reason = ReadState.FAILED, split.failure
+            elif any(st is ReadState.ABORTED for st in split.ended.values()):
+                state = ReadState.ABORTED
+        self._finished_recving.add(rid)
+        if state is ReadState.DONE:
             self._count("loads_done", engine=engine)
-            if rd is not None and rd.post_perf:
-                self._timing[action.request_id] = (rd.post_perf, rd.done_perf or rd.post_perf)
-        elif action.state is ReadState.ABORTED:
+            if timing[0]:
+                self._timing[rid] = timing
+        elif state is ReadState.ABORTED:
             self._count("loads_aborted", engine=engine)
         else:
             blocks = rd.spec.local_block_ids if rd is not None else ()
-            self._fail_blocks(action.request_id, blocks, action.reason or "failed", engine)
+            self._fail_blocks(rid, blocks, reason or "failed", engine)
 
     def _reconnect(self, action: Reconnect, now: float) -> list[Action]:
         entry = self._entry(action.engine)
@@ -1572,7 +1841,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
 
     # -- D, push mode: registering and holding the destination blocks ----------------------
     def _engine_busy(self, engine: str) -> bool:
-        return self._reader.engine_busy(engine) or self._receiver.engine_busy(engine)
+        return self._receiver.engine_busy(engine) or any(
+            self._reader.engine_busy(key) for key in self._keys_of(engine)
+        )
 
     def _push_add(self, load: PDLoad, now: float) -> None:
         rid = load.request_id
@@ -1612,7 +1883,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             registration=registration,
         )
         self._receiver.add(rid, load.remote.engine_id, lease_id, now)
-        entry = self._ensure(load.remote, now, incarnation)
+        entry = self._ensure(load.remote, now, load.remote_incarnations)
         if (
             entry.state is PeerState.READY
             and incarnation is not None
