@@ -12,7 +12,8 @@ Any other size is refused (:func:`kv_heads_of` raises :class:`ValueError` naming
 that work). A decode (D) rank needs exactly its own heads; :func:`head_sources` says which
 prefill (P) ranks it reads them from, each head **once**: when P replicates a head, D rank
 ``d`` reads it from replica ``d % replicas`` (so D ranks that need the same head spread over
-its replicas). Heads a D rank reads from one P rank form one contiguous :class:`HeadSlice`
+its replicas; a replica nobody reads is told to free its blocks by one D rank,
+:func:`idle_ranks_of`). Heads a D rank reads from one P rank form one contiguous :class:`HeadSlice`
 (contiguous on both sides, since both shard heads in order). :func:`consumers_of` is the
 reverse view that P needs: the D ranks that read from a P rank, so that P frees a request's
 blocks only after every one of them reported.
@@ -38,6 +39,7 @@ __all__ = [
     "check_tp_pair",
     "consumers_of",
     "head_sources",
+    "idle_ranks_of",
     "kv_heads_of",
     "slice_units",
     "unit_count",
@@ -156,6 +158,18 @@ def consumers_of(p_rank: int, p_tp: int, d_tp: int, num_kv_heads: int) -> tuple[
         d
         for d in range(d_tp)
         if any(s.p_rank == p_rank for s in head_sources(d, d_tp, p_tp, num_kv_heads))
+    )
+
+
+def idle_ranks_of(d_rank: int, d_tp: int, p_tp: int, num_kv_heads: int) -> tuple[int, ...]:
+    """The prefill ranks no decode rank reads from (replicas nobody picked: only when
+    ``p_tp`` exceeds ``num_kv_heads``) that decode rank ``d_rank`` tells to free their blocks
+    at once: prefill rank ``p`` is told by decode rank ``p % d_tp``. Every idle rank is told by
+    exactly one decode rank."""
+    check_tp_pair(p_tp, d_tp, num_kv_heads)
+    _rank(d_rank, d_tp)
+    return tuple(
+        p for p in range(d_rank, p_tp, d_tp) if not consumers_of(p, p_tp, d_tp, num_kv_heads)
     )
 
 

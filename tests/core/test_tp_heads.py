@@ -17,6 +17,7 @@ from kvframe.core.tp import (
     check_tp_pair,
     consumers_of,
     head_sources,
+    idle_ranks_of,
     kv_heads_of,
     slice_units,
     unit_count,
@@ -67,7 +68,9 @@ def test_every_head_of_a_decode_rank_is_read_once_from_a_holder(
         # One unit cuts every slice on both sides.
         unit = unit_heads(d, d_tp, p_tp, heads)
         for s in slices:
-            assert len(s) % unit == 0 and s.p_offset % unit == 0 and s.d_offset % unit == 0
+            assert len(s) % unit == 0
+            assert s.p_offset % unit == 0
+            assert s.d_offset % unit == 0
             assert len(brute_heads(s.p_rank, p_tp, heads)) % unit == 0
 
 
@@ -88,6 +91,21 @@ def test_consumers_are_the_decode_ranks_reading_each_prefill_rank(
             assert set(consumers_of(p, p_tp, d_tp, heads)) == {
                 d for d in range(d_tp) if mine & set(brute_heads(d, d_tp, heads))
             }
+
+
+@settings(max_examples=300, deadline=None)
+@given(pairs())
+def test_every_prefill_rank_is_read_or_told_to_free_by_one_decode_rank(
+    pair: tuple[int, int, int],
+) -> None:
+    p_tp, d_tp, heads = pair
+    told = [p for d in range(d_tp) for p in idle_ranks_of(d, d_tp, p_tp, heads)]
+    assert len(told) == len(set(told))
+    read = {p for p in range(p_tp) if consumers_of(p, p_tp, d_tp, heads)}
+    assert read.isdisjoint(told)
+    assert read | set(told) == set(range(p_tp))
+    if p_tp <= heads:
+        assert told == []
 
 
 @settings(max_examples=100, deadline=None)

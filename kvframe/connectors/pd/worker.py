@@ -117,6 +117,7 @@ from kvframe.core.tp import (
     check_tp_pair,
     consumers_of,
     head_sources,
+    idle_ranks_of,
     kv_heads_of,
     slice_units,
     unit_heads,
@@ -401,6 +402,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._sources: dict[tuple[str, int], list[tuple[str, int, HeadSlice | None]]] = {}
         self._key_rank: dict[str, tuple[str, int]] = {}
         self._rank_key: dict[tuple[str, int], str] = {}
+        self._idle_keys: dict[str, list[str]] = {}
         self._engine_keys: dict[str, list[str]] = {}
         self._unit_handles: dict[tuple[str | None, int], LayoutHandle] = {}
         self._members: dict[str, int] = {}  # P: reader peer -> its member id in its group
@@ -918,7 +920,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._engines.mark_failed(entry, now, why)
         if entries and self._pushes:
             self._run_receiver(self._receiver.peer_failed(engine_id, why, now), now)
-        for key in self._keys_of(engine_id):
+        for key in self._keys_of(engine_id) + self._idle_keys.get(engine_id, []):
             self._run(self._reader.peer_failed(key, why, now), now)
 
     def _reader_peer_gone(self, peer: str, reason: str, now: float) -> None:
@@ -1019,7 +1021,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._ensure(rel.remote, now)
             releases.setdefault(rel.remote.engine_id, []).append(rel.remote_request_id)
         for engine_id, lids in releases.items():
-            for key in self._keys_of(engine_id):
+            for key in self._keys_of(engine_id) + self._idle_keys.get(engine_id, []):
                 self._run(self._reader.release(key, lids, now), now)
 
     def _add_load(self, load: PDLoad, now: float) -> None:
@@ -1031,6 +1033,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         subs = [rid] if len(sources) == 1 else [f"{rid}#{rank}" for _, rank, _ in sources]
         if len(subs) > 1:
             self._splits[rid] = _Split(subs=subs)
+        for key in self._idle_keys.get(load.remote.engine_id, ()):
+            # A replica of P nobody reads: it may free this request's blocks now.
+            self._run(self._reader.release(key, [load.remote_request_id], now), now)
         for sub, (key, rank, heads) in zip(subs, sources, strict=True):
             self._reads[sub] = _Read(spec=load, key=key, heads=heads, parent=rid)
             incs = load.remote_incarnations
@@ -1222,6 +1227,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if found is not None:
             return found
         world, heads = self._engine.world_size, self._engine.num_kv_heads
+        idle: list[int] = []
         if addr.tp_size == world or heads is None:
             found = [(addr.engine_id, self._remote_rank(addr), None)]
         else:
@@ -1229,10 +1235,16 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 (f"{addr.engine_id}#{sl.p_rank}", sl.p_rank, sl)
                 for sl in head_sources(self._rank, world, addr.tp_size, heads)
             ]
+            idle = list(idle_ranks_of(self._rank, world, addr.tp_size, heads))
         if len(self._sources) > 4096:  # engines come and go: bounded
             self._sources.clear()
         self._sources[cache_key] = found
         self._engine_keys[addr.engine_id] = [key for key, _, _ in found]
+        # Replicas nobody reads (told by this rank to free their blocks at once).
+        self._idle_keys[addr.engine_id] = [f"{addr.engine_id}#{p}" for p in idle]
+        for p in idle:
+            self._key_rank[f"{addr.engine_id}#{p}"] = (addr.engine_id, p)
+            self._rank_key[(addr.engine_id, p)] = f"{addr.engine_id}#{p}"
         for key, rank, _ in found:
             self._key_rank[key] = (addr.engine_id, rank)
             self._rank_key[(addr.engine_id, rank)] = key
@@ -1267,6 +1279,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 # A new handshake replaced a usable connection (the engine moved).
                 self._run(self._reader.peer_lost(key, now), now)
             first = first or entry
+        for key in self._idle_keys.get(addr.engine_id, ()):
+            rank = self._key_rank[key][1]
+            self._engines.ensure(addr.engine_id, rank, addr.host, addr.port_for(rank), now)
         assert first is not None
         return first
 
