@@ -12,7 +12,9 @@ Measured side by side in one run, on the same memory and the same random block s
 
 for block sizes 16 KiB … 2 MiB and 1 … 256 blocks per request. A second table gives the
 per-request cost of posting (µs) against the number of descriptors, and a third the overlap
-of a large synchronous post with the caller's own work (inline versus ``post_thread``).
+of a large synchronous post with the caller's own work (inline versus ``post_thread``). A
+fourth, with host memory, compares tensor-parallel pairings through the P/D connector: P4→D2
+and P2→D4 against P2→D2 for one model (:mod:`kvframe.bench.transfer_tp`).
 
 P runs in a child process (this module with ``serve``), which hosts both a kvframe transport
 and a raw NIXL agent over one registered pool and drives their progress every 0.5 ms. Commands
@@ -98,6 +100,8 @@ class BenchConfig:
         overlap_bytes: int,
         pool_bytes: int,
         scrub_bytes: int = 48 * MiB,
+        tp_block_bytes: int = 64 * KiB,
+        tp_blocks: Sequence[int] = (1, 16, 64),
     ) -> None:
         self.block_sizes = tuple(block_sizes)
         self.blocks = tuple(blocks)
@@ -105,6 +109,8 @@ class BenchConfig:
         self.descriptor_counts = tuple(descriptor_counts)
         self.overlap_bytes = overlap_bytes
         self.scrub_bytes = scrub_bytes
+        self.tp_block_bytes = tp_block_bytes
+        self.tp_blocks = tuple(tp_blocks)
         # The pool must hold the largest request; smaller blocks are drawn from all of it, so
         # a request rarely reuses what the previous one left in the CPU caches.
         self.pool_bytes = max(
@@ -124,6 +130,8 @@ class BenchConfig:
             "overlap_bytes": self.overlap_bytes,
             "pool_bytes": self.pool_bytes,
             "scrub_bytes": self.scrub_bytes,
+            "tp_block_bytes": self.tp_block_bytes,
+            "tp_blocks": list(self.tp_blocks),
         }
 
 
@@ -145,6 +153,8 @@ QUICK = BenchConfig(
     overlap_bytes=4 * MiB,
     pool_bytes=8 * MiB,
     scrub_bytes=1 * MiB,
+    tp_block_bytes=16 * KiB,
+    tp_blocks=(1, 4),
 )
 """``--quick``: a few seconds; for tests of the output's shape, not for figures."""
 
@@ -987,6 +997,7 @@ def measure(
     host_pool[:] = 1  # touch every page before timing anything
     pool = memory.place(host_pool)
     steps = len(config.block_sizes) * len(config.blocks) + len(config.descriptor_counts) + 1
+    steps += 0 if memory.cuda else len(config.tp_blocks)
     progress = Progress("transfer", total=steps)
     progress.note(f"starting P's process ({_fmt_size(config.pool_bytes)} pool, {device})")
     child = _Child(config.pool_bytes, device)
@@ -1007,6 +1018,11 @@ def measure(
         post_cost = _post_cost(inline, threaded, raw, config, rng, scrub, pd, progress)
         progress(f"overlap of a {_fmt_size(config.overlap_bytes)} post with the caller's work")
         overlap = _overlap(inline, threaded, config, rng)
+        tp = None
+        if not memory.cuda:
+            from kvframe.bench.transfer_tp import measure_tp
+
+            tp = measure_tp(config.tp_block_bytes, config.tp_blocks, config.repeats, rng, progress)
     finally:
         for m in methods:
             m.close()
@@ -1020,6 +1036,8 @@ def measure(
         "post_cost": post_cost,
         "overlap": overlap,
     }
+    if tp is not None:
+        report["tp"] = tp
     if memory.cuda:
         report["device"] = device
     if check is not None:
@@ -1117,6 +1135,32 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for key in ("inline", "post_thread"):
         lines.append(f"| {key} | {ov[key]['post_s'] * 1e3:.2f} | {ov[key]['step_s'] * 1e3:.1f} |")
+    if "tp" in report:
+        tp = report["tp"]
+        base = tp["pairings"][0]
+        others = tp["pairings"][1:]
+        lines += [
+            "",
+            f"Tensor parallel: one request through the P/D connector, P's and D's ranks in this "
+            f"process ({tp['heads']} KV heads, {_fmt_size(tp['block_bytes'])} blocks of the "
+            f"whole model), ms per request (median / p90); ratio = median / {base} median; "
+            f"{tp['loads_checked']} loads byte-checked",
+            "",
+            "| blocks | "
+            + " | ".join(tp["pairings"])
+            + " | "
+            + " | ".join(f"{o} / {base}" for o in others)
+            + " |",
+            "|---|" + "---|" * (2 * len(tp["pairings"]) - 1),
+        ]
+        for row in tp["rows"]:
+            res = row["results"]
+            cells = [
+                f"{res[p]['median_s'] * 1e3:.2f} / {res[p]['p90_s'] * 1e3:.2f}"
+                for p in tp["pairings"]
+            ]
+            cells += [f"{row['ratios'][f'{o}/{base}']:.2f}" for o in others]
+            lines.append(f"| {row['blocks']} | " + " | ".join(cells) + " |")
     if "verify" in report:
         v = report["verify"]
         bad = ", ".join(v["mismatches"]) or "none"
@@ -1138,6 +1182,11 @@ def run(args: argparse.Namespace) -> int:
                         "pd_connector_launch_us"}],
          "overlap": {"bytes", "transfer_s", "work_s",
                      "inline": {"post_s", "step_s"}, "post_thread": {"post_s", "step_s"}},
+         "tp": {"heads", "head_dim", "block_tokens", "block_bytes",   # host memory only
+                "pairings": ["P2->D2", "P4->D2", "P2->D4"], "loads_checked",
+                "rows": [{"blocks", "bytes",
+                          "results": {pairing: {"median_s", "p90_s"}},
+                          "ratios": {"P4->D2/P2->D2": float, "P2->D4/P2->D2": float}}]},
          "device": "cuda",  # only with --device other than cpu
          "verify": {"transfers", "bytes", "mismatches": [str]}}  # only with --verify
 

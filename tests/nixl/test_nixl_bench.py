@@ -49,6 +49,16 @@ def test_quick_json_shape() -> None:
             "pd_connector_launch_us",
         }
         assert all(v > 0 for v in row.values())
+    tp = report["tp"]
+    assert tp["pairings"] == ["P2->D2", "P4->D2", "P2->D4"]
+    assert [r["blocks"] for r in tp["rows"]] == cfg["tp_blocks"]
+    # Every timed load (and each warm-up) was checked byte for byte against P's blocks.
+    assert tp["loads_checked"] == 3 * (cfg["repeats"] + 1) * len(cfg["tp_blocks"])
+    for row in tp["rows"]:
+        assert row["bytes"] == row["blocks"] * cfg["tp_block_bytes"]
+        assert set(row["results"]) == set(tp["pairings"])
+        assert all(c["p90_s"] >= c["median_s"] > 0 for c in row["results"].values())
+        assert set(row["ratios"]) == {"P4->D2/P2->D2", "P2->D4/P2->D2"}
     overlap = report["overlap"]
     assert overlap["bytes"] > 0
     for mode in ("inline", "post_thread"):

@@ -1101,6 +1101,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._event("pd.bad_notification", sender=sender, error=str(exc))
             return
         if isinstance(msg, wire.Heartbeat | wire.LeaseDone):
+            if sender not in self._readers:
+                # A reader whose handshake was answered after this progress point took the
+                # new peers: take it now, so a decoder's rank is in its reader group before
+                # its first heartbeat claims anything.
+                self._add_pending_peers()
             if isinstance(msg, wire.Heartbeat):
                 self._count("heartbeats_received")
             out = self._holder.receive(sender, msg, now)
