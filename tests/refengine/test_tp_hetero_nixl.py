@@ -38,13 +38,24 @@ MAX_TOKENS = 4
 _ids = itertools.count()
 
 
+#: 4 KV heads: at P2 -> D1 each source rank gives a run of two heads (units of two heads).
+MODEL4 = ModelConfig(seed=11, num_kv_heads=4)
+
+
 @pytest.fixture(scope="module")
 def want() -> list[list[int]]:
     with Engine(EngineConfig(**CFG)) as single:
         return [list(o.token_ids) for o in single.generate(PROMPTS, MAX_TOKENS)]
 
 
-def _engine(role: str, engine_id: str, tp: int, lease: float = 6.0, **extra: Any) -> Engine:
+def _engine(
+    role: str,
+    engine_id: str,
+    tp: int,
+    lease: float = 6.0,
+    model: ModelConfig = MODEL,
+    **extra: Any,
+) -> Engine:
     kv = KVTransferConfig.from_dict(
         {
             "kv_connector": "PDConnector",
@@ -54,7 +65,7 @@ def _engine(role: str, engine_id: str, tp: int, lease: float = 6.0, **extra: Any
             "kv_connector_extra_config": {"transport": "nixl", **extra},
         }
     )
-    return Engine(EngineConfig(**CFG, tp_size=tp), kv)
+    return Engine(EngineConfig(**{**CFG, "model": model}, tp_size=tp), kv)
 
 
 def _tokens_of(kv: torch.Tensor, n: int) -> torch.Tensor:
@@ -64,10 +75,10 @@ def _tokens_of(kv: torch.Tensor, n: int) -> torch.Tensor:
     return kv.permute(0, 2, 1, 3, 4, 5).reshape(layers, two, blocks * bs, heads, dim)[:, :, :n]
 
 
-def _whole(ranks: list[torch.Tensor], n: int) -> torch.Tensor:
+def _whole(ranks: list[torch.Tensor], n: int, heads: int) -> torch.Tensor:
     """The ranks' KV put together: ``[layers, 2, n, all heads, dim]`` (a replicated head
     taken from its first holder)."""
-    tp, heads = len(ranks), MODEL.num_kv_heads
+    tp = len(ranks)
     parts: dict[int, torch.Tensor] = {}
     for r, kv in enumerate(ranks):
         mine = _tokens_of(kv, n)
@@ -108,11 +119,21 @@ def _run(p: Engine, d: Engine, seconds: float, blocks: dict[str, list[int]] | No
     return finals
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(4, 2), (2, 4), (1, 2), (2, 1)])
-def test_heterogeneous_pull_over_nixl(p_tp: int, d_tp: int, want: list[list[int]]) -> None:
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "model"),
+    [(4, 2, MODEL), (2, 4, MODEL), (1, 2, MODEL), (2, 1, MODEL), (2, 1, MODEL4)],
+    ids=["P4-D2", "P2-D4", "P1-D2", "P2-D1", "P2-D1-4heads"],
+)
+def test_heterogeneous_pull_over_nixl(
+    p_tp: int, d_tp: int, model: ModelConfig, want: list[list[int]]
+) -> None:
+    if model is not MODEL:
+        with Engine(EngineConfig(**{**CFG, "model": model})) as single:
+            want = [list(o.token_ids) for o in single.generate(PROMPTS, MAX_TOKENS)]
+    heads = model.num_kv_heads
     n = next(_ids)
-    p = _engine("kv_producer", f"htP{n}", p_tp)
-    d = _engine("kv_consumer", f"htD{n}", d_tp)
+    p = _engine("kv_producer", f"htP{n}", p_tp, model=model)
+    d = _engine("kv_consumer", f"htD{n}", d_tp, model=model)
     try:
         params = _prefill(p, PROMPTS)
         assert all(pp["tp_size"] == p_tp for pp in params.values())
@@ -129,17 +150,17 @@ def test_heterogeneous_pull_over_nixl(p_tp: int, d_tp: int, want: list[list[int]
         assert d.scheduler.counters["tokens_computed"] == len(PROMPTS) * MAX_TOKENS
         for i, prompt in enumerate(PROMPTS):
             loaded = len(prompt) - 1
-            sent = _whole(p_kv[f"r{i}"], loaded)
+            sent = _whole(p_kv[f"r{i}"], loaded, heads)
             d_kv = d.read_kv(d_blocks[f"d{i}"])
             assert len(d_kv) == d_tp
             for rank in range(d_tp):
-                heads = list(kv_heads_of(rank, d_tp, MODEL.num_kv_heads))
+                mine = list(kv_heads_of(rank, d_tp, heads))
                 got = _tokens_of(d_kv[rank], loaded)
-                assert got.numpy().tobytes() == sent[:, :, :, heads].numpy().tobytes(), (i, rank)
+                assert got.numpy().tobytes() == sent[:, :, :, mine].numpy().tobytes(), (i, rank)
         # Every P rank's lease ended by the D ranks' reports, none by expiry: read ones were
         # consumed (after all their consumer ranks read), unread replicas released at once.
         ps, ds = p.connector_stats(), d.connector_stats()
-        read = len({s.p_rank for r in range(d_tp) for s in head_sources(r, d_tp, p_tp, 2)})
+        read = len({s.p_rank for r in range(d_tp) for s in head_sources(r, d_tp, p_tp, heads)})
         assert ps.get("leases_expired", 0) == 0
         assert ps.get("leases_consumed", 0) == read * len(PROMPTS)
         assert ps.get("leases_aborted", 0) == (p_tp - read) * len(PROMPTS)
