@@ -40,7 +40,18 @@ class _TPEngine:
     """One engine: the P/D connector's scheduler half and ``tp`` worker halves (NIXL), each
     rank with a ``[num_blocks, 2, BLOCK_TOKENS, HEADS / tp, head_dim]`` float32 cache."""
 
-    def __init__(self, role: str, tp: int, head_dim: int, num_blocks: int, tag: str) -> None:
+    def __init__(
+        self,
+        role: str,
+        tp: int,
+        head_dim: int,
+        num_blocks: int,
+        tag: str,
+        *,
+        transport: str = "nixl",
+        heads: int = HEADS,
+        lease: float = 6.0,
+    ) -> None:
         import torch
 
         from kvframe.config import KVTransferConfig
@@ -55,18 +66,19 @@ class _TPEngine:
                 "kv_connector": "PDConnector",
                 "kv_role": role,
                 "engine_id": f"benchtp-{tag}-{os.getpid()}",
-                "kv_connector_extra_config": {"transport": "nixl"},
+                "kv_lease_duration": lease,
+                "kv_connector_extra_config": {"transport": transport},
             }
         )
         self.codec = codec_for(PDConnector, config)
         info = EngineInfo(
-            block_size=BLOCK_TOKENS, world_size=tp, model="bench-tp", num_kv_heads=HEADS
+            block_size=BLOCK_TOKENS, world_size=tp, model="bench-tp", num_kv_heads=heads
         )
         host = PluginHost()
         host.load()
         ctx = BuildContext(host=host)
         self.tp = tp
-        self.heads = [list(kv_heads_of(r, tp, HEADS)) for r in range(tp)]
+        self.heads = [list(kv_heads_of(r, tp, heads)) for r in range(tp)]
         self.sched = PDConnector.build_scheduler(config, info, ctx)
         self.workers = []
         self.caches = []
@@ -85,6 +97,7 @@ class _TPEngine:
         self.recving: set[str] = set()
         self.sending: set[str] = set()
         self.failures: dict[str, str] = {}
+        self.invalid: set[int] = set()
 
     def fill(self, whole: np.ndarray[Any, Any]) -> None:
         """Each rank's cache := its heads of ``whole`` (``[blocks, 2, tokens, HEADS, dim]``)."""
@@ -112,6 +125,7 @@ class _TPEngine:
         self.recving |= out.finished_recving
         self.sending |= out.finished_sending
         self.failures.update(out.failures)
+        self.invalid |= set(out.invalid_block_ids)
 
     def grant(self, rid: str, blocks: list[int]) -> dict[str, Any]:
         from kvframe.spi.request import RequestView
