@@ -113,9 +113,9 @@ __all__ = [
 ]
 
 #: The side-channel protocol version; a peer speaking another one is refused before its
-#: payload is decoded. (3: authentication; 2: the payload is a codec message; 1 was a bare
-#: msgpack map.)
-HANDSHAKE_VERSION = 3
+#: payload is decoded. (4: D's request carries its tensor-parallel size, bound in its proof;
+#: 3: authentication; 2: the payload is a codec message; 1 was a bare msgpack map.)
+HANDSHAKE_VERSION = 4
 #: The most unanswered challenges P keeps (the oldest is forgotten first).
 MAX_PENDING = 1024
 #: The longest engine id either side accepts in a handshake message.
