@@ -399,7 +399,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         # its tp size) -> the reader keys and head slices of this rank's sources; reader key
         # -> (engine id, source rank); engine id -> its reader keys.
         self._splits: dict[str, _Split] = {}
-        self._sources: dict[tuple[str, int], list[tuple[str, int, HeadSlice | None]]] = {}
+        self._sources: dict[
+            tuple[str, int], tuple[list[tuple[str, int, HeadSlice | None]], tuple[int, ...]]
+        ] = {}
+        self._engine_tp: dict[str, int] = {}
         self._key_rank: dict[str, tuple[str, int]] = {}
         self._rank_key: dict[tuple[str, int], str] = {}
         self._idle_keys: dict[str, list[str]] = {}
@@ -1227,32 +1230,38 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         id. Different sizes: the ranks :func:`~kvframe.core.tp.head_sources` names, each under
         ``<engine id>#<rank>`` (the scheduler refused the pair unless num_kv_heads is given
         and both sizes shard it)."""
-        cache_key = (addr.engine_id, addr.tp_size)
-        found = self._sources.get(cache_key)
-        if found is not None:
-            return found
-        world, heads = self._engine.world_size, self._engine.num_kv_heads
-        idle: list[int] = []
-        if addr.tp_size == world or heads is None:
-            found = [(addr.engine_id, self._remote_rank(addr), None)]
-        else:
-            found = [
-                (f"{addr.engine_id}#{sl.p_rank}", sl.p_rank, sl)
-                for sl in head_sources(self._rank, world, addr.tp_size, heads)
-            ]
-            idle = list(idle_ranks_of(self._rank, world, addr.tp_size, heads))
-        if len(self._sources) > 4096:  # engines come and go: bounded
-            self._sources.clear()
-        self._sources[cache_key] = found
-        self._engine_keys[addr.engine_id] = [key for key, _, _ in found]
-        # Replicas nobody reads (told by this rank to free their blocks at once).
-        self._idle_keys[addr.engine_id] = [f"{addr.engine_id}#{p}" for p in idle]
-        for p in idle:
-            self._key_rank[f"{addr.engine_id}#{p}"] = (addr.engine_id, p)
-            self._rank_key[(addr.engine_id, p)] = f"{addr.engine_id}#{p}"
-        for key, rank, _ in found:
-            self._key_rank[key] = (addr.engine_id, rank)
-            self._rank_key[(addr.engine_id, rank)] = key
+        eid, tp = addr.engine_id, addr.tp_size
+        cached = self._sources.get((eid, tp))
+        if cached is None:
+            world, heads = self._engine.world_size, self._engine.num_kv_heads
+            idle: tuple[int, ...] = ()
+            found: list[tuple[str, int, HeadSlice | None]]
+            if tp == world or heads is None:
+                found = [(eid, self._remote_rank(addr), None)]
+            else:
+                found = [
+                    (f"{eid}#{sl.p_rank}", sl.p_rank, sl)
+                    for sl in head_sources(self._rank, world, tp, heads)
+                ]
+                idle = idle_ranks_of(self._rank, world, tp, heads)
+            if len(self._sources) > 4096:  # engines come and go: bounded
+                self._sources.clear()
+            cached = self._sources[(eid, tp)] = (found, idle)
+        found, idle = cached[0], cached[1]
+        if self._engine_tp.get(eid) != tp:
+            # First seen, or restarted at another size: its ranks' keys change.
+            self._engine_tp[eid] = tp
+            for key in self._engine_keys.pop(eid, []) + self._idle_keys.pop(eid, []):
+                rank = self._key_rank.pop(key, (eid, -1))[1]
+                self._rank_key.pop((eid, rank), None)
+            self._engine_keys[eid] = [key for key, _, _ in found]
+            # Replicas nobody reads (told by this rank to free their blocks at once).
+            self._idle_keys[eid] = [f"{eid}#{p}" for p in idle]
+            ranks = [(key, rank) for key, rank, _ in found]
+            ranks += [(f"{eid}#{p}", p) for p in idle]
+            for key, rank in ranks:
+                self._key_rank[key] = (eid, rank)
+                self._rank_key[(eid, rank)] = key
         return found
 
     def _keys_of(self, engine_id: str) -> list[str]:
