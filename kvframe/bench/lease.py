@@ -7,7 +7,13 @@ With ``--leases`` live leases (default 100,000) it measures, in one run and side
   (:meth:`~kvframe.core.lease.LeaseTable.renew_handles` on the batch's ``uint64`` array);
 - **renew_by_id**: the same batch through the id API (:meth:`~kvframe.core.lease.LeaseTable.renew`);
 - **expire_none_due**: one ``expire(now)`` call when no lease is due;
-- **expire_due**: one ``expire(now)`` call that reclaims ``--expire`` leases (default 1,000);
+- **expire_due**: one ``expire(now)`` call that reclaims ``--expire`` leases (default 1,000).
+  The table returns them as an :class:`~kvframe.core.lease.EndedLeases` (columns of ids,
+  handles, payloads; a :class:`~kvframe.core.lease.Lease` row is made only when read), the
+  naive side a list of ``(id, payload)`` pairs;
+- **expire_due_rows**: the same call plus reading every ended lease as a ``Lease`` row
+  (``EndedLeases.rows()``, timed right after the call), what a caller that wants the rows
+  pays (the P/D holder does, for its output); the naive side as in ``expire_due``;
 
 each for :class:`kvframe.core.lease.LeaseTable` and for a naive implementation (a dict of
 expiries keyed by request id; renew updates it; expire scans every entry), which is what a
@@ -33,7 +39,8 @@ Human-readable table by default; ``--json`` prints one JSON object::
         "renew_by_id":     {...same keys as expire_due...},
         "expire_none_due": {...},
         "expire_due":      {"kvframe_s": float, "kvframe_p90_s": float, "naive_s": float,
-                            "naive_p90_s": float, "ratio": float}
+                            "naive_p90_s": float, "ratio": float},
+        "expire_due_rows": {...same keys as expire_due...}
       },
       "heartbeat": {"ids": int, "id_length": int, "message_bytes": int, "header_bytes": int,
                     "bytes_per_id": float, "msgpack_bytes_per_id": float}
@@ -64,7 +71,7 @@ import numpy as np
 from kvframe.bench._stats import p90
 from kvframe.bench.progress import Progress
 from kvframe.core import wire
-from kvframe.core.lease import LeasePolicy, LeaseTable, lease_handle
+from kvframe.core.lease import EndedLeases, LeasePolicy, LeaseTable, lease_handle
 
 __all__ = ["NaiveLeases", "add_arguments", "measure", "run"]
 
@@ -248,6 +255,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     # starts from a collected heap (the build's garbage would otherwise fall to whichever
     # side runs first), and the order alternates.
     k_due: list[float] = []
+    k_rows: list[float] = []
     n_due: list[float] = []
     for i in range(repeat):
         table, naive = _build(leases, expire, length)
@@ -260,11 +268,16 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             gc.collect()
             t0 = time.perf_counter()
             reaped = reaps[name]()
-            (k_due if name == "kvframe" else n_due).append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            (k_due if name == "kvframe" else n_due).append(t1 - t0)
+            if isinstance(reaped, EndedLeases):
+                reaped.rows()
+                k_rows.append(time.perf_counter() - t0)
             got[name] = len(reaped)
         if got["kvframe"] != expire or got["naive"] != expire:
             raise AssertionError(f"expected {expire} due, got {got}")
     results["expire_due"] = _pair(k_due, n_due)
+    results["expire_due_rows"] = _pair(k_rows, n_due)
 
     progress("heartbeat bytes per lease")
     # One message's worth: more leases than fit are cut off by split() (the first part kept).
@@ -313,6 +326,7 @@ def _human(report: dict[str, object]) -> str:
         "renew_by_id": f"renew {params['renew']:,} (by id)",
         "expire_none_due": "expire, nothing due",
         "expire_due": f"expire {params['expire']:,} due",
+        "expire_due_rows": "  + reading the Lease rows",
     }
     for key, label in labels.items():
         r = results[key]

@@ -32,6 +32,7 @@ from kvframe.core.heartbeat import HeartbeatBatch, HeartbeatGuard, HeartbeatTrac
 from kvframe.core.holder import HolderOutput, LeaseHolder
 from kvframe.core.lease import (
     TRANSITIONS,
+    EndedLeases,
     HandleRenewResult,
     Lease,
     LeaseCounters,
@@ -65,6 +66,7 @@ __all__ = [
     "ClockSample",
     "DecodeRequestState",
     "DecoderBlocksTTL",
+    "EndedLeases",
     "HandleRenewResult",
     "HeartbeatBatch",
     "HeartbeatGuard",

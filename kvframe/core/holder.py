@@ -300,11 +300,11 @@ class LeaseHolder(Generic[_PayloadT]):
         ended = self._table.expire(now)
         claims = self._claims
         if claims or self._revoked or self._kept:
-            for lease in ended:
-                claims.pop(lease.handle, None)
-                self._revoked.discard(lease.handle)
-                self._kept.discard(lease.handle)
-                self._reported.pop(lease.handle, None)
+            for handle in ended.handles:
+                claims.pop(handle, None)
+                self._revoked.discard(handle)
+                self._kept.discard(handle)
+                self._reported.pop(handle, None)
         return HolderOutput(ended=tuple(ended))
 
     def abort(self, lease_id: str, now: float) -> HolderOutput[_PayloadT]:

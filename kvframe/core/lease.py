@@ -27,9 +27,9 @@ import enum
 import hashlib
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar, overload
 
 import attrs
 import numpy as np
@@ -42,6 +42,7 @@ from kvframe.errors import ConfigError, InvalidTransitionError, LeaseError
 __all__ = [
     "DEFAULT_REMEMBER_ENDED",
     "TRANSITIONS",
+    "EndedLeases",
     "HandleRenewResult",
     "Lease",
     "LeaseCounters",
@@ -320,6 +321,10 @@ _drain: Callable[[Iterable[Any]], None] = deque[Any](maxlen=0).extend
 _EMPTY = 0  # handle-index key of a never-used position
 _TOMB = 1  # handle-index key of a position whose handle was removed
 _INF = math.inf
+# Slots come in chunks of this many, each with a lower bound of its expiries (_cmin): expire
+# scans only the chunks that may hold a due lease.
+_SHIFT = 10
+_CHUNK = 1 << _SHIFT
 
 
 def lease_handle(request_id: str) -> int:
@@ -344,12 +349,14 @@ class _HandleIndex:
     """Handle -> slot, as an open-addressing hash table in two numpy arrays (linear probing;
     handles are uniformly random, so their low bits are the hash). Single lookups run in
     Python; batches (:meth:`slots`) run as a few vector operations per probe round, which is
-    what lets a heartbeat of thousands of handles renew in one pass."""
+    what lets a heartbeat of thousands of handles renew in one pass. ``slot_pos`` keeps where
+    each slot's handle sits, so removing the handles of ended slots probes nothing."""
 
-    __slots__ = ("keys", "mask", "tombs", "used", "vals")
+    __slots__ = ("keys", "mask", "slot_pos", "tombs", "used", "vals")
 
     def __init__(self, capacity: int = 1024) -> None:
         self._alloc(capacity)
+        self.slot_pos = np.full(capacity, -1, dtype=np.intp)  # slot -> position (-1: none)
 
     def _alloc(self, capacity: int) -> None:
         self.keys = np.zeros(capacity, dtype=np.uint64)
@@ -390,14 +397,11 @@ class _HandleIndex:
         keys[p] = handle
         self.vals[p] = slot
         self.used += 1
-
-    def remove(self, handle: int) -> None:
-        p = self._find(handle)
-        if p >= 0:
-            self.keys[p] = _TOMB
-            self.vals[p] = -1
-            self.used -= 1
-            self.tombs += 1
+        if slot >= len(self.slot_pos):
+            grow = np.full(max(slot + 1, 2 * len(self.slot_pos)), -1, dtype=np.intp)
+            grow[: len(self.slot_pos)] = self.slot_pos
+            self.slot_pos = grow
+        self.slot_pos[slot] = p
 
     def positions(self, handles: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp]:
         """Where each handle sits (-1 where absent), all at once: one vector round for every
@@ -422,11 +426,11 @@ class _HandleIndex:
         pos = self.positions(handles)
         return np.where(pos >= 0, self.vals[pos], -1)
 
-    def remove_many(self, handles: npt.NDArray[np.uint64]) -> None:
-        pos = self.positions(handles)
-        pos = pos[pos >= 0]
+    def remove_slots(self, slots: npt.NDArray[np.intp]) -> None:
+        """Remove the handles of ``slots`` (each holds one: the caller checked)."""
+        # A tombstone's val and a free slot's slot_pos are never read: left as they are.
+        pos = self.slot_pos[slots]
         self.keys[pos] = _TOMB
-        self.vals[pos] = -1
         self.used -= len(pos)
         self.tombs += len(pos)
 
@@ -448,11 +452,128 @@ class _HandleIndex:
             win = cand[first]
             self.keys[pos[win]] = handles[win]
             self.vals[pos[win]] = vals[win]
+            self.slot_pos[vals[win]] = pos[win]
             placed = np.zeros(len(handles), dtype=bool)
             placed[win] = True
             pending = pending[~placed[pending]]
             pos[pending] = (pos[pending] + 1) & self.mask
         self.used = len(handles)
+
+
+class EndedLeases(Sequence[Lease[_PayloadT]]):
+    """The leases one call ended (all in one state, at one ``now``), earliest expiry first: a
+    read-only sequence of :class:`Lease` rows, kept as columns.
+
+    :meth:`LeaseTable.expire` may end thousands of leases at once; making a named tuple per
+    lease costs more than the rest of the reclaim together. So the rows are made when first
+    read (all at once, then kept), and a caller that needs only the ids, handles or payloads
+    reads those columns and makes none. It compares equal to a list or tuple of the same rows.
+
+    Columns, aligned with the rows: ``request_ids``, ``payloads`` and ``handles`` (tuples),
+    ``granted_at``, ``expiries`` and ``renewals`` (read-only numpy arrays); and ``state`` (how
+    they ended, the same for every row) and ``ended_at`` (the ``now`` of the call that ended
+    them).
+    """
+
+    __slots__ = (
+        "_rows",
+        "_where",
+        "ended_at",
+        "expiries",
+        "granted_at",
+        "handles",
+        "payloads",
+        "renewals",
+        "request_ids",
+        "state",
+    )
+
+    def __init__(
+        self,
+        state: LeaseState,
+        ended_at: float,
+        request_ids: Iterable[str],
+        payloads: Iterable[Any],
+        handles: Iterable[int],
+        granted_at: npt.ArrayLike,
+        expiries: npt.ArrayLike,
+        renewals: npt.ArrayLike,
+    ) -> None:
+        self.state = state
+        self.ended_at = ended_at
+        self.request_ids: tuple[str, ...] = tuple(request_ids)
+        self.payloads: tuple[_PayloadT, ...] = tuple(payloads)
+        self.handles: tuple[int, ...] = tuple(handles)
+        self.granted_at: npt.NDArray[np.float64] = _frozen(granted_at, np.float64)
+        self.expiries: npt.NDArray[np.float64] = _frozen(expiries, np.float64)
+        self.renewals: npt.NDArray[np.int64] = _frozen(renewals, np.int64)
+        self._rows: list[Lease[_PayloadT]] | None = None
+        self._where: dict[int, int] | None = None
+
+    def rows(self) -> list[Lease[_PayloadT]]:
+        """Every row, as a new list."""
+        return list(self._all())
+
+    def _all(self) -> list[Lease[_PayloadT]]:
+        rows = self._rows
+        if rows is None:
+            cols = zip(
+                self.request_ids,
+                repeat(self.state),
+                self.granted_at.tolist(),
+                self.expiries.tolist(),
+                self.renewals.tolist(),
+                self.payloads,
+                repeat(self.ended_at),
+                self.handles,
+            )
+            # Named tuples made by tuple.__new__ through map: no Python frame per lease.
+            rows = self._rows = list(map(tuple.__new__, repeat(Lease), cols))
+        return rows
+
+    def by_handle(self, handle: int) -> Lease[_PayloadT] | None:
+        """The row of the lease with ``handle``, or ``None``."""
+        where = self._where
+        if where is None:
+            where = self._where = {h: i for i, h in enumerate(self.handles)}
+        i = where.get(handle)
+        return None if i is None else self[i]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> Lease[_PayloadT]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Lease[_PayloadT]]: ...
+
+    def __getitem__(self, index: int | slice) -> Lease[_PayloadT] | list[Lease[_PayloadT]]:
+        return self._all()[index]
+
+    def __iter__(self) -> Iterator[Lease[_PayloadT]]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EndedLeases):
+            return self._all() == other._all()
+        if isinstance(other, list | tuple):
+            return len(other) == len(self) and self._all() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"EndedLeases({self._all()!r})"
+
+
+def _frozen(values: npt.ArrayLike, dtype: type[np.generic]) -> npt.NDArray[Any]:
+    out = np.array(values, dtype=dtype)  # a copy: the caller's array stays its own
+    out.flags.writeable = False
+    return out
+
+
+_NONE_ENDED: EndedLeases[Any] = EndedLeases(LeaseState.EXPIRED, 0.0, [], [], [], [], [], [])
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -507,20 +628,27 @@ class LeaseTable(Generic[_PayloadT]):
         self._policy = policy
         self._remember = remember_ended
         self._slot: dict[str, int] = {}  # live id -> slot
-        self._ids: list[str | None] = []  # slot -> id (None: free)
-        self._payloads: list[object] = []
-        self._granted_at: list[float] = []
+        # Slots 0.._n-1 have been used; the arrays have one more element than there are
+        # slots (see _exp). Object arrays, so that ending a batch gathers and clears its
+        # slots' ids and payloads with one vector operation each.
+        self._n = 0
+        self._ids: npt.NDArray[np.object_] = np.full(65, None, dtype=object)  # None: free
+        self._payloads: npt.NDArray[np.object_] = np.full(65, None, dtype=object)
+        self._granted_at = np.zeros(65)
         # slot -> expiry (inf: free); one more element, -inf, is what slot -1 (absent) reads
         self._exp = np.full(65, _INF)
         self._exp[-1] = -_INF
         self._hnd = np.zeros(65, dtype=np.uint64)  # slot -> handle (0: free)
         self._ren = np.zeros(65, dtype=np.int64)  # slot -> renewals
+        # chunk -> a lower bound of its slots' expiries (exact after a full recompute); a
+        # renewal only raises expiries, so it leaves the bound valid.
+        self._cmin = np.full(1, _INF)
         self._free: list[int] = []
         self._handles = _HandleIndex()
         self._lb = _INF  # <= every live expiry; == the earliest when _lb_exact
         self._lb_exact = True
         # Ended leases by handle, and their handles oldest first (one ends at most once).
-        self._ended: dict[int, Lease[_PayloadT]] = {}
+        self._ended: dict[int, EndedLeases[_PayloadT]] = {}
         self._ended_order: deque[int] = deque()
         self._clock = MonotonicClamp()
         self._granted = self._renewed = self._renew_ignored = 0
@@ -572,7 +700,9 @@ class LeaseTable(Generic[_PayloadT]):
         # The remembered ended lease of this id (None for a non-str id).
         if not self._ended or not isinstance(request_id, str) or not request_id:
             return None
-        gone = self._ended.get(lease_handle(request_id) if handle is None else handle)
+        h = lease_handle(request_id) if handle is None else handle
+        batch = self._ended.get(h)
+        gone = None if batch is None else batch.by_handle(h)
         return gone if gone is not None and gone.request_id == request_id else None
 
     def request_id_for(self, handle: int) -> str | None:
@@ -582,8 +712,10 @@ class LeaseTable(Generic[_PayloadT]):
             return None
         slot = self._handles.get(handle)
         if slot >= 0:
-            return self._ids[slot]
-        gone = self._ended.get(handle)
+            rid: str = self._ids[slot]
+            return rid
+        batch = self._ended.get(handle)
+        gone = None if batch is None else batch.by_handle(handle)
         return gone.request_id if gone is not None else None
 
     def leases(self) -> Iterator[Lease[_PayloadT]]:
@@ -612,8 +744,7 @@ class LeaseTable(Generic[_PayloadT]):
         if not self._slot:
             return None
         if not self._lb_exact:
-            self._lb = float(self._exp[: len(self._ids)].min())
-            self._lb_exact = True
+            self._exact_bounds()
         return self._lb
 
     # -- events ---------------------------------------------------------------------------
@@ -653,6 +784,8 @@ class LeaseTable(Generic[_PayloadT]):
         self._payloads[slot] = payload
         self._granted_at[slot] = t
         self._exp[slot] = expiry
+        if expiry < self._cmin[slot >> _SHIFT]:
+            self._cmin[slot >> _SHIFT] = expiry
         self._hnd[slot] = handle
         self._ren[slot] = 0
         self._handles.insert(handle, slot)
@@ -748,9 +881,9 @@ class LeaseTable(Generic[_PayloadT]):
                     due = self._exp[slots[i]] <= t
                     ignored[handle] = RenewIgnored.EXPIRED if due else RenewIgnored.STALE
                 else:
-                    gone = self._ended.get(handle)
+                    batch = self._ended.get(handle)
                     ignored[handle] = (
-                        RenewIgnored.UNKNOWN if gone is None else _REASON_FOR[gone.state]
+                        RenewIgnored.UNKNOWN if batch is None else _REASON_FOR[batch.state]
                     )
         self._renew_ignored += len(ignored)
         renewed.flags.writeable = False
@@ -776,6 +909,8 @@ class LeaseTable(Generic[_PayloadT]):
         if slot is None or self._exp[slot] <= t or candidate <= t:
             return None
         self._exp[slot] = candidate
+        if candidate < self._cmin[slot >> _SHIFT]:
+            self._cmin[slot >> _SHIFT] = candidate
         self._lb = min(self._lb, candidate)
         self._lb_exact = False
         return candidate
@@ -800,42 +935,70 @@ class LeaseTable(Generic[_PayloadT]):
         """
         return self._end(request_id, now, LeaseEvent.ABORT)
 
-    def expire(self, now: float) -> list[Lease[_PayloadT]]:
+    def expire(self, now: float) -> EndedLeases[_PayloadT]:
         """End every live lease whose expiry is ``<= now`` as ``EXPIRED``; return them, earliest
-        expiry first (ties in slot order). O(1) when nothing is due; otherwise one vector scan
-        of the slots plus the work per lease ended.
+        expiry first (ties in slot order), as an :class:`EndedLeases` sequence (its columns
+        give ids, handles and payloads without making a :class:`Lease` per row). O(1) when
+        nothing is due; otherwise one vector scan of the slots plus the work per lease ended.
 
         Raises :class:`~kvframe.errors.LeaseError` for a non-finite ``now`` (nothing ends).
         """
         t = self._clock.advance(now)
         if t < self._lb or not self._slot:
-            return []
-        n = len(self._ids)
-        exp = self._exp[:n]
-        due = np.flatnonzero(exp <= t)
+            return _NONE_ENDED
+        exp = self._exp[: self._n]
+        hot = np.flatnonzero(self._cmin <= t).tolist()
+        if 4 * len(hot) >= len(self._cmin):  # most chunks: one scan of every slot
+            due = np.flatnonzero(exp <= t)
+        else:  # leases expire in grant order mostly, so a few chunks hold them all
+            due = np.concatenate(
+                [
+                    np.flatnonzero(exp[c << _SHIFT : (c + 1) << _SHIFT] <= t) + (c << _SHIFT)
+                    for c in hot
+                ]
+            )
         if len(due) > 1:
             due = due[np.argsort(exp[due], kind="stable")]
         state = next_state(LeaseState.LIVE, LeaseEvent.EXPIRE)
         out = self._retire_slots(due, state, t)
         self._expired += len(out)
-        self._lb = float(exp.min()) if self._slot else _INF
-        self._lb_exact = True
+        if 4 * len(hot) >= len(self._cmin):
+            self._exact_bounds()
+        else:
+            cap = self._exp[:-1]
+            for c in hot:
+                self._cmin[c] = cap[c << _SHIFT : (c + 1) << _SHIFT].min()
+            # Exact only if every other chunk's bound is: a renewal may have left one low.
+            self._lb = float(self._cmin.min()) if self._slot else _INF
+            self._lb_exact = False
         return out
+
+    def _exact_bounds(self) -> None:
+        # Every chunk's bound and the table's, exact: one pass over the slots.
+        cap = self._exp[:-1]
+        self._cmin = cap.reshape(len(self._cmin), -1).min(axis=1)
+        self._lb = float(self._cmin.min()) if self._slot else _INF
+        self._lb_exact = True
 
     # -- internals ------------------------------------------------------------------------
     def _alloc_slot(self) -> int:
         if self._free:
             return self._free.pop()
-        slot = len(self._ids)
+        slot = self._n
         if slot == len(self._exp) - 1:
             grow = slot
             exp = np.concatenate([self._exp[:-1], np.full(grow, _INF), self._exp[-1:]])
             self._exp = exp
+            # Chunk c holds slots c * _CHUNK...: new chunks start with no lease (bound inf).
+            cmin = np.full(max(1, (len(exp) - 1) >> _SHIFT), _INF)
+            cmin[: len(self._cmin)] = self._cmin
+            self._cmin = cmin
             self._hnd = np.concatenate([self._hnd, np.zeros(grow, dtype=np.uint64)])
             self._ren = np.concatenate([self._ren, np.zeros(grow, dtype=np.int64)])
-        self._ids.append(None)
-        self._payloads.append(None)
-        self._granted_at.append(0.0)
+            self._ids = np.concatenate([self._ids, np.full(grow, None, dtype=object)])
+            self._payloads = np.concatenate([self._payloads, np.full(grow, None, dtype=object)])
+            self._granted_at = np.concatenate([self._granted_at, np.zeros(grow)])
+        self._n = slot + 1
         return slot
 
     def _renew_times(self, now: float, sent_at: float | None) -> tuple[float, float]:
@@ -888,42 +1051,38 @@ class LeaseTable(Generic[_PayloadT]):
         slot = self._slot[request_id]
         if self._exp[slot] <= self._lb:
             self._lb_exact = False
-        (lease,) = self._retire_slots(np.array([slot], dtype=np.intp), target, t)
-        return lease
+        return self._retire_slots(np.array([slot], dtype=np.intp), target, t)[0]
 
     def _retire_slots(
         self, slots: npt.NDArray[np.intp], state: LeaseState, now: float
-    ) -> list[Lease[_PayloadT]]:
+    ) -> EndedLeases[_PayloadT]:
         if not len(slots):
-            return []
+            return _NONE_ENDED
         idx = slots.tolist()
-        handles = self._hnd[slots]
-        hlist = handles.tolist()
-        ids, payloads, granted = self._ids, self._payloads, self._granted_at
-        rids = list(map(ids.__getitem__, idx))
-        rows = zip(
+        hlist = self._hnd[slots].tolist()
+        rids = self._ids[slots].tolist()
+        # Columns, not rows: a Lease per ended lease is made only when the caller reads one.
+        out: EndedLeases[_PayloadT] = EndedLeases(
+            state,
+            now,
             rids,
-            repeat(state),
-            map(granted.__getitem__, idx),
-            self._exp[slots].tolist(),
-            self._ren[slots].tolist(),
-            map(payloads.__getitem__, idx),
-            repeat(now),
+            self._payloads[slots].tolist(),
             hlist,
+            self._granted_at[slots],
+            self._exp[slots],
+            self._ren[slots],
         )
-        # Named tuples made by tuple.__new__ through map: no Python frame per lease.
-        out: list[Lease[_PayloadT]] = list(map(tuple.__new__, repeat(Lease), rows))
-        self._handles.remove_many(handles)
+        self._handles.remove_slots(slots)
         self._exp[slots] = _INF
         self._hnd[slots] = 0
         # C-level loops (map), not Python ones: expire may end thousands at once.
-        _drain(map(self._slot.__delitem__, rids))  # type: ignore[arg-type]
-        _drain(map(ids.__setitem__, idx, repeat(None)))
-        _drain(map(payloads.__setitem__, idx, repeat(None)))
+        _drain(map(self._slot.__delitem__, rids))
+        self._ids[slots] = None
+        self._payloads[slots] = None
         self._free.extend(idx)
         if self._remember:
             ended, order = self._ended, self._ended_order
-            ended.update(zip(hlist, out, strict=True))
+            ended.update(zip(hlist, repeat(out)))
             order.extend(hlist)
             excess = len(order) - self._remember
             if excess > 0:
@@ -931,11 +1090,11 @@ class LeaseTable(Generic[_PayloadT]):
         return out
 
     def _snapshot(self, slot: int, state: LeaseState, ended_at: float | None) -> Lease[_PayloadT]:
-        payload: _PayloadT = self._payloads[slot]  # type: ignore[assignment]
+        payload: _PayloadT = self._payloads[slot]
         return Lease(
-            self._ids[slot],  # type: ignore[arg-type]
+            self._ids[slot],
             state,
-            self._granted_at[slot],
+            float(self._granted_at[slot]),
             float(self._exp[slot]),
             int(self._ren[slot]),
             payload,

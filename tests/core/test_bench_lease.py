@@ -39,7 +39,17 @@ def test_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
         "heartbeat_ids": 100,
         "id_length": 39,
     }
-    assert set(report["results"]) == {"renew", "renew_by_id", "expire_none_due", "expire_due"}
+    assert set(report["results"]) == {
+        "renew",
+        "renew_by_id",
+        "expire_none_due",
+        "expire_due",
+        "expire_due_rows",
+    }
+    # Reading the rows comes on top of the same call.
+    rows, due = report["results"]["expire_due_rows"], report["results"]["expire_due"]
+    assert rows["kvframe_s"] >= due["kvframe_s"]
+    assert rows["naive_s"] == due["naive_s"]
     pair = {"kvframe_s", "kvframe_p90_s", "naive_s", "naive_p90_s", "ratio"}
     for name, r in report["results"].items():
         extra = {"naive_handle_s", "ratio_handle"} if name == "renew" else set()
@@ -67,6 +77,7 @@ def test_scale_and_human_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "renew 20 (by handle)" in out
     assert "renew 20 (by id)" in out
     assert "expire 2 due" in out
+    assert "+ reading the Lease rows" in out
     assert "8.00 bytes/lease" in out
     assert "msgpack list: 9.03 bytes/id" in out
 

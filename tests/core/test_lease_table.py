@@ -233,7 +233,8 @@ def test_storage_stays_bounded_under_many_renewals_and_ends() -> None:
             t.abort(rid, t0 + 0.5)
         assert len(t.expire(t0 + 50.0)) == 50
     assert len(t) == 0
-    assert len(t._ids) <= 100
+    assert t._n <= 100  # slots ever used
+    assert len(t._ids) <= 129  # and the arrays holding them
     assert len(t._handles.keys) <= 1024
 
 
