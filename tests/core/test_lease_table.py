@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvframe.core.lease import LeasePolicy, LeaseState, LeaseTable, RenewIgnored, lease_handle
+from kvframe.core.lease import (
+    EndedLeases,
+    LeasePolicy,
+    LeaseState,
+    LeaseTable,
+    RenewIgnored,
+    lease_handle,
+)
 from kvframe.errors import ConfigError, InvalidTransitionError, LeaseError
 
 POLICY = LeasePolicy.from_duration(30.0)  # interval 5, extension 20
@@ -329,3 +336,76 @@ def test_renew_handles_matches_renew_by_id() -> None:
     assert {lease_handle(r): w for r, w in by_id.ignored.items()} == by_handle.ignored
     assert [x.expiry for x in a.leases()] == [x.expiry for x in b.leases()]
     assert a.lease("r0").handle == lease_handle("r0")  # type: ignore[union-attr]
+
+
+def test_expire_returns_columns_and_rows_that_agree() -> None:
+    t = new_table()
+    for i in range(5):
+        t.grant(f"r{i}", float(i), i * 10)
+    t.renew(["r1"], 15.0)  # r1: expiry 35, live past 33
+    out = t.expire(33.0)
+    assert isinstance(out, EndedLeases)
+    assert out.request_ids == ("r0", "r2", "r3")
+    assert out.payloads == (0, 20, 30)
+    assert out.handles == tuple(lease_handle(r) for r in ("r0", "r2", "r3"))
+    assert out.expiries.tolist() == [30.0, 32.0, 33.0]
+    assert out.granted_at.tolist() == [0.0, 2.0, 3.0]
+    assert out.renewals.tolist() == [0, 0, 0]
+    assert t.lease("r1").renewals == 1  # type: ignore[union-attr]
+    assert (out.state, out.ended_at) == (LeaseState.EXPIRED, 33.0)
+    with pytest.raises(ValueError, match="read-only"):
+        out.expiries[0] = 1.0
+    rows = out.rows()
+    assert [x.request_id for x in rows] == ["r0", "r2", "r3"]
+    assert out == rows
+    assert out == tuple(rows)
+    assert out[1] == rows[1]
+    assert out[-2:] == rows[-2:]
+    assert out != rows[:2]
+    assert out != "r0"
+    assert rows[0] == t.lease("r0")  # remembered as it ended
+    assert out.by_handle(lease_handle("r2")) == rows[1]
+    assert out.by_handle(lease_handle("r1")) is None
+    assert t.expire(33.0) == []
+    assert len(t.expire(33.0)) == 0
+
+
+def test_many_chunks_expire_exactly_what_a_dict_model_says() -> None:
+    # Thousands of leases over many chunks of 1024 slots, granted in waves (so a wave's
+    # leases share chunks and expire scans only the chunks whose bound is due), renewed
+    # (their chunks' bounds stay low: still valid), restarted (lowered), ended early (slots
+    # reused across chunks): every call must agree with a plain dict.
+    rng = np.random.default_rng(7)
+    t = new_table(remember_ended=0)
+    model: dict[str, float] = {}
+    now, serial = 0.0, 0
+    for wave in range(80):
+        ttl = 30.0 if wave % 10 else float(rng.uniform(1.0, 60.0))
+        for _ in range(int(rng.integers(100, 400))):
+            rid = f"r{serial}"
+            serial += 1
+            t.grant(rid, now, None, ttl=ttl + float(rng.uniform(0.0, 0.5)))
+            model[rid] = t.lease(rid).expiry  # type: ignore[union-attr]
+        live = sorted(model)
+        pick = [live[i] for i in rng.choice(len(live), size=min(len(live), 100))]
+        for rid, expiry in t.renew(pick, now).renewed.items():
+            model[rid] = expiry
+        for rid in pick[:5]:
+            new = t.restart(rid, now, sent_at=now - float(rng.uniform(0.0, 19.0)))
+            if new is not None:
+                model[rid] = new
+        for rid in pick[5:15]:
+            if rid in model and model[rid] > now:
+                t.abort(rid, now)
+                del model[rid]
+        now += float(rng.uniform(0.5, 1.5))
+        due = sorted((e, r) for r, e in model.items() if e <= now)
+        out = t.expire(now)
+        assert sorted(zip(out.expiries.tolist(), out.request_ids, strict=True)) == due
+        assert list(out.expiries) == sorted(out.expiries)
+        for _, r in due:
+            del model[r]
+        assert len(t) == len(model)
+        if wave % 3 == 0:  # sometimes: an exact bound before the next expire, sometimes not
+            assert t.next_deadline() == (min(model.values()) if model else None)
+    assert len(t._cmin) >= 8  # the table spans many chunks
