@@ -10,8 +10,11 @@ It measures, in one run and side by side, one **encode + decode** of:
 
 each through kvframe's codec (``codec_for(PDConnector, config)``: the envelope, typed decoding
 into the attrs messages, the finishing pass) and through a plain msgspec reference: frozen
-``msgspec.Struct`` types with the same fields and values, one module-level
-``msgspec.msgpack.Encoder`` and a typed ``Decoder`` (no envelope, no checks beyond the types).
+``msgspec.Struct`` types with the same fields in the same order and the same values (so both
+write the same map; :func:`same_fields` checks the fields, and the run refuses to start if
+they drift), one module-level ``msgspec.msgpack.Encoder`` and a typed ``Decoder`` (no envelope,
+no checks beyond the types). The byte counts differ by kvframe's envelope and its
+deterministic order of sets only.
 Samples of the two alternate, so load on the machine hits both alike.
 
 Human-readable table by default; ``--json`` prints one JSON object::
@@ -51,6 +54,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import msgspec
 
 from kvframe.bench._stats import p90
@@ -61,7 +65,7 @@ from kvframe.connectors.pd.metadata import PDLoad, PDMetadata, RemoteEngineAddr
 from kvframe.protocol.codec import Codec
 from kvframe.spi.connector import codec_for
 
-__all__ = ["add_arguments", "measure", "run"]
+__all__ = ["add_arguments", "measure", "run", "same_fields"]
 
 _BAR_EMPTY_S = 5e-6
 _BAR_64_LOADS_S = 150e-6
@@ -85,6 +89,11 @@ class _Load(msgspec.Struct, frozen=True):
     local_block_ids: tuple[tuple[int, ...], ...]
     remote_block_ids: tuple[tuple[int, ...], ...]
     remote_incarnations: tuple[str, ...] = ()
+    push_id: str = ""
+    first_block: int = 0
+    num_tokens: int = 0
+    prompt_digest: str = ""
+    kept_until: float | None = None
 
 
 class _Step(msgspec.Struct, frozen=True):
@@ -102,6 +111,23 @@ class _Step(msgspec.Struct, frozen=True):
     pd_loads: tuple[_Load, ...] = ()
     releases: tuple[Any, ...] = ()
     engines: tuple[Any, ...] = ()
+    push_sources: tuple[Any, ...] = ()
+    push_abandoned: tuple[str, ...] = ()
+    push_progress: tuple[Any, ...] = ()
+    evictions: tuple[str, ...] = ()
+
+
+# The reference's structs and the messages they stand for: same fields, same order, so both
+# sides write the same map keys and values (checked by same_fields()).
+_MIRRORS = ((_Addr, RemoteEngineAddr), (_Load, PDLoad), (_Step, PDMetadata))
+
+
+def same_fields() -> bool:
+    """True when each reference struct has exactly its message's fields, in order."""
+    return all(
+        [f.name for f in msgspec.structs.fields(ref)] == [f.name for f in attrs.fields(cls)]
+        for ref, cls in _MIRRORS
+    )
 
 
 _REF_ENCODER = msgspec.msgpack.Encoder()
@@ -214,6 +240,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 def measure(args: argparse.Namespace) -> dict[str, object]:
     """Run the measurements; returns the JSON object described in the module docstring."""
+    if not same_fields():
+        raise AssertionError("the msgspec reference's fields differ from the messages' fields")
     codec = codec_for(PDConnector, KVTransferConfig(kv_connector="PDConnector", kv_role="kv_both"))
     empty, full = _messages(args.loads, args.blocks)
     progress = Progress("codec", total=2)

@@ -75,3 +75,17 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     status, _, err = run_bench(["--loads", "0"], capsys)
     assert status == 2
     assert "--loads must be >= 1" in err
+
+
+def test_the_reference_carries_the_messages_fields() -> None:
+    # Same fields in the same order: both sides write the same map, so the bytes differ by
+    # kvframe's envelope only (a reference with fewer fields would flatter it).
+    assert codec.same_fields()
+    empty, full = codec._messages(3, 2)
+    for ours, theirs in (empty, full):
+        kv = codec.codec_for(
+            codec.PDConnector,
+            codec.KVTransferConfig(kv_connector="PDConnector", kv_role="kv_both"),
+        ).encode(ours)
+        ref = codec._REF_ENCODER.encode(theirs)
+        assert len(kv) - len(ref) == len(b"KVFM") + 2 + 1 + len(b"pd.metadata") + 4
