@@ -35,6 +35,7 @@ def test_sigterm_stops_both_engines_and_removes_the_temporary_directory() -> Non
             "kvframe.cli",
             "bench",
             "vllm",
+            "--quick",
             "--only",
             "kvframe",
             "--requests",

@@ -1,5 +1,6 @@
 """``kvframe bench vllm``: kvframe's P/D connector beside vLLM's own ``NixlConnector`` in real
-vLLM engines — a thin launcher.
+vLLM OpenAI servers (``--quick``: offline engines in-process, not what users run) — a thin
+launcher.
 
 vLLM lives in its own virtualenv (``.venv-vllm``, made by ``./dev vllm-setup``; it pins its own
 torch build), so this command becomes ``python -m kvframe_vllm.bench`` with that venv's
@@ -32,16 +33,31 @@ def find_python() -> Path | None:
     return None
 
 
+#: The options passed through, with their types (``kvframe_vllm.bench`` checks the values
+#: and fills in each mode's defaults).
+_OPTIONS: dict[str, tuple[type, str]] = {
+    "--decode-tokens": (int, "tokens decoded (servers 16, --quick 32)"),
+    "--lease": (float, "kv_lease_duration s, both connectors (6; at least 6 in servers mode)"),
+    "--prompts": (int, "servers mode: requests measured (16)"),
+    "--min-prompt-tokens": (int, "servers mode: shortest prompt (64)"),
+    "--max-prompt-tokens": (int, "servers mode: longest prompt (256)"),
+    "--idle-window": (float, "servers mode: idle CPU window, s (5)"),
+    "--requests": (int, "--quick: requests per phase (8)"),
+    "--prompt-tokens": (int, "--quick: prompt length (256)"),
+    "--repeat": (int, "--quick: repetitions of each phase; medians (3)"),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options (passed through to ``kvframe_vllm.bench``)."""
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=int, default=8, help="requests per phase (8)")
-    parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (256)")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded (32)")
-    parser.add_argument("--lease", type=float, default=5.0, help="kv_lease_duration s (5)")
     parser.add_argument(
-        "--repeat", type=int, default=3, help="repetitions of each phase; medians (3)"
+        "--quick",
+        action="store_true",
+        help="in-process quick mode (offline engines in one process each: not what users run)",
     )
+    for flag, (kind, text) in _OPTIONS.items():
+        parser.add_argument(flag, type=kind, default=None, help=text)
     parser.add_argument(
         "--only", choices=("nixl", "kvframe"), default=None, help="run one connector only"
     )
@@ -61,13 +77,15 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     cmd = [str(python), "-m", "kvframe_vllm.bench"]
-    cmd += ["--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens)]
-    cmd += ["--decode-tokens", str(args.decode_tokens), "--lease", str(args.lease)]
-    cmd += ["--repeat", str(args.repeat)]
+    for flag in _OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            cmd += [flag, str(value)]
     if args.only:
         cmd += ["--only", args.only]
-    if args.json:
-        cmd.append("--json")
+    for flag in ("--quick", "--json"):
+        if getattr(args, flag[2:]):
+            cmd.append(flag)
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -64,8 +64,10 @@ from kvframe_vllm.tiny import build_in_subprocess, prompt_ids
 
 __all__ = [
     "CONNECTORS",
+    "QUICK_NOTE",
     "STEPS_PER_CONNECTOR",
     "add_arguments",
+    "check_arguments",
     "kv_config",
     "main",
     "measure",
@@ -75,6 +77,9 @@ __all__ = [
 
 CONNECTORS = ("nixl", "kvframe")
 """The connectors compared, in run order."""
+
+QUICK_NOTE = "in-process quick mode, not what users run"
+"""The label of every ``--quick`` report (its first line; ``note`` in the JSON)."""
 
 
 def kv_config(connector: str, engine_id: str, lease: float) -> dict[str, Any]:
@@ -265,18 +270,85 @@ def _wait_idle(p: EngineProcess, timeout: float = 30.0) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's options (see the module docstring)."""
+    """The benchmark's options (this module's and :mod:`kvframe_vllm.bench_servers`')."""
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=int, default=8, help="requests per phase (8)")
-    parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (256)")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded (32)")
-    parser.add_argument("--lease", type=float, default=5.0, help="kv_lease_duration s (5)")
     parser.add_argument(
-        "--repeat", type=int, default=3, help="repetitions of each phase; medians (3)"
+        "--quick",
+        action="store_true",
+        help="the in-process quick mode (offline engines, not what users run)",
     )
+    parser.add_argument("--decode-tokens", type=int, default=None, help="tokens decoded (16)")
+    parser.add_argument("--lease", type=float, default=6.0, help="kv_lease_duration s (6)")
     parser.add_argument(
         "--only", choices=CONNECTORS, default=None, help="run one connector only (for tests)"
     )
+    servers = parser.add_argument_group("servers mode (the default)")
+    servers.add_argument("--prompts", type=int, default=None, help="requests measured (16)")
+    servers.add_argument("--min-prompt-tokens", type=int, default=None, help="(64)")
+    servers.add_argument("--max-prompt-tokens", type=int, default=None, help="(256)")
+    servers.add_argument(
+        "--idle-window", type=float, default=None, help="idle CPU window, s (5)"
+    )
+    quick = parser.add_argument_group("--quick mode")
+    quick.add_argument("--requests", type=int, default=None, help="requests per phase (8)")
+    quick.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (256)")
+    quick.add_argument(
+        "--repeat", type=int, default=None, help="repetitions of each phase; medians (3)"
+    )
+
+
+_QUICK_ONLY = ("requests", "prompt_tokens", "repeat")
+_SERVERS_ONLY = ("prompts", "min_prompt_tokens", "max_prompt_tokens", "idle_window")
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """Fill in the mode's defaults; the error message for bad options, else ``None``."""
+    mine, other = (_QUICK_ONLY, _SERVERS_ONLY) if args.quick else (_SERVERS_ONLY, _QUICK_ONLY)
+    wrong = [o for o in other if getattr(args, o) is not None]
+    if wrong:
+        flags = ", ".join("--" + o.replace("_", "-") for o in wrong)
+        return (
+            f"{flags}: only for the {'servers mode' if args.quick else '--quick mode'}"
+            f" ({'drop --quick' if args.quick else 'add --quick'} or leave them out)"
+        )
+    defaults = {
+        "requests": 8,
+        "prompt_tokens": 256,
+        "repeat": 3,
+        "prompts": 16,
+        "min_prompt_tokens": 64,
+        "max_prompt_tokens": 256,
+        "idle_window": 5.0,
+    }
+    for name in mine:
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[name])
+    if args.decode_tokens is None:
+        args.decode_tokens = 32 if args.quick else 16
+    if args.decode_tokens < 1 or args.lease <= 0:
+        return "--decode-tokens and --lease must be > 0"
+    if args.quick:
+        if args.requests < 1 or args.repeat < 1:
+            return "--requests and --repeat must be > 0"
+        if not 32 <= args.prompt_tokens <= 400:
+            return (
+                "--prompt-tokens must be 32..400 (at least one 32-token block; the engines "
+                "allow 512 tokens)"
+            )
+        return None
+    if args.lease < 6:
+        return (
+            f"--lease {args.lease:g}: at least 6 s in the servers mode (at 5 s NixlConnector's "
+            "heartbeat interval, lease // 6, is 0)"
+        )
+    if args.prompts < 1 or args.idle_window <= 0:
+        return "--prompts and --idle-window must be > 0"
+    if not 32 <= args.min_prompt_tokens <= args.max_prompt_tokens <= 900:
+        return (
+            "--min-prompt-tokens and --max-prompt-tokens must satisfy 32 <= min <= max <= 900 "
+            "(at least one 32-token block; the servers allow 1024 tokens)"
+        )
+    return None
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -304,6 +376,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
     return {
         "benchmark": "vllm",
+        "mode": "quick",
+        "note": QUICK_NOTE,
         "params": {
             "requests": args.requests,
             "prompt_tokens": args.prompt_tokens,
@@ -333,7 +407,7 @@ def render(report: dict[str, Any]) -> str:
     ]
     res = report["results"]
     names = list(res)
-    lines = [f"{'':34}" + "".join(f"{n:>16}" for n in names)]
+    lines = [QUICK_NOTE, f"{'':34}" + "".join(f"{n:>16}" for n in names)]
     for label, key in rows:
         lines.append(f"{label:34}" + "".join(f"{_fmt(res[n][key]):>16}" for n in names))
     death = "".join(
@@ -367,24 +441,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvframe_vllm.bench")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.decode_tokens < 1 or args.lease <= 0 or args.repeat < 1:
-        print(
-            "kvframe bench vllm: --requests, --decode-tokens, --lease and --repeat must be > 0",
-            file=sys.stderr,
-        )
-        return 2
-    if not 32 <= args.prompt_tokens <= 400:
-        print(
-            "kvframe bench vllm: --prompt-tokens must be 32..400 (at least one 32-token "
-            "block; the engines allow 512 tokens)",
-            file=sys.stderr,
-        )
+    problem = check_arguments(args)
+    if problem is not None:
+        print(f"kvframe bench vllm: {problem}", file=sys.stderr)
         return 2
     try:
-        report = measure(args)
+        if args.quick:
+            report = measure(args)
+        else:
+            from kvframe_vllm import bench_servers
+
+            report = bench_servers.measure(args)
     except EngineError as exc:
         print(f"kvframe bench vllm: {exc}", file=sys.stderr)
         return 1
+    if not args.quick:
+        print(json.dumps(report, indent=2) if args.json else bench_servers.render(report))
+        return 0
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
