@@ -19,6 +19,7 @@ MODULES = [
     "kvframe_vllm.host",
     "kvframe_vllm.tiny",
     "kvframe_vllm.bench",
+    "kvframe_vllm.bench_servers",
     "kvframe.bench.vllm",
 ]
 

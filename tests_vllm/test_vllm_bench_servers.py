@@ -58,14 +58,19 @@ def test_the_report_has_every_figure_for_both_connectors(report: dict[str, Any])
     assert report["params"]["lease"] == 6
     assert set(report["results"]) == {"nixl", "kvframe"}
     for name, r in report["results"].items():
-        for key in ("client_ttft_ms", "vllm_ttft_ms", "kv_transfer_ms"):
+        for key in ("client_ttft_ms", "proxy_prefill_ms", "vllm_ttft_ms", "kv_transfer_ms"):
             assert set(r[key]) == STATS, (name, key)
             assert r[key]["n"] == 2, (name, key)
             assert 0 < r[key]["median"] <= r[key]["p90"] <= r[key]["max"], (name, key)
         assert (r["kv_load_wait_ms"] is None) == (name == "nixl")
         # Prompts of 64 and 96 tokens: 2 and 3 blocks; the median of two is their mean.
         assert r["kv_bytes_per_request"] == 2.5 * KIB_PER_BLOCK * 1024, name
-        assert set(r["cold"]) == {"client_ttft_ms", "vllm_ttft_ms", "kv_transfer_ms"}
+        assert set(r["cold"]) == {
+            "client_ttft_ms",
+            "proxy_prefill_ms",
+            "vllm_ttft_ms",
+            "kv_transfer_ms",
+        }
         assert all(v is not None and v > 0 for v in r["cold"].values()), (name, r["cold"])
         assert set(r["idle_cpu_cores"]) == {"prefill", "decode"}
         assert all(v >= 0 for v in r["idle_cpu_cores"].values())
@@ -76,9 +81,7 @@ def test_the_report_has_every_figure_for_both_connectors(report: dict[str, Any])
         assert isinstance(killed["held_at_kill"], bool)
         if killed["held_at_kill"]:
             assert killed["freed_after_s"] is not None, (name, killed)
-    assert {"client_ttft_median", "vllm_ttft_p90", "kv_transfer_median"} <= set(
-        report["ratios"]
-    )
+    assert {"client_ttft_median", "vllm_ttft_p90", "kv_transfer_median"} <= set(report["ratios"])
 
 
 def test_outputs_are_equal_across_connectors_and_to_the_prefill_server_alone(

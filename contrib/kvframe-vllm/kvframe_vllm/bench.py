@@ -286,9 +286,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     servers.add_argument("--prompts", type=int, default=None, help="requests measured (16)")
     servers.add_argument("--min-prompt-tokens", type=int, default=None, help="(64)")
     servers.add_argument("--max-prompt-tokens", type=int, default=None, help="(256)")
-    servers.add_argument(
-        "--idle-window", type=float, default=None, help="idle CPU window, s (5)"
-    )
+    servers.add_argument("--idle-window", type=float, default=None, help="idle CPU window, s (5)")
     quick = parser.add_argument_group("--quick mode")
     quick.add_argument("--requests", type=int, default=None, help="requests per phase (8)")
     quick.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (256)")

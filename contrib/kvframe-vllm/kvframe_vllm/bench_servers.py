@@ -23,6 +23,8 @@ Then, per connector:
 
   - *client TTFT*: from sending the request to the proxy to the first streamed chunk that
     carries a token (P's prefill, the proxy's two calls, D's load and first token);
+  - *proxy's call to P*: how long the proxy's non-streamed call to P took (P's queue and
+    prefill, its HTTP stack), part of the client TTFT;
   - *vLLM TTFT*: D's own ``vllm:time_to_first_token_seconds`` (from the request's arrival at
     D's engine to its first token: the KV load included, P's prefill not). Requests run one at
     a time, so the histogram's ``_sum`` grows by exactly one request's value between two
@@ -68,9 +70,10 @@ Then, per connector:
                 "lease_setting"},
      "results": {"nixl" | "kvframe": {
          "startup_s": float, "outputs_match_prefill_alone": bool,
-         "client_ttft_ms": STATS, "vllm_ttft_ms": STATS, "kv_transfer_ms": STATS | null,
+         "client_ttft_ms": STATS, "proxy_prefill_ms": STATS, "vllm_ttft_ms": STATS,
+         "kv_transfer_ms": STATS | null,
          "kv_load_wait_ms": STATS | null, "kv_bytes_per_request": float | null,
-         "cold": {"client_ttft_ms", "vllm_ttft_ms", "kv_transfer_ms"},
+         "cold": {"client_ttft_ms", "proxy_prefill_ms", "vllm_ttft_ms", "kv_transfer_ms"},
          "pinning": {"prefill" | "decode": [{"pid", "name", "threads",
                                             "main_thread_cpus", "cpus": {LIST: count}}]},
          "idle_cpu_cores": {"prefill": float, "decode": float},
@@ -111,6 +114,7 @@ from kvframe_vllm.host import EngineError
 from kvframe_vllm.tiny import build_in_subprocess, prompt_ids
 
 __all__ = [
+    "PREFILL_HEADER",
     "SERVED_NAME",
     "STEPS_PER_CONNECTOR",
     "Proxy",
@@ -126,6 +130,9 @@ __all__ = [
 
 SERVED_NAME = "bench-model"
 """The ``--served-model-name`` of every server."""
+
+PREFILL_HEADER = "X-Kvframe-Bench-Prefill-Seconds"
+"""The response header in which :class:`Proxy` says how long its call to P took."""
 
 #: Progress steps per connector (start, cold request, workload, idle CPU, two lease cases).
 STEPS_PER_CONNECTOR = 6
@@ -239,16 +246,17 @@ class Proxy:
     both connectors: ``POST /v1/completions`` goes to P with ``max_tokens`` 1, ``stream``
     off and ``kv_transfer_params={"do_remote_decode": true}``; then the original request goes
     to D with the ``kv_transfer_params`` P returned, and D's answer (streamed when the request
-    asked for it) is passed back chunk by chunk. Close it with :meth:`close`."""
+    asked for it) is passed back chunk by chunk, with the seconds of the call to P in the
+    header :data:`PREFILL_HEADER`. Close it with :meth:`close`."""
 
     def __init__(self, prefill: str, decode: str) -> None:
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 proxy._route(self)
 
         self.prefill, self.decode = prefill, decode
@@ -264,7 +272,9 @@ class Proxy:
                 raise ValueError("only POST /v1/completions with a JSON object")
             first = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
             first.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            t0 = time.perf_counter()
             params = _post(self.prefill + "/v1/completions", first).get("kv_transfer_params")
+            prefill_s = time.perf_counter() - t0
             host, port = self.decode.removeprefix("http://").split(":")
             conn = http.client.HTTPConnection(host, int(port), timeout=120)
             conn.request(
@@ -276,6 +286,7 @@ class Proxy:
             resp = conn.getresponse()
             h.send_response(resp.status)
             h.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
+            h.send_header(PREFILL_HEADER, f"{prefill_s:.6f}")
             h.end_headers()
             while line := resp.readline():
                 h.wfile.write(line)
@@ -288,12 +299,14 @@ class Proxy:
                 h.wfile.write(json.dumps({"error": {"message": str(exc)}}).encode())
 
     def close(self) -> None:
+        """Stop serving and close the listening socket."""
         self.server.shutdown()
         self.server.server_close()
 
 
-def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, str]:
-    """One streamed completion: (seconds to the first chunk carrying text, the whole text)."""
+def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, str]:
+    """One streamed completion through the proxy: (seconds to the first chunk carrying text,
+    seconds of the proxy's call to P, the whole text)."""
     host, port = url.removeprefix("http://").split(":")
     body = {
         "model": SERVED_NAME,
@@ -309,6 +322,7 @@ def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, str]:
     resp = conn.getresponse()
     if resp.status != 200:
         raise EngineError(f"the proxy answered {resp.status}: {resp.read().decode()[:1000]}")
+    prefill = float(resp.getheader(PREFILL_HEADER) or "nan")
     first: float | None = None
     text = []
     while line := resp.readline():
@@ -325,7 +339,7 @@ def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, str]:
     conn.close()
     if first is None:
         raise EngineError(f"the stream from {url} carried no token")
-    return first, "".join(text)
+    return first, prefill, "".join(text)
 
 
 def _group(leader: int) -> list[int]:
@@ -411,10 +425,12 @@ class _Pair:
                         f"the {role} server exited ({self.procs[role].returncode}); its log "
                         f"{self.logs[role]}:\n{self.tail(role)}"
                     )
-                with contextlib.suppress(OSError):
-                    with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                        if resp.status == 200:
-                            break
+                with (
+                    contextlib.suppress(OSError),
+                    urllib.request.urlopen(url + "/health", timeout=5) as resp,
+                ):
+                    if resp.status == 200:
+                        break
                 if time.monotonic() > deadline:
                     raise EngineError(f"the {role} server was not up in {_START_S:g} s")
                 time.sleep(0.5)
@@ -423,7 +439,7 @@ class _Pair:
 def _one(pair: _Pair, proxy: Proxy, connector: str, prompt: list[int], tokens: int) -> dict:
     """One request through the proxy, and D's metrics that grew with it."""
     before = scrape(pair.urls["decode"])
-    client, text = _stream(proxy.url, prompt, tokens)
+    client, prefill, text = _stream(proxy.url, prompt, tokens)
     after = before
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:  # D's stats reach /metrics a little after the answer
@@ -441,6 +457,7 @@ def _one(pair: _Pair, proxy: Proxy, connector: str, prompt: list[int], tokens: i
 
     return {
         "client": client,
+        "prefill": prefill,
         "text": text,
         "vllm": grew(_TTFT),
         "transfer": grew(_TRANSFER[connector]),
@@ -515,16 +532,16 @@ def run_servers(
         "outputs_match_prefill_alone": [r["text"] for r in runs] == alone,
         "outputs": [r["text"] for r in runs],
         "client_ttft_ms": _stats_ms([r["client"] for r in runs]),
+        "proxy_prefill_ms": _stats_ms([r["prefill"] for r in runs]),
         "vllm_ttft_ms": _stats_ms([r["vllm"] for r in runs if r["vllm"] is not None]),
         "kv_transfer_ms": _stats_ms([r["transfer"] for r in runs if r["transfer"] is not None]),
-        "kv_load_wait_ms": _stats_ms(
-            [r["load_wait"] for r in runs if r["load_wait"] is not None]
-        ),
+        "kv_load_wait_ms": _stats_ms([r["load_wait"] for r in runs if r["load_wait"] is not None]),
         "kv_bytes_per_request": (
             statistics.median(b) if (b := [r["bytes"] for r in runs if r["bytes"]]) else None
         ),
         "cold": {
             "client_ttft_ms": round(cold["client"] * 1e3, 3),
+            "proxy_prefill_ms": round(cold["prefill"] * 1e3, 3),
             "vllm_ttft_ms": None if cold["vllm"] is None else round(cold["vllm"] * 1e3, 3),
             "kv_transfer_ms": (
                 None if cold["transfer"] is None else round(cold["transfer"] * 1e3, 3)
@@ -643,7 +660,7 @@ def _ratios(results: dict[str, Any]) -> dict[str, float]:
         return {}
     k, n = results["kvframe"], results["nixl"]
     pairs: dict[str, tuple[Any, Any]] = {}
-    for key in ("client_ttft_ms", "vllm_ttft_ms", "kv_transfer_ms"):
+    for key in ("client_ttft_ms", "proxy_prefill_ms", "vllm_ttft_ms", "kv_transfer_ms"):
         for q in ("median", "p90"):
             pairs[f"{key.removesuffix('_ms')}_{q}"] = (
                 (k[key] or {}).get(q),
@@ -676,12 +693,14 @@ def render(report: dict[str, Any]) -> str:
     row("outputs == P alone", lambda r: r["outputs_match_prefill_alone"])
     lines.append("per request, ms: median / p90 / max")
     row("  client TTFT (through the proxy)", lambda r: stats(r["client_ttft_ms"]))
+    row("  of which the proxy's call to P", lambda r: stats(r["proxy_prefill_ms"]))
     row("  vLLM TTFT on D (its metric)", lambda r: stats(r["vllm_ttft_ms"]))
     row("  KV transfer (NIXL telemetry)", lambda r: stats(r["kv_transfer_ms"]))
     row("  kvframe load wait (post to seen)", lambda r: stats(r["kv_load_wait_ms"]))
     row("KV bytes per request", lambda r: r["kv_bytes_per_request"])
     lines.append("cold first request, ms")
     row("  client TTFT", lambda r: r["cold"]["client_ttft_ms"])
+    row("  of which the proxy's call to P", lambda r: r["cold"]["proxy_prefill_ms"])
     row("  vLLM TTFT on D", lambda r: r["cold"]["vllm_ttft_ms"])
     row("  KV transfer", lambda r: r["cold"]["kv_transfer_ms"])
     row("idle CPU, P (cores)", lambda r: r["idle_cpu_cores"]["prefill"])
