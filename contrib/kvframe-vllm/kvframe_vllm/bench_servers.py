@@ -436,7 +436,9 @@ class _Pair:
                 time.sleep(0.5)
 
 
-def _one(pair: _Pair, proxy: Proxy, connector: str, prompt: list[int], tokens: int) -> dict:
+def _one(
+    pair: _Pair, proxy: Proxy, connector: str, prompt: list[int], tokens: int
+) -> dict[str, Any]:
     """One request through the proxy, and D's metrics that grew with it."""
     before = scrape(pair.urls["decode"])
     client, prefill, text = _stream(proxy.url, prompt, tokens)
