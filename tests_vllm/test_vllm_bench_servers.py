@@ -2,8 +2,9 @@
 connectors, each with two real OpenAI servers and the benchmark's proxy. Checked: the JSON's
 shape, greedy outputs equal across the connectors and to the prefill server alone, the KV
 bytes each request moved, every server thread's allowed CPUs reported (and kvframe's workers
-left on their own core), P's blocks freed when D never comes. No timing is asserted.
-About 2.5 minutes on a loaded 2-core machine (four servers start, two at a time)."""
+left on their own core), P's blocks freed when D never comes, when D is stopped past the lease
+and when D is killed (where D had not read them first). No timing is asserted.
+About 3 minutes on a loaded 2-core machine (four servers start, two at a time)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,13 @@ def test_the_report_has_every_figure_for_both_connectors(report: dict[str, Any])
         never = r["lease_d_never_comes"]
         assert never["held_usage_perc"] > 0, (name, never)
         assert never["freed_after_s"] is not None, (name, never)
+        stalled = r["lease_d_stalled_past_lease"]
+        assert stalled["stalled_s"] >= 6, (name, stalled)
+        assert isinstance(stalled["d_answered"], bool)
+        if stalled["held_at_stop"]:  # D had not read: P frees at the lease, D stopped or not
+            assert stalled["p_freed_after_s"] is not None, (name, stalled)
+        if stalled["d_answered"]:
+            assert isinstance(stalled["d_output_matches_prefill_alone"], bool)
         killed = r["lease_d_killed_while_queued"]
         assert isinstance(killed["held_at_kill"], bool)
         if killed["held_at_kill"]:

@@ -55,6 +55,14 @@ Then, per connector:
   value before the request (its blocks freed by the lease expiry), polled every 0.1 s, or
   ``null`` if not within ``lease + 15`` s. The gauge moves only when P's engine steps, so the
   figure also shows whether an idle P notices the expiry;
+- **lease, D stalled past the lease**: the stand-in for a D overloaded past the lease. P
+  prefills one more prompt, the benchmark sends D the request with P's parameters, and 20 ms
+  later D's process group is stopped (``SIGSTOP``: no step, no heartbeat) for ``lease + 3``
+  seconds, then continued. Reported: ``held_at_stop``, the seconds from the stop until P's
+  usage is back (``p_freed_after_s``, ``null`` if not while D was stopped), whether D answered
+  within 20 s of resuming (``d_answered``; else ``d_error``, its HTTP error, or ``null``
+  for no answer), whether its output
+  equals P's own for the prompt, and how long after the resume it answered;
 - **lease, D killed while queued**: P prefills one more prompt (``do_remote_decode``), the
   benchmark sends D the request with P's ``kv_transfer_params``, and D's process group is
   SIGKILLed 20 ms later (before D can have read the KV): ``held_at_kill`` (P's usage still
@@ -78,6 +86,11 @@ Then, per connector:
                                             "main_thread_cpus", "cpus": {LIST: count}}]},
          "idle_cpu_cores": {"prefill": float, "decode": float},
          "lease_d_never_comes": {"held_usage_perc": float, "freed_after_s": float | null},
+         "lease_d_stalled_past_lease": {"stalled_s": float, "held_at_stop": bool,
+                                        "p_freed_after_s": float | null,
+                                        "d_answered": bool, "d_error": str | null,
+                                        "d_output_matches_prefill_alone": bool | null,
+                                        "d_answer_after_resume_s": float | null},
          "lease_d_killed_while_queued": {"held_at_kill": bool,
                                          "freed_after_s": float | null}}},
      "outputs_equal": bool | null,
@@ -134,12 +147,17 @@ SERVED_NAME = "bench-model"
 PREFILL_HEADER = "X-Kvframe-Bench-Prefill-Seconds"
 """The response header in which :class:`Proxy` says how long its call to P took."""
 
-#: Progress steps per connector (start, cold request, workload, idle CPU, two lease cases).
-STEPS_PER_CONNECTOR = 6
+#: Progress steps per connector (start, cold request, workload, idle CPU, three lease cases).
+STEPS_PER_CONNECTOR = 7
 
 _START_S = 300.0
 _KILL_AFTER_S = 0.02
-"""D is killed this long after the request to it was sent (before it can have read the KV)."""
+"""D is killed (or stopped) this long after the request to it was sent (before it can have
+read the KV)."""
+_STALL_PAST_S = 3.0
+"""How long past the lease D stays stopped in the stalled case."""
+_ANSWER_S = 20.0
+"""How long the stalled case waits for D's answer once D is continued."""
 _CORES = {"prefill": 0, "decode": 1}
 _TRANSFER = {"nixl": "vllm:nixl_xfer_time_seconds", "kvframe": "vllm:kvframe_transfer_seconds"}
 _BYTES = {"nixl": "vllm:nixl_bytes_transferred", "kvframe": "vllm:kvframe_load_bytes"}
@@ -525,6 +543,8 @@ def run_servers(
 
             step(f"{connector}: lease, D never comes ({args.lease:g} s)")
             lease = _never_comes(pair, args)
+            step(f"{connector}: lease, D stalled (SIGSTOP) past the lease with a request queued")
+            stalled = _stalled_past_lease(pair, args)
             step(f"{connector}: lease, D killed while the request is queued on it")
             killed = _killed_while_queued(pair, args)
         finally:
@@ -552,6 +572,7 @@ def run_servers(
         "pinning": pins,
         "idle_cpu_cores": idle,
         "lease_d_never_comes": lease,
+        "lease_d_stalled_past_lease": stalled,
         "lease_d_killed_while_queued": killed,
     }
 
@@ -582,6 +603,66 @@ def _never_comes(pair: _Pair, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "held_usage_perc": round(held * 100, 3),
         "freed_after_s": None if freed is None else round(freed, 2),
+    }
+
+
+def _stalled_past_lease(pair: _Pair, args: argparse.Namespace) -> dict[str, Any]:
+    p, d = pair.urls["prefill"], pair.urls["decode"]
+    prompt = prompt_ids(9000, args.max_prompt_tokens)
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": args.decode_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    alone = _post(p + "/v1/completions", body)["choices"][0]["text"]
+    base = scrape(p).get(_USAGE, 0.0)
+    params = _post(
+        p + "/v1/completions",
+        {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    ).get("kv_transfer_params")
+    answer: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            got = _post(
+                d + "/v1/completions",
+                {**body, "kv_transfer_params": params},
+                _STALL_PAST_S + args.lease + _ANSWER_S,
+            )
+            answer["text"] = got["choices"][0]["text"]
+        except (EngineError, OSError) as exc:
+            answer["error"] = str(exc)[:300]
+        answer["at"] = time.monotonic()
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    time.sleep(_KILL_AFTER_S)
+    group = pair.procs["decode"].pid
+    os.killpg(group, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        held = scrape(p).get(_USAGE, 0.0) - base
+        freed: float | None = None
+        while time.monotonic() - t_stop < args.lease + _STALL_PAST_S:
+            if freed is None and scrape(p).get(_USAGE, 0.0) <= base:
+                freed = time.monotonic() - t_stop
+            time.sleep(0.1)
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    t_cont = time.monotonic()
+    sender.join(_ANSWER_S)
+    return {
+        "stalled_s": round(t_cont - t_stop, 2),
+        "held_at_stop": held > 0,
+        "p_freed_after_s": None if freed is None else round(freed, 2),
+        "d_answered": "text" in answer,
+        "d_error": answer.get("error"),
+        "d_output_matches_prefill_alone": answer["text"] == alone if "text" in answer else None,
+        "d_answer_after_resume_s": (
+            round(answer["at"] - t_cont, 2) if "at" in answer and answer["at"] >= t_cont else None
+        ),
     }
 
 
@@ -708,6 +789,17 @@ def render(report: dict[str, Any]) -> str:
     row("idle CPU, P (cores)", lambda r: r["idle_cpu_cores"]["prefill"])
     row("idle CPU, D (cores)", lambda r: r["idle_cpu_cores"]["decode"])
     row("D never comes: P's blocks freed (s)", lambda r: r["lease_d_never_comes"]["freed_after_s"])
+    row(
+        "D stalled past lease: P freed after (s)",
+        lambda r: r["lease_d_stalled_past_lease"]["p_freed_after_s"],
+    )
+    row(
+        "  D answered after resume / == P alone",
+        lambda r: (
+            f"{r['lease_d_stalled_past_lease']['d_answered']} / "
+            f"{r['lease_d_stalled_past_lease']['d_output_matches_prefill_alone']}"
+        ),
+    )
     row(
         "D killed, queued: P's blocks held",
         lambda r: r["lease_d_killed_while_queued"]["held_at_kill"],
