@@ -7,7 +7,8 @@ torch build), so this command becomes ``python -m kvframe_vllm.bench`` with that
 interpreter (``exec``: the same process, so a signal sent to ``kvframe bench vllm`` reaches
 the benchmark, which stops its engines and removes its temporary directory) and passes the
 options through. ``KVFRAME_VLLM_PYTHON`` names another interpreter. What is measured and the
-JSON shape are documented in ``kvframe_vllm.bench`` (``docs/vllm.md``).
+JSON shape are documented in ``kvframe_vllm.bench_servers`` (the default servers mode) and
+``kvframe_vllm.bench`` (``--quick``), and in ``docs/vllm.md``.
 """
 
 from __future__ import annotations

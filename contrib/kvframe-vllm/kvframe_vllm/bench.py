@@ -1,9 +1,15 @@
-"""The same P/D workload in real vLLM engines, once with vLLM's built-in ``NixlConnector`` and
+"""``kvframe bench vllm``: the same P/D workload once with vLLM's built-in ``NixlConnector`` and
 once with kvframe's ``PDConnector`` (through :class:`~kvframe_vllm.KVFrameConnector`), in one run.
 
 Run it inside the vLLM virtualenv (``kvframe bench vllm`` does) as
-``python -m kvframe_vllm.bench [--json]``. For each connector a prefill engine (P, core 0) and a
-decode engine (D, core 1) start as separate processes on the tiny local Llama, then:
+``python -m kvframe_vllm.bench [--json] [--quick]``. By default it runs the **servers mode**
+(:mod:`kvframe_vllm.bench_servers`: real OpenAI servers, pinned, behind a proxy — what users
+run). ``--quick`` runs the **in-process quick mode** described here, labelled "in-process quick
+mode, not what users run" in its output (``note`` in the JSON): offline engines hosted in a
+process each (:mod:`kvframe_vllm.host`), where ``VLLM_CPU_OMP_THREADS_BIND`` is not applied
+(vLLM applies it only in its multiprocess executor), with no serving stack, and a transfer
+figure that is a mean. For each connector a prefill engine (P, "core 0") and a decode engine
+(D, "core 1") start as separate processes on the tiny local Llama, then:
 
 - **warm-up**: one request end to end (handshakes, compile caches), not measured;
 - **TTFT on decode**: ``--requests`` × ``--repeat`` requests one at a time: P prefills
