@@ -4,7 +4,7 @@ shape, greedy outputs equal across the connectors and to the prefill server alon
 bytes each request moved, every server thread's allowed CPUs reported (and kvframe's workers
 left on their own core), P's blocks freed when D never comes, when D is stopped past the lease
 and when D is killed (where D had not read them first). No timing is asserted.
-About 3 minutes on a loaded 2-core machine (four servers start, two at a time)."""
+About 2 to 5 minutes on a loaded 2-core machine (four servers start, two at a time)."""
 
 from __future__ import annotations
 
