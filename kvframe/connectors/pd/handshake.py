@@ -90,6 +90,7 @@ from kvframe.spi.transport import BlockLayout
 __all__ = [
     "HANDSHAKE_CODEC",
     "HANDSHAKE_VERSION",
+    "LAYOUT_ORDERS",
     "MAX_PAYLOAD",
     "MAX_PENDING",
     "REFUSAL_CODES",
@@ -104,18 +105,23 @@ __all__ = [
     "HandshakeResponse",
     "HandshakeResult",
     "HandshakeServer",
+    "KVLayerFacts",
+    "KVLayoutFacts",
     "RateLimiter",
+    "check_kv_layout",
     "compat_hash",
     "decode_frame",
     "encode_frame",
     "handshake",
     "layout_digest",
+    "layout_mismatches",
 ]
 
 #: The side-channel protocol version; a peer speaking another one is refused before its
-#: payload is decoded. (4: D's request carries its tensor-parallel size, bound in its proof;
-#: 3: authentication; 2: the payload is a codec message; 1 was a bare msgpack map.)
-HANDSHAKE_VERSION = 4
+#: payload is decoded. (5: both sides carry their KV layout as fields, :class:`KVLayoutFacts`,
+#: compared field by field; 4: D's request carries its tensor-parallel size, bound in its
+#: proof; 3: authentication; 2: the payload is a codec message; 1 was a bare msgpack map.)
+HANDSHAKE_VERSION = 5
 #: The most unanswered challenges P keeps (the oldest is forgotten first).
 MAX_PENDING = 1024
 #: The longest engine id either side accepts in a handshake message.
@@ -132,8 +138,9 @@ authentication failed or is configured on one side only."""
 
 
 def compat_hash(**facts: Any) -> bytes:
-    """A 16-byte hash of what both sides must agree on (KV dtype, block size in tokens, number of
-    layers, bytes per block per region, transport name, ...). Keys are sorted, values
+    """A 16-byte hash of what both sides must agree on that the handshake does not carry as
+    fields (the P/D connector: the model, the transport name, the KV groups; the KV layout
+    travels as :class:`KVLayoutFacts` and is compared field by field). Keys are sorted, values
     stringified with ``repr``, so the hash is stable across processes and hosts."""
     text = ";".join(f"{k}={facts[k]!r}" for k in sorted(facts))
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
@@ -187,6 +194,204 @@ def _refusal_code(instance: object, attribute: attrs.Attribute[Any], value: obje
         raise ValueError(f"code = {value!r}; it must be one of {sorted(REFUSAL_CODES)}")
 
 
+#: The KV cache orders a :class:`KVLayoutFacts` may name, with the per-layer shape each means
+#: (dim 0 is always the block id: the P/D connector moves whole blocks).
+LAYOUT_ORDERS: dict[str, str] = {
+    "NHD": "[blocks, 2, block_size, heads, head_size] (K/V, tokens, then heads)",
+    "HND": "[blocks, 2, heads, block_size, head_size] (K/V, heads, then tokens)",
+    "block-major": "[blocks, ...] (not interpreted: every layer's shape must be equal)",
+}
+_MAX_LAYERS = 4096
+_MAX_DIMS = 8
+_MAX_DIM = 1 << 40
+_MAX_SMALL = 1 << 20
+_DTYPE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.")
+
+
+def _dtype(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not 0 < len(value) <= 32 or not _DTYPE_CHARS.issuperset(value):
+        raise ValueError(
+            f"{attribute.name} = {str(value)[:40]!r}; it must be a dtype name of at most 32 "
+            "letters, digits, '_' or '.' (torch.float16)"
+        )
+
+
+def _shape(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if (
+        not isinstance(value, tuple)
+        or len(value) > _MAX_DIMS
+        or not all(type(x) is int and 0 < x <= _MAX_DIM for x in value)
+    ):
+        raise ValueError(
+            f"{attribute.name} = {str(value)[:80]}; it must be at most {_MAX_DIMS} positive "
+            f"ints of at most {_MAX_DIM}"
+        )
+
+
+def _small(lowest: int) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if type(value) is not int or not lowest <= value <= _MAX_SMALL:
+            raise ValueError(
+                f"{attribute.name} = {str(value)[:40]}; it must be an int from {lowest} to "
+                f"{_MAX_SMALL}"
+            )
+
+    return check
+
+
+def _order(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in LAYOUT_ORDERS:
+        raise ValueError(
+            f"{attribute.name} = {str(value)[:40]!r}; it must be one of {sorted(LAYOUT_ORDERS)}"
+        )
+
+
+def _layers(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, tuple) or not 0 < len(value) <= _MAX_LAYERS:
+        raise ValueError(f"{attribute.name} must hold 1 to {_MAX_LAYERS} layers")
+    if not all(isinstance(x, KVLayerFacts) for x in value):
+        raise ValueError(f"{attribute.name} must hold KVLayerFacts values")
+
+
+@attrs.frozen(kw_only=True)
+class KVLayerFacts:
+    """One layer of a :class:`KVLayoutFacts`: its name, its shape after the block dimension
+    as this rank's cache holds it, and its dtype."""
+
+    name: str = attrs.field(validator=_non_empty)
+    shape: tuple[int, ...] = attrs.field(validator=_shape)
+    dtype: str = attrs.field(validator=_dtype)
+
+
+@attrs.frozen(kw_only=True)
+class KVLayoutFacts:
+    """A worker's KV cache layout as the handshake carries it (both directions, version 5).
+
+    Each side compares the other's facts with its own (:func:`check_kv_layout`) and refuses a
+    mismatch with an :class:`~kvframe.errors.IncompatiblePeerError` that names every differing
+    field with both values and what would work: P before it answers (a refusal of code
+    ``"incompatible"``), D again on P's answer, before it prepares anything to read. Every
+    field is validated on decoding (a hostile value is a
+    :class:`~kvframe.errors.HandshakeError`).
+    """
+
+    order: str = attrs.field(validator=_order)
+    """The cache's dimension order, one of :data:`LAYOUT_ORDERS`."""
+    block_size: int = attrs.field(validator=_small(1))
+    """Tokens per block."""
+    head_size: int = attrs.field(default=0, validator=_small(0))
+    """Elements per head (``0``: not interpreted, the ``block-major`` order)."""
+    num_kv_heads: int = attrs.field(default=0, validator=_small(0))
+    """The model's KV heads, all ranks together (``0``: the engine does not say)."""
+    kv_heads_per_rank: int = attrs.field(default=0, validator=_small(0))
+    """The KV heads this rank holds (``0``: the engine does not say)."""
+    tp_size: int = attrs.field(default=1, validator=_small(1))
+    """The engine's tensor-parallel size."""
+    layers: tuple[KVLayerFacts, ...] = attrs.field(validator=_layers)
+    """Every layer, in registration order."""
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The layers' distinct dtypes, in order of first appearance."""
+        return tuple(dict.fromkeys(x.dtype for x in self.layers))
+
+
+def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
+    """Every field on which ``theirs`` (the peer's) differs from ``mine``, one sentence each
+    naming both values and what would work; empty when KV can move between them unchanged.
+
+    The per-rank head count is compared only at equal tensor-parallel sizes (at different
+    sizes each rank holds its own share, :mod:`kvframe.core.tp`); layer shapes only where the
+    fields above do not already explain them (the ``block-major`` order, or equal facts)."""
+    out: list[str] = []
+
+    def differ(field: str, a: object, b: object, fix: str) -> None:
+        if a != b:
+            out.append(f"{field}: this engine {a}, the peer {b}; {fix}")
+
+    differ(
+        "cache order",
+        f"{mine.order} {LAYOUT_ORDERS[mine.order].split(' (')[0]}",
+        f"{theirs.order} {LAYOUT_ORDERS[theirs.order].split(' (')[0]}",
+        "configure both engines' KV cache layout alike (the P/D connector does not permute "
+        "a layout on arrival)",
+    )
+    differ(
+        "block size",
+        f"{mine.block_size} tokens",
+        f"{theirs.block_size} tokens",
+        f"run both engines at one block size ({mine.block_size} or {theirs.block_size}); "
+        "engines of different block sizes cannot exchange KV",
+    )
+    differ(
+        "dtype",
+        "/".join(mine.dtypes),
+        "/".join(theirs.dtypes),
+        "run both engines with one KV cache dtype",
+    )
+    differ(
+        "head size",
+        mine.head_size or "unknown",
+        theirs.head_size or "unknown",
+        "serve the same model on both engines",
+    )
+    differ(
+        "KV heads",
+        mine.num_kv_heads or "unknown",
+        theirs.num_kv_heads or "unknown",
+        "serve the same model on both, and give both connectors EngineInfo.num_kv_heads or neither",
+    )
+    if mine.tp_size == theirs.tp_size:
+        differ(
+            "KV heads per rank",
+            mine.kv_heads_per_rank or "unknown",
+            theirs.kv_heads_per_rank or "unknown",
+            "shard the heads alike on both engines",
+        )
+    names = [x.name for x in mine.layers], [x.name for x in theirs.layers]
+    if names[0] != names[1]:
+        differ(
+            "layers",
+            f"{len(names[0])} ({_names(names[0])})",
+            f"{len(names[1])} ({_names(names[1])})",
+            "serve the same model on both engines",
+        )
+    elif not out and mine.layers != theirs.layers:
+        for a, b in zip(mine.layers, theirs.layers, strict=True):
+            if a != b:
+                differ(
+                    f"layer {a.name!r}",
+                    f"{list(a.shape)} {a.dtype}",
+                    f"{list(b.shape)} {b.dtype}",
+                    "serve the same model with the same KV cache shape on both engines",
+                )
+                break
+    return out
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n[:40]) for n in names[:3])
+    return shown + (", ..." if len(names) > 3 else "")
+
+
+def check_kv_layout(mine: KVLayoutFacts | None, theirs: KVLayoutFacts | None, peer: str) -> None:
+    """Raise :class:`~kvframe.errors.IncompatiblePeerError` when ``peer`` (``"the decoder"``,
+    ``"the prefill engine"``) sent no layout while this side has one, or one that differs
+    (:func:`layout_mismatches`, every field named). Nothing to check when ``mine`` is
+    ``None``."""
+    if mine is None:
+        return
+    if theirs is None:
+        raise IncompatiblePeerError(
+            f"{peer} sent no KV layout; run the same kvframe version on both engines"
+        )
+    wrong = layout_mismatches(mine, theirs)
+    if wrong:
+        raise IncompatiblePeerError(
+            f"KV layout mismatch with {peer}, nothing is read: " + "; and ".join(wrong)
+        )
+
+
 @attrs.frozen(kw_only=True)
 class AuthHello:
     """D opens an authenticated handshake (tag ``pd.handshake.hello``)."""
@@ -227,6 +432,9 @@ class HandshakeRequest:
     layout: BlockLayout | None = None
     """D's own KV layout (push mode: P writes into D's blocks with it); ``None``: D takes no
     pushed KV."""
+    kv_layout: KVLayoutFacts | None = None
+    """D's KV layout facts (a kvframe D always sends them); a P with its own refuses other
+    facts, and a push request (``layout`` given) without facts."""
 
 
 @attrs.frozen(kw_only=True)
@@ -243,6 +451,9 @@ class HandshakeResponse:
     incarnation: str | None = None
     """A random token naming the P worker instance (``None``: it sends none); D drops a
     connection whose peer's incarnation changed."""
+    kv_layout: KVLayoutFacts | None = None
+    """P's KV layout facts (a :class:`HandshakeServer` given ``kv_layout`` fills them in); a D
+    with its own refuses an answer without them or with others."""
 
 
 @attrs.frozen(kw_only=True)
@@ -380,6 +591,8 @@ def _d_binds(p_nonce: bytes, d_nonce: bytes, request: HandshakeRequest) -> tuple
     meta = hashlib.sha256(request.transport_metadata).digest()
     fields = (request.engine_id, str(request.rank), request.transport, str(request.tp_size))
     binds = (p_nonce, d_nonce, *(f.encode() for f in fields), meta)
+    if request.kv_layout is not None:
+        binds = (*binds, hashlib.sha256(repr(request.kv_layout).encode()).digest())
     if request.layout is None:
         return binds
     return (*binds, layout_digest(request.layout))
@@ -413,8 +626,10 @@ def handshake(
     Makes ``samples`` exchanges (the first carries the request; all give clock samples); with
     ``keys``, an authenticated one (see the module docs) whose challenge is one of them, and P
     must prove it holds the fleet key and, with ``expect_engine``, that it is that engine.
-    Raises :class:`HandshakeTimeoutError`, :class:`IncompatiblePeerError` or
-    :class:`HandshakeError`. Nothing is left open after it returns or raises.
+    With ``request.kv_layout``, P's answer must carry equal layout facts
+    (:func:`check_kv_layout`). Raises :class:`HandshakeTimeoutError`,
+    :class:`IncompatiblePeerError` or :class:`HandshakeError`. Nothing is left open after it
+    returns or raises.
     """
     d_nonce = secrets.token_bytes(NONCE_BYTES)
     try:
@@ -494,6 +709,10 @@ def handshake(
             got.append(ClockSample(t_send=t_send, t_recv=t_recv, remote_now=answer.now))
             if isinstance(answer, HandshakeAccept):
                 response = answer.response
+                try:
+                    check_kv_layout(request.kv_layout, response.kv_layout, "the prefill engine")
+                except IncompatiblePeerError as exc:
+                    raise IncompatiblePeerError(f"{host}:{port}: {exc}") from None
             nxt = ping
     except zmq.ZMQError as exc:
         raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from exc
@@ -540,6 +759,12 @@ class HandshakeServer:
     in :attr:`rejected` (the reason in :attr:`last_error`); messages over the per-source rate
     are dropped unanswered and counted in :attr:`rate_limited`; challenges sent are counted in
     :attr:`challenged` and accepted handshakes in :attr:`served`; the server keeps serving.
+    With ``kv_layout``, a request (once authenticated, with ``keys``) whose
+    :class:`KVLayoutFacts` differ is refused as ``"incompatible"``, naming every differing
+    field (:func:`check_kv_layout`), before ``respond`` is called, and so is a push request
+    (one with a ``layout``: P would write into it) without facts; a pull request without facts
+    is answered, its reader checks the answer's facts; an answer ``respond`` built without
+    layout facts gets ``kv_layout``.
     :meth:`close` stops the thread and releases the socket; safe twice.
     """
 
@@ -558,12 +783,14 @@ class HandshakeServer:
         challenge_ttl: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context[Any] | None = None,
+        kv_layout: KVLayoutFacts | None = None,
     ) -> None:
         if keys is not None and not engine_id:
             raise ValueError("an authenticating HandshakeServer needs its engine_id")
         self._ctx = context or zmq.Context.instance()
         self._chash = chash
         self._respond = respond
+        self._kv_layout = kv_layout
         self._clock = clock
         self._keys = keys
         self._engine_id = engine_id
@@ -724,7 +951,16 @@ class HandshakeServer:
                 "this engine has no fleet key (auth_key_file) but the request carries a proof",
             )
         try:
+            if message.kv_layout is not None or message.layout is not None:
+                # A pull request without facts is not refused here: its reader checks the
+                # facts of the answer (a kvframe D always does, and sends its own).
+                check_kv_layout(self._kv_layout, message.kv_layout, "the decoder")
+        except IncompatiblePeerError as exc:
+            return self._reject("incompatible", str(exc))
+        try:
             response = self._respond(message, session)
+            if response.kv_layout is None and self._kv_layout is not None:
+                response = attrs.evolve(response, kv_layout=self._kv_layout)
             reply = encode_frame(HandshakeAccept(response=response, now=self._clock()), self._chash)
         except HandshakeError as exc:
             return self._reject("malformed", str(exc))

@@ -33,6 +33,7 @@ from kvframe.connectors.pd.handshake import (
     HandshakeRequest,
     HandshakeResponse,
     HandshakeResult,
+    KVLayoutFacts,
     compat_hash,
     handshake,
 )
@@ -109,6 +110,7 @@ class RemoteEngines:
         keys: KeyRing | None = None,
         layout: BlockLayout | None = None,
         tp_size: int = 1,
+        kv_layout: KVLayoutFacts | None = None,
     ) -> None:
         self._transport = transport
         self._keys = keys
@@ -121,6 +123,7 @@ class RemoteEngines:
             ),
             layout=layout,
             tp_size=tp_size,
+            kv_layout=kv_layout,
         )
         self._max_retry_after = max_retry_after
         self._rng = rng or random.Random()

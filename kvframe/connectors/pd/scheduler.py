@@ -337,7 +337,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
             if not need <= len(group) <= most:
                 raise ConfigError(
                     f"{where}remote_block_ids[{g}] has {len(group)} blocks; {need} to {most} "
-                    f"are expected for {params.remote_num_tokens} tokens"
+                    f"are expected for {params.remote_num_tokens} tokens at this engine's "
+                    f"block size of {self._engine.block_size} tokens (a prefill engine of "
+                    "another block size cannot pass its KV: run both engines at one block size)"
                 )
 
     def _check_prompt(self, request: RequestView, params: RemotePrefillParams) -> None:

@@ -66,6 +66,8 @@ from kvframe.connectors.pd.handshake import (
     HandshakeRequest,
     HandshakeResponse,
     HandshakeServer,
+    KVLayerFacts,
+    KVLayoutFacts,
     compat_hash,
 )
 from kvframe.connectors.pd.metadata import (
@@ -487,13 +489,24 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             # Heterogeneous tensor parallelism is possible: the caches must be NHD, and what
             # both sides must agree on is the whole model's shape, not this rank's share.
             facts = self._nhd_facts(kv_caches, heads)
-        self._chash = compat_hash(
-            kv=tuple(facts),
+        # The layout travels as fields, compared field by field at the handshake; the hash
+        # covers the rest both sides must agree on.
+        self._kv_facts = KVLayoutFacts(
+            order="NHD" if heads is not None else "block-major",
             block_size=self._engine.block_size,
+            head_size=facts[0][1][3] if heads is not None else 0,
+            num_kv_heads=heads or 0,
+            kv_heads_per_rank=self._local_heads if heads is not None else 0,
+            tp_size=self._engine.world_size,
+            layers=tuple(
+                KVLayerFacts(name=n, shape=tuple(int(x) for x in sh), dtype=dt)
+                for n, sh, dt in facts
+            ),
+        )
+        self._chash = compat_hash(
             model=self._engine.model,
             transport=self._options.transport,
             groups=self._engine.num_kv_groups,
-            **({"num_kv_heads": heads, "kv_layout": "NHD"} if heads is not None else {}),
         )
         self._transport.register_memory(regions)
         self._local = self._transport.prepare_local(self._layout)
@@ -518,6 +531,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 rank=self._rank,
                 keys=self._keys,
                 clock=self._clock,
+                kv_layout=self._kv_facts,
             )
         if self._config.is_consumer:
             self._engines = RemoteEngines(
@@ -533,6 +547,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 keys=self._keys,
                 layout=self._layout,
                 tp_size=self._engine.world_size,
+                kv_layout=self._kv_facts,
             )
 
     def _nhd_facts(self, kv_caches: Mapping[str, torch.Tensor], heads: int) -> list[Any]:
