@@ -222,7 +222,8 @@ class EngineInfo:
     """Facts about the engine a connector is built for (engine-independent)."""
 
     block_size: int = attrs.field(validator=_positive)
-    """Tokens per KV block."""
+    """Tokens per KV block. The P/D connector moves KV only between engines of one block size
+    (its handshake refuses another, naming both)."""
     num_kv_groups: int = attrs.field(default=1, validator=_positive)
     """KV cache groups (1 unless the model mixes attention types)."""
     world_size: int = attrs.field(default=1, validator=_positive)

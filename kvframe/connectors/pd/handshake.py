@@ -3,12 +3,15 @@
 Decode (D) asks, prefill (P) answers. One exchange gives D everything it needs to read P's KV
 cache and gives P what it needs to talk back (heartbeat acknowledgements and failure notices):
 
-- D → P: :class:`HandshakeRequest` — D's engine id and rank, D's transport name and transport
-  metadata.
+- D → P: :class:`HandshakeRequest` — D's engine id, rank and tensor-parallel size, D's
+  transport name and transport metadata, D's KV layout facts (:class:`KVLayoutFacts`).
 - P → D: :class:`HandshakeAccept` — a :class:`HandshakeResponse` (P's engine id, rank and
   tensor-parallel size, P's transport metadata, P's KV
-  :class:`~kvframe.spi.transport.BlockLayout`, the lease duration, P's incarnation) and P's
-  clock reading; or a :class:`HandshakeRefusal` saying why not.
+  :class:`~kvframe.spi.transport.BlockLayout` and layout facts, the lease duration, P's
+  incarnation) and P's clock reading; or a :class:`HandshakeRefusal` saying why not.
+- Both sides compare the layout facts field by field (:func:`check_kv_layout`): P refuses a
+  mismatch (``"incompatible"``) and D refuses an answer whose facts differ, naming every
+  differing field with both values; nothing is prepared for reading then.
 - Later exchanges of the same handshake: :class:`ClockPing` → :class:`ClockPong` (a clock
   reading only).
 
@@ -41,7 +44,8 @@ the payload is decoded, so an incompatible or hostile peer never reaches the dec
     offset size  field
     0      4     magic  b"KVFH"
     4      1     side-channel version (HANDSHAKE_VERSION)
-    5      16    compatibility hash (blake2b-128 of what both sides must agree on)
+    5      16    compatibility hash (blake2b-128 of what both sides must agree on
+                 besides the KV layout, which the messages carry as fields)
     21     ...   payload, at most MAX_PAYLOAD bytes: one message in the envelope of
                  kvframe.protocol.codec (magic, protocol version, type tag, layout
                  checksum, msgpack body)
