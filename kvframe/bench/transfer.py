@@ -1061,6 +1061,79 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify", action="store_true", help="check every byte of every timed transfer"
     )
+    parser.add_argument(
+        "--block-sizes",
+        type=_size_list,
+        default=None,
+        metavar="SIZES",
+        help="comma-separated block sizes for the throughput table, e.g. 16K,1M,2M "
+        "(default: the full sweep's 16K,64K,256K,1M,2M)",
+    )
+    parser.add_argument(
+        "--blocks",
+        type=_int_list,
+        default=None,
+        metavar="COUNTS",
+        help="comma-separated blocks per request, e.g. 1,64 (default: 1,4,16,64,256)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed rounds per row (default 5; the p90 of 5 is the slowest)",
+    )
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers such as 1,64, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every count must be at least 1, got {text!r}")
+    return values
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    units = {"K": KiB, "M": MiB}
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper().removesuffix("IB").removesuffix("B")
+        scale = units.get(part[-1:], 1) if part else 1
+        digits = part[:-1] if part[-1:] in units else part
+        if not digits.isdigit() or int(digits) * scale < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated sizes such as 16K,1M,2M, got {text!r}"
+            )
+        out.append(int(digits) * scale)
+    return tuple(out)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """``--quick`` or the full sweep, with ``--block-sizes``, ``--blocks`` and ``--repeats``
+    replacing the throughput table's sweep (the post-cost and overlap parts keep theirs).
+
+    :raises ValueError: ``--repeats`` below 1.
+    """
+    base = QUICK if getattr(args, "quick", False) else FULL
+    sizes = getattr(args, "block_sizes", None)
+    blocks = getattr(args, "blocks", None)
+    repeats = getattr(args, "repeats", None)
+    if repeats is not None and repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    if sizes is None and blocks is None and repeats is None:
+        return base
+    return BenchConfig(
+        block_sizes=sizes or base.block_sizes,
+        blocks=blocks or base.blocks,
+        repeats=repeats or base.repeats,
+        descriptor_counts=base.descriptor_counts,
+        overlap_bytes=base.overlap_bytes,
+        pool_bytes=base.pool_bytes,
+        scrub_bytes=base.scrub_bytes,
+    )
 
 
 def _fmt_size(n: int) -> str:
@@ -1197,9 +1270,7 @@ def run(args: argparse.Namespace) -> int:
     for module in ("nixl_cu12", "kvframe_nixl"):
         if importlib.util.find_spec(module) is None:
             raise ModuleNotFoundError(f"No module named {module!r}", name=module)
-    report = measure(
-        QUICK if args.quick else FULL, seed=args.seed, device=args.device, verify=args.verify
-    )
+    report = measure(config_from_args(args), seed=args.seed, device=args.device, verify=args.verify)
     report["quick"] = bool(args.quick)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
