@@ -8,6 +8,10 @@ and feeds back what the transport and the network said. Per load::
     waiting_peer --peer ready--> confirming --confirmed--> posted --transfer done--> done
           \\________________________\\___________________\\--> failed | aborted
 
+and, for a reader built with ``optimistic=True`` (see "Optimistic reads" below)::
+
+    confirming --post early--> posted --transfer unconfirmed--> verifying --confirmed--> done
+
 - **Never trust a ticket.** A load is posted only under a lease the holder *confirmed* in an
   acknowledgement of a heartbeat this reader sent: ``sent + (expiry - holder_now)`` (shrunk by
   the allowed clock drift) is a lower bound of the lease's end on the reader's clock whatever
@@ -25,6 +29,24 @@ and feeds back what the transport and the network said. Per load::
   under it is read once more on a new connection, within the same overall budget
   (``peer_timeout + confirm_timeout + transfer_timeout`` from :meth:`LeaseReader.add`). At a
   deadline the load fails.
+- **Optimistic reads** (``optimistic=True``; READs only, never writes). A load whose lease is
+  not yet confirmed posts its READ at once, right *after* the heartbeat that asks for the
+  confirmation (one progress point of the holder then answers the heartbeat and lets the READ
+  complete, instead of one each), and its bytes count only under the keep rule above: the
+  read completed (was seen complete, on this reader's clock) before a bound confirmed by an
+  acknowledgement. Why that is enough although the READ started before any confirmation:
+  the lease was granted before the ticket existed, so before the READ was posted; a lease is
+  live from its grant until it ends, and an ended lease id is never live again (ids are
+  random and single-use, :meth:`LeaseTable.grant <kvframe.core.lease.LeaseTable.grant>`); an
+  acknowledgement proves the lease live until at least its bound. So it was live during the
+  whole READ, from the post to the completion, whether the acknowledgement arrived before the
+  completion or after it, and its blocks were not freed or reused under the READ. A READ that
+  completed before any acknowledgement waits (``verifying``) for one; a loss notice (the
+  holder had already ended the lease: a router retry of a consumed ticket, or another
+  decoder's claim), a bound not later than the completion, a lost connection's silence past
+  ``confirm_timeout``, or ``CONSUMED`` before any acknowledgement all fail the load with its
+  blocks invalid, whatever bytes landed. Never for writes: a WRITE into blocks the holder no
+  longer leases would corrupt them.
 - **Stop before you report.** A failed or aborted posted load emits :class:`StopRead` before
   :class:`LoadEnded`, and the release to the holder after both: nothing lands in blocks the
   engine was told it may reuse, and the holder never frees blocks a read of ours still touches.
@@ -78,7 +100,10 @@ class ReadState(enum.Enum):
     CONFIRMING = "confirming"
     """Connected; waiting for the holder to confirm the lease long enough for a read."""
     POSTED = "posted"
-    """The READ is in flight."""
+    """The READ is in flight (with ``optimistic``, possibly before any confirmation)."""
+    VERIFYING = "verifying"
+    """Optimistic reads only: the READ completed before any acknowledgement confirmed the
+    lease; its bytes count only if one does, with a bound later than the completion."""
     DONE = "done"
     """The read completed under the confirmed lease: the blocks hold the holder's KV."""
     FAILED = "failed"
@@ -92,12 +117,15 @@ class ReadEvent(enum.Enum):
 
     PEER_READY = "peer_ready"
     CONFIRMED = "confirmed"
+    CONFIRMED_LATE = "confirmed_late"
+    POST_EARLY = "post_early"
     PEER_LOST = "peer_lost"
     LOST = "lost"
     PEER_FAILED = "peer_failed"
     PEER_BROKEN = "peer_broken"
     TRANSFER_DONE = "transfer_done"
     TRANSFER_LATE = "transfer_late"
+    TRANSFER_UNCONFIRMED = "transfer_unconfirmed"
     TRANSFER_FAILED = "transfer_failed"
     ABORT = "abort"
     TIMEOUT = "timeout"
@@ -146,6 +174,12 @@ READ_TRANSITIONS: TransitionTable[ReadState, ReadEvent] = TransitionTable(
         ),
         Step(
             source=_S.CONFIRMING,
+            event=_E.POST_EARLY,
+            target=_S.POSTED,
+            effect="optimistic: post the READ right after the confirming heartbeat",
+        ),
+        Step(
+            source=_S.CONFIRMING,
             event=_E.PEER_LOST,
             target=_S.WAITING_PEER,
             effect="wait for the new connection",
@@ -177,6 +211,12 @@ READ_TRANSITIONS: TransitionTable[ReadState, ReadEvent] = TransitionTable(
         ),
         Step(
             source=_S.POSTED,
+            event=_E.TRANSFER_UNCONFIRMED,
+            target=_S.VERIFYING,
+            effect="optimistic read completed before any acknowledgement: wait for one",
+        ),
+        Step(
+            source=_S.POSTED,
             event=_E.TRANSFER_FAILED,
             target=_S.FAILED,
             effect="the transport stopped it; release sent",
@@ -205,6 +245,37 @@ READ_TRANSITIONS: TransitionTable[ReadState, ReadEvent] = TransitionTable(
             event=_E.TIMEOUT,
             target=_S.FAILED,
             effect="stop the read at min(bound, transfer_timeout)",
+        ),
+        Step(
+            source=_S.VERIFYING,
+            event=_E.CONFIRMED,
+            target=_S.DONE,
+            effect="the confirmed bound is later than the completion: blocks valid",
+        ),
+        Step(
+            source=_S.VERIFYING,
+            event=_E.CONFIRMED_LATE,
+            target=_S.FAILED,
+            effect="the confirmed bound is not later than the completion: blocks invalid",
+        ),
+        Step(
+            source=_S.VERIFYING,
+            event=_E.LOST,
+            target=_S.FAILED,
+            effect="the holder had no lease for us (a replayed ticket): blocks invalid",
+        ),
+        Step(
+            source=_S.VERIFYING,
+            event=_E.PEER_FAILED,
+            target=_S.FAILED,
+            effect="no connection for the confirmation: blocks invalid",
+        ),
+        Step(source=_S.VERIFYING, event=_E.ABORT, target=_S.ABORTED, effect="nothing to stop"),
+        Step(
+            source=_S.VERIFYING,
+            event=_E.TIMEOUT,
+            target=_S.FAILED,
+            effect="no acknowledgement within confirm_timeout: blocks invalid",
         ),
     ],
     terminal=(_S.DONE, _S.FAILED, _S.ABORTED),
@@ -369,6 +440,11 @@ class _Load:
     bound: float = -math.inf
     """While posted: the confirmed bound the read must complete before."""
     retried: bool = False
+    early: bool = False
+    """Posted optimistically, and no acknowledgement has come since (the bound, if any, is
+    an older confirmation's)."""
+    done_at: float = math.inf
+    """Verifying: when the READ was seen complete (reader's clock)."""
 
     def wait(self, t: float, seconds: float) -> None:
         self.deadline = min(t + seconds, self.hard)
@@ -385,6 +461,10 @@ class LeaseReader:
     :param release_after_loss: also release a lease the holder reported lost when the load
         ends (push mode: a holder that revoked its lease waits for the writer to say it
         stopped, and frees the blocks at once when it does).
+    :param optimistic: post a load's READ in the same call as the heartbeat that asks for its
+        confirmation instead of after the acknowledgement, and keep its bytes only once an
+        acknowledgement confirms a bound later than its completion (see "Optimistic reads" in
+        the module docs). Only for reads: a writer must leave it off.
     """
 
     def __init__(
@@ -395,8 +475,11 @@ class LeaseReader:
         max_drift: float = DEFAULT_MAX_DRIFT,
         remember: int = 65_536,
         release_after_loss: bool = False,
+        optimistic: bool = False,
     ) -> None:
         self._release_lost = release_after_loss
+        self._optimistic = bool(optimistic)
+        self._early: list[_Load] = []  # posted optimistically; PostRead after the heartbeat
         self._policy = policy
         self._t = timeouts
         self._drift = check_config_seconds("max_drift", max_drift, allow_zero=True)
@@ -447,7 +530,7 @@ class LeaseReader:
         """The earliest deadline of any load or resend (call :meth:`tick` then), or ``None``."""
         times = [ld.deadline for ld in self._loads.values()]
         for ld in self._loads.values():
-            if ld.state is ReadState.CONFIRMING:
+            if ld.state is ReadState.CONFIRMING or ld.early:
                 ticket = self._tickets.get((ld.engine, ld.lease_id))
                 if ticket is not None:
                     times.append(ticket.urgent_at + self._t.resend_after)
@@ -565,7 +648,7 @@ class LeaseReader:
         ticket.bound = min(ticket.bound, ticket.cap)
         load.hard = min(load.hard, ticket.cap - self._t.margin)
         load.deadline = min(load.deadline, load.hard)
-        if load.state is ReadState.POSTED:
+        if load.state is ReadState.POSTED or load.state is ReadState.VERIFYING:
             load.bound = min(load.bound, ticket.cap)
             return True
         if load.hard > t:
@@ -604,6 +687,11 @@ class LeaseReader:
         out: list[Action] = []
         if t < load.bound:
             self._end(load, ReadEvent.TRANSFER_DONE, t, out)
+        elif load.early:
+            # Optimistic, and no acknowledgement since the post: the bytes wait for one.
+            self._fire(load, ReadEvent.TRANSFER_UNCONFIRMED, t)
+            load.done_at = t
+            self._count("reads_verifying")
         else:
             self._end(
                 load,
@@ -633,6 +721,7 @@ class LeaseReader:
         if peer_broken and not load.retried:
             self._fire(load, ReadEvent.PEER_BROKEN, t)
             load.retried = True
+            load.early = False
             load.wait(t, self._t.peer_timeout)
             out.append(StopRead(request_id=request_id))
             self._count("reads_retried")
@@ -776,10 +865,17 @@ class LeaseReader:
                     else "the lease was not confirmed before the kept blocks' corrected "
                     "expiry (not_after) less the read margin",
                     ReadState.POSTED: "the read did not complete before the confirmed lease "
-                    "bound or the transfer timeout",
+                    "bound or the transfer timeout"
+                    if not load.early
+                    else "the prefill engine did not confirm the lease within "
+                    f"{self._t.confirm_timeout:g} s (the read was posted before its "
+                    "confirmation)",
+                    ReadState.VERIFYING: "the read completed, but the prefill engine did not "
+                    f"confirm the lease within {self._t.confirm_timeout:g} s, so its bytes "
+                    "cannot be trusted",
                 }.get(load.state, "timed out")
                 self._end(load, ReadEvent.TIMEOUT, t, out, reason=reason)
-            elif load.state is ReadState.CONFIRMING:
+            elif load.state is ReadState.CONFIRMING or load.early:
                 ticket = self._tickets[(load.engine, load.lease_id)]
                 if t >= ticket.urgent_at + self._t.resend_after:
                     self._urgent_heartbeat(load, ticket, t)
@@ -872,6 +968,8 @@ class LeaseReader:
         ticket = self._tickets[(load.engine, load.lease_id)]
         if not self._try_post(load, ticket, t, out):
             self._urgent_heartbeat(load, ticket, t)
+            if self._optimistic:
+                self._post_early(load, ticket, t)
 
     def _try_post(self, load: _Load, ticket: _Ticket, t: float, out: list[Action]) -> bool:
         if ticket.bound - t < self._t.margin:
@@ -880,17 +978,33 @@ class LeaseReader:
         load.posted_at = t
         load.bound = ticket.bound
         load.deadline = min(ticket.bound, t + self._t.transfer_timeout, load.hard)
-        seq = self._next_seq(load.engine, t)
-        out.append(
-            PostRead(
-                request_id=load.request_id,
-                engine=load.engine,
-                notification=wire.LeaseDone(
-                    seq=seq, sent_at=t, reason=wire.DoneReason.READ, handles=(ticket.handle,)
-                ),
-            )
-        )
+        out.append(self._post_read(load, ticket, t))
         return True
+
+    def _post_early(self, load: _Load, ticket: _Ticket, t: float) -> None:
+        # Optimistic: the READ goes now, in the same call as the heartbeat asking for the
+        # confirmation, and after it (``_flush`` emits the heartbeats first, so the holder
+        # claims the lease for this reader before the READ's done notice can reach it). Its
+        # bytes count only under a bound an acknowledgement confirms later than their
+        # completion (module docs, "Optimistic reads"); until one comes, the load waits at
+        # most ``confirm_timeout`` (already its deadline) and the heartbeat is resent.
+        self._fire(load, ReadEvent.POST_EARLY, t)
+        load.posted_at = t
+        load.early = True
+        load.bound = ticket.bound  # an older confirmation's, if any: still a valid bound
+        load.deadline = min(load.deadline, t + self._t.transfer_timeout)
+        self._early.append(load)
+        self._count("reads_posted_early")
+
+    def _post_read(self, load: _Load, ticket: _Ticket, t: float) -> PostRead:
+        seq = self._next_seq(load.engine, t)
+        return PostRead(
+            request_id=load.request_id,
+            engine=load.engine,
+            notification=wire.LeaseDone(
+                seq=seq, sent_at=t, reason=wire.DoneReason.READ, handles=(ticket.handle,)
+            ),
+        )
 
     def _urgent_heartbeat(self, load: _Load, ticket: _Ticket, t: float) -> None:
         ticket.urgent_at = t
@@ -903,6 +1017,13 @@ class LeaseReader:
             peer = self._peers.get(engine)
             if peer is not None and peer.ready:
                 self._emit_heartbeat(engine, list(ids), t, out)
+        if self._early:
+            # Optimistic READs after the heartbeats that ask for their confirmation.
+            early, self._early = self._early, []
+            for load in early:
+                if self._loads.get(load.request_id) is load and load.state is ReadState.POSTED:
+                    ticket = self._tickets[(load.engine, load.lease_id)]
+                    out.append(self._post_read(load, ticket, t))
 
     def _emit_heartbeat(self, engine: str, ids: list[str], t: float, out: list[Action]) -> None:
         seq = self._next_seq(engine, t)
@@ -962,10 +1083,25 @@ class LeaseReader:
             if load.state is ReadState.CONFIRMING:
                 self._try_post(load, ticket, t, out)
             elif load.state is ReadState.POSTED:
+                load.early = False
                 load.bound = ticket.bound
                 load.deadline = min(
                     ticket.bound, load.posted_at + self._t.transfer_timeout, load.hard
                 )
+            elif load.state is ReadState.VERIFYING:
+                load.early = False
+                load.bound = ticket.bound
+                if load.done_at < ticket.bound:
+                    self._end(load, ReadEvent.CONFIRMED, t, out)
+                else:
+                    self._end(
+                        load,
+                        ReadEvent.CONFIRMED_LATE,
+                        t,
+                        out,
+                        reason="the read completed after the lease bound the prefill engine "
+                        "confirmed; it may have reused the blocks",
+                    )
 
     def _on_lost(self, engine: str, msg: wire.LeaseLost, t: float, out: list[Action]) -> None:
         why = msg.reason
@@ -978,10 +1114,14 @@ class LeaseReader:
             if (
                 load is not None
                 and load.state is ReadState.POSTED
+                and not load.early
                 and why is wire.LostReason.CONSUMED
             ):
                 # Our own READ's notification reached the holder before we saw the transfer
-                # complete: the holder consumed the lease for us. Keep waiting for the result.
+                # complete: the holder consumed the lease for us (we are its claimant: it
+                # acknowledged our heartbeat). Keep waiting for the result. An optimistic read
+                # with no acknowledgement yet cannot tell its own consumption from an earlier
+                # one (a replayed ticket), so it fails.
                 continue
             ticket.lost = why
             ticket.lost_at = t
@@ -1049,7 +1189,10 @@ class LeaseReader:
         )
         # The holder may free at once unless it already knows (lost), or our READ completed
         # (its notification consumed the lease).
-        completed = event in (ReadEvent.TRANSFER_DONE, ReadEvent.TRANSFER_LATE)
+        completed = (
+            event in (ReadEvent.TRANSFER_DONE, ReadEvent.TRANSFER_LATE)
+            or was is ReadState.VERIFYING
+        )
         known = ticket.lost is None or (
             self._release_lost and ticket.lost is not wire.LostReason.CLAIMED
         )

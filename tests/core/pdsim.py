@@ -28,11 +28,15 @@ Every check the machines must pass is an ``assert`` here, made where the fact is
   at ``next_deadline()`` always moves it; :meth:`World.finish` lets time run and checks that
   every load and every lease ended;
 - **confirmed bounds are sound**: a read is posted with at least ``margin`` of confirmed lease
-  left, and while a load confirms or reads, its confirmed bound never lies beyond the holder's
-  expiry (mapped with the worst drift allowed from now on);
+  left (an optimistic reader's read may go before any confirmation: it is *early*, and only
+  the first invariant holds it to account), and while a load confirms or reads, its
+  confirmed bound never lies beyond the holder's expiry (mapped with the worst drift allowed
+  from now on);
 - **the holder never frees blocks under a read**: no lease ends by a notice (consumed,
   released) while a read of it is in flight, and no reader releases a lease its own read is
-  reading; only expiry may (and the first invariant then rejects the read);
+  reading; only expiry may (and the first invariant then rejects the read); early reads are
+  exempt (a replayed ticket's early read may be in flight when the lease's claimant ends it:
+  the first invariant must then reject it);
 - **one reader per lease**: the holder acknowledges a lease to one reader only, and only that
   reader ends it; its claims match the model;
 - the readers' loads, the holder's deadline and every lease's single end match the model.
@@ -197,6 +201,8 @@ class Transfer:
     """Landed while the lease was live, on the blocks' version at posting: the data is good."""
     released: bool = False
     """The reader stopped it or ended its load: its result is not reported any more."""
+    early: bool = False
+    """Posted by an optimistic reader before a confirmation covered it (``margin`` left)."""
 
 
 @attrs.define(eq=False)
@@ -229,6 +235,8 @@ class Side:
     """The reader was told the connection is usable (and not told otherwise since)."""
     unsent: int = 0
     """Messages the reader asked to send while not connected (the worker drops them)."""
+    optimistic: bool = False
+    """Its reader posts READs before their confirmation (``LeaseReader(optimistic=True)``)."""
 
 
 class World:
@@ -236,6 +244,7 @@ class World:
 
     :param ordered: the network keeps each (sender, receiver) pair's messages in order.
     :param holder_clock: the holder's clock; :param reader_clocks: one per reader name.
+    :param optimistic: the readers built with ``optimistic=True`` (READ before confirmation).
     """
 
     def __init__(
@@ -245,16 +254,25 @@ class World:
         holder_clock: Clock,
         reader_clocks: dict[str, Clock],
         remember: int = 65_536,
+        optimistic: Iterable[str] = (),
     ) -> None:
         self.t = 0.0
+        early = set(optimistic)
         self.net = Network(ordered=ordered)
         self.hclock = holder_clock
         self.holder: LeaseHolder[int] = LeaseHolder(POLICY, max_drift=MAX_DRIFT)
         self.sides = {
             name: Side(
                 name=name,
-                reader=LeaseReader(POLICY, TIMEOUTS, max_drift=MAX_DRIFT, remember=remember),
+                reader=LeaseReader(
+                    POLICY,
+                    TIMEOUTS,
+                    max_drift=MAX_DRIFT,
+                    remember=remember,
+                    optimistic=name in early,
+                ),
                 clock=clock,
+                optimistic=name in early,
             )
             for name, clock in reader_clocks.items()
         }
@@ -495,7 +513,8 @@ class World:
         assert (note.reason, note.handles) == (wire.DoneReason.READ, (lease_handle(load.lid),))
         now = self.now_r(side.name)
         bound = side.reader.confirmed_bound(ENGINE, load.lid)
-        assert bound - now >= TIMEOUTS.margin - EPS, f"{load.rid} posted with {bound - now} s left"
+        early = bound - now < TIMEOUTS.margin - EPS
+        assert side.optimistic or not early, f"{load.rid} posted with {bound - now} s left"
         self._check_bound(side, load.lid, bound, why=f"posting {load.rid}")
         lease = self.leases.get(load.lid)
         tr = Transfer(
@@ -506,6 +525,7 @@ class World:
             notification=action.notification,
             posted=self.t,
             version=lease.version if lease is not None else -1,
+            early=early,
         )
         self.transfers.append(tr)
         load.transfer = tr
@@ -579,7 +599,7 @@ class World:
             else:
                 assert lease.state in (LeaseState.CONSUMED, LeaseState.ABORTED)
                 assert rec.claim in (None, by), f"{by} ended {rec.lid}, claimed by {rec.claim}"
-                flying = [tr.rid for tr in self.flying() if tr.lid == rec.lid]
+                flying = [tr.rid for tr in self.flying() if tr.lid == rec.lid and not tr.early]
                 assert not flying, (
                     f"the holder freed lease {rec.lid} ({lease.state.value}, on a notice from "
                     f"{by}) while the read {flying} of it is in flight"

@@ -145,6 +145,7 @@ class PDNetwork(RuleBasedStateMachine):
         d2=st.tuples(OFFSETS, RATES),
         connected=st.sampled_from([READERS, READERS, ["D1"], []]),
         leases=st.integers(0, 3),
+        optimistic=st.sampled_from([[], READERS, ["D1"], ["D2"]]),
     )
     def setup(
         self,
@@ -154,11 +155,13 @@ class PDNetwork(RuleBasedStateMachine):
         d2: tuple[float, float],
         connected: list[str],
         leases: int,
+        optimistic: list[str],
     ) -> None:
         self.world = pdsim.World(
             ordered=ordered,
             holder_clock=pdsim.Clock(*holder),
             reader_clocks={"D1": pdsim.Clock(*d1), "D2": pdsim.Clock(*d2)},
+            optimistic=optimistic,
         )
         for reader in connected:
             self.world.connect(reader, INCARNATION)
@@ -465,6 +468,7 @@ def _loop(w: pdsim.World, reqs: list[_Req], rnd: random.Random, horizon: float) 
     readers=st.lists(st.tuples(OFFSETS, RATES), min_size=1, max_size=2),
     n=st.integers(1, 10),
     rnd=st.randoms(use_true_random=True),
+    optimistic=st.booleans(),
 )
 def test_leases_renewed_on_time_never_expire(
     ordered: bool,
@@ -472,6 +476,7 @@ def test_leases_renewed_on_time_never_expire(
     readers: list[tuple[float, float]],
     n: int,
     rnd: random.Random,
+    optimistic: bool,
 ) -> None:
     """Requests arrive within a second of their grant, load or not, end at any time; every
     message arrives within 0.9 heartbeat intervals, in order or not (transports may declare
@@ -482,6 +487,7 @@ def test_leases_renewed_on_time_never_expire(
         ordered=ordered,
         holder_clock=pdsim.Clock(*holder),
         reader_clocks={name: pdsim.Clock(*c) for name, c in zip(names, readers, strict=True)},
+        optimistic=names if optimistic else (),
     )
     for name in names:
         w.connect(name, INCARNATION)

@@ -58,8 +58,8 @@ def names(handles: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(NAME[h] for h in handles)
 
 
-def make(drift: float = DRIFT, remember: int = 65_536) -> LeaseReader:
-    return LeaseReader(POLICY, T, max_drift=drift, remember=remember)
+def make(drift: float = DRIFT, remember: int = 65_536, *, optimistic: bool = False) -> LeaseReader:
+    return LeaseReader(POLICY, T, max_drift=drift, remember=remember, optimistic=optimistic)
 
 
 def kinds(actions: list[Action]) -> list[str]:
@@ -622,6 +622,160 @@ def test_releases_are_queued_until_the_connection_is_ready() -> None:
     assert r.release(E, ["C"], 1.1) != []  # connected: at once
 
 
+# -- optimistic reads (READ posted beside the confirming heartbeat) -----------------------------
+def test_an_optimistic_load_posts_after_its_heartbeat() -> None:
+    """The READ goes in the same call as the heartbeat asking for its confirmation, after it,
+    whether the load arrives connected (add) or waits for the connection (peer_ready)."""
+    r = make(optimistic=True)
+    hb = early(r)
+    assert r.state("q") is ReadState.POSTED
+    r2 = make(optimistic=True)
+    assert r2.add("q", E, "L", 0.0, incarnation=INC) == []  # waits for the connection
+    out = r2.peer_ready(E, 0.5, incarnation=INC)
+    assert kinds(out) == ["SendMessage", "PostRead"]
+    post = out[1]
+    assert isinstance(post, PostRead)
+    assert post.notification.reason is wire.DoneReason.READ
+    assert names(post.notification.handles) == ("L",)
+    assert names(hb.handles) == ("L",)
+    assert r.take_counts()["reads_posted_early"] == 1
+
+
+def test_an_optimistic_load_with_a_confirmed_bound_posts_as_usual() -> None:
+    r = make(optimistic=True)
+    r.peer_ready(E, 0.0, incarnation=INC)
+    hb = heartbeat(r.heartbeat(E, ["L"], 0.0))  # the scheduler's early confirmation
+    assert r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.1), 0.1) == []
+    assert kinds(r.add("q", E, "L", 0.2, incarnation=INC)) == ["PostRead"]  # no heartbeat
+    assert r.transfer_done("q", 0.3) == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]
+
+
+def test_an_ack_before_the_optimistic_read_completes_confirms_it() -> None:
+    r = make(optimistic=True)
+    hb = early(r)
+    assert r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.1), 0.2) == []
+    assert r.state("q") is ReadState.POSTED
+    assert r.next_deadline() == pytest.approx(4.0 * (1 - DRIFT))  # the bound, as for any read
+    out = r.transfer_done("q", 0.3)
+    assert out == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]  # no release
+
+
+def test_an_optimistic_read_completed_first_waits_for_its_ack() -> None:
+    r = make(optimistic=True)
+    hb = early(r)
+    assert r.transfer_done("q", 0.1) == []
+    assert r.state("q") is ReadState.VERIFYING
+    assert r.take_counts()["reads_verifying"] == 1
+    with pytest.raises(InvalidTransitionError, match="only a posted load"):
+        r.transfer_done("q", 0.2)  # reported once
+    out = r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.15), 0.2)
+    assert out == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]  # no release
+    assert r.state("q") is None
+
+
+def test_an_optimistic_read_completed_after_its_confirmed_bound_fails() -> None:
+    """The only acknowledgement answers a heartbeat sent at 0 with 0.2 s left: the lease may
+    have ended at 0.198, and the read was seen complete at 0.3."""
+    r = make(optimistic=True)
+    hb = early(r)
+    assert r.transfer_done("q", 0.3) == []
+    out = r.receive(E, ack(hb, "L", 0.2, HOLDER + 0.1), 0.4)
+    assert kinds(out) == ["LoadEnded"]  # nothing to stop, no release: the READ consumed it
+    assert ended(out).state is ReadState.FAILED
+    assert "after the lease bound" in (ended(out).reason or "")
+
+
+@pytest.mark.parametrize("why", list(wire.LostReason), ids=lambda w: w.name)
+@pytest.mark.parametrize("completed", [False, True], ids=["in_flight", "completed"])
+def test_an_optimistic_read_of_a_lease_the_holder_ended_is_never_trusted(
+    why: wire.LostReason, completed: bool
+) -> None:
+    """A router retry of a ticket whose lease the holder already ended (its blocks may hold
+    another request's KV now): the READ was posted before the holder answered. Whatever the
+    reason, CONSUMED included (no acknowledgement came, so it is not our own READ's), the load
+    fails with its blocks invalid, the READ stopped first if it is still in flight."""
+    r = make(optimistic=True)
+    early(r)
+    if completed:
+        assert r.transfer_done("q", 0.1) == []
+    out = r.receive(E, lost("L", why), 0.2)
+    assert ended(out).state is ReadState.FAILED
+    if completed:
+        assert kinds(out) == ["LoadEnded"]
+    else:
+        assert kinds(out) == ["StopRead", "LoadEnded"]
+    assert releases(out) == []  # the holder knows: it said so
+    # a late acknowledgement (a duplicate, a reordered answer) changes nothing
+    assert r.state("q") is None
+
+
+def test_consumed_after_an_ack_is_our_own_optimistic_read() -> None:
+    r = make(optimistic=True)
+    hb = early(r)
+    assert r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.1), 0.2) == []
+    assert r.receive(E, lost("L", wire.LostReason.CONSUMED), 0.3) == []
+    assert r.state("q") is ReadState.POSTED
+    assert r.transfer_done("q", 0.4) == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]
+
+
+def test_an_unconfirmed_optimistic_read_resends_then_times_out() -> None:
+    r = make(optimistic=True)
+    early(r)
+    assert r.next_deadline() == T.resend_after
+    hb = heartbeat(r.tick(1.0))  # unanswered: sent again
+    assert hb.sent_at == 1.0
+    assert r.transfer_done("q", 1.5) == []  # VERIFYING: still resending
+    assert r.next_deadline() == 2.0
+    heartbeat(r.tick(2.0))
+    out = r.tick(4.0)  # confirm_timeout
+    assert ended(out).state is ReadState.FAILED
+    assert "cannot be trusted" in (ended(out).reason or "")
+    assert releases(out) == []  # the READ's own notice ended the lease, if it was live
+
+
+def test_an_unconfirmed_optimistic_read_in_flight_times_out_and_stops() -> None:
+    r = make(optimistic=True)
+    early(r)
+    for k in (1.0, 2.0, 3.0):
+        heartbeat(r.tick(k))
+    out = r.tick(4.0)
+    assert kinds(out)[:2] == ["StopRead", "LoadEnded"]
+    assert "did not confirm" in (ended(out).reason or "")
+    assert releases(out) == ["L"]  # never landed: give the lease back
+
+
+def test_an_ack_that_raced_a_lost_connection_does_not_verify() -> None:
+    """The connection was replaced after the optimistic READ: the old heartbeat's answer no
+    longer matches; the resent heartbeat's answer on the new connection does."""
+    r = make(optimistic=True)
+    hb = early(r)
+    assert r.transfer_done("q", 0.1) == []
+    r.peer_lost(E, 0.2)
+    assert r.state("q") is ReadState.VERIFYING
+    assert r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.1), 0.3) == []  # unmatched now
+    assert r.state("q") is ReadState.VERIFYING
+    r.peer_ready(E, 0.5, incarnation=INC)
+    again = heartbeat(r.tick(1.0))
+    out = r.receive(E, ack(again, "L", 4.0, HOLDER + 1.1), 1.2)
+    assert out == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]
+
+
+def test_abort_of_a_verifying_load_sends_nothing() -> None:
+    r = make(optimistic=True)
+    early(r)
+    assert r.transfer_done("q", 0.1) == []
+    out = r.abort("q", 0.2)
+    assert kinds(out) == ["LoadEnded"]
+    assert ended(out).state is ReadState.ABORTED
+
+
+def test_a_writer_never_posts_before_confirmation() -> None:
+    r = make()  # optimistic is off by default (writers must keep it off)
+    hb = confirming(r)
+    assert r.state("q") is ReadState.CONFIRMING
+    assert kinds(r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.1), 0.2)) == ["PostRead"]
+
+
 # -- aborts ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("state", "expected"),
@@ -656,13 +810,32 @@ def test_abort_stops_reports_then_releases(state: ReadState, expected: list[str]
 TRANSFER_EVENTS = {
     ReadEvent.TRANSFER_DONE,
     ReadEvent.TRANSFER_LATE,
+    ReadEvent.TRANSFER_UNCONFIRMED,
     ReadEvent.TRANSFER_FAILED,
     ReadEvent.PEER_BROKEN,
 }
 
 
-def reader_in(state: ReadState) -> tuple[LeaseReader, wire.Heartbeat]:
-    """A reader whose load "q" (lease "L") is in ``state`` (or ended so) by t = 0.5."""
+def early(r: LeaseReader, t: float = 0.0, rid: str = "q", lid: str = "L") -> wire.Heartbeat:
+    """Connect an optimistic reader, add load ``rid`` at ``t``: it sends the heartbeat asking
+    for the confirmation, then posts the READ at once. Returns the heartbeat."""
+    assert r.peer_ready(E, t, incarnation=INC) == []
+    out = r.add(rid, E, lid, t, incarnation=INC)
+    assert kinds(out) == ["SendMessage", "PostRead"], out
+    assert r.state(rid) is ReadState.POSTED
+    return heartbeat(out)
+
+
+def reader_in(state: ReadState, *, optimistic: bool = False) -> tuple[LeaseReader, wire.Heartbeat]:
+    """A reader whose load "q" (lease "L") is in ``state`` (or ended so) by t = 0.5; with
+    ``optimistic`` (``POSTED`` or ``VERIFYING``), posted before any acknowledgement."""
+    if optimistic or state is ReadState.VERIFYING:
+        r = make(optimistic=True)
+        hb = early(r)
+        if state is ReadState.VERIFYING:
+            assert r.transfer_done("q", 0.3) == []
+        assert r.state("q") is state
+        return r, hb
     r = make()
     hb = confirming(r)
     if state is ReadState.WAITING_PEER:
@@ -690,6 +863,12 @@ def apply(r: LeaseReader, event: ReadEvent, hb: wire.Heartbeat) -> list[Action]:
         out = r.heartbeat(E, ["L"], t)
         beat = heartbeat(out) if out else hb
         return out + r.receive(E, ack(beat, "L", 4.0, HOLDER + t), t)
+    if event is ReadEvent.CONFIRMED_LATE:
+        # An answer to the first heartbeat (sent at 0) with a bound of 0.198: earlier than an
+        # optimistic read seen complete at 0.3.
+        return r.receive(E, ack(hb, "L", 0.2, HOLDER + 0.1), t)
+    if event is ReadEvent.TRANSFER_UNCONFIRMED:
+        return r.transfer_done("q", t)
     if event is ReadEvent.PEER_LOST:
         return r.peer_lost(E, t)
     if event is ReadEvent.LOST:
@@ -728,7 +907,13 @@ def test_every_state_and_event_through_the_api(state: ReadState, event: ReadEven
     machine); an illegal one raises and changes nothing (a transfer reported for a load that
     is not posted) or is a race the reader ignores (the load stays where it was); an ended load
     is never reported again."""
-    r, hb = reader_in(state)
+    if event is ReadEvent.POST_EARLY:
+        # Taken only inside peer_ready or add of an optimistic reader (the load passes
+        # through confirming in that one call): test_an_optimistic_load_posts_after_its_heartbeat.
+        assert READ_TRANSITIONS.legal(state, event) is (state is ReadState.CONFIRMING)
+        return
+    optimistic = state is ReadState.POSTED and event is ReadEvent.TRANSFER_UNCONFIRMED
+    r, hb = reader_in(state, optimistic=optimistic)
     before = snapshot(r)
     if event in TRANSFER_EVENTS and state is not ReadState.POSTED:
         with pytest.raises(InvalidTransitionError, match="only a posted load"):
@@ -746,7 +931,7 @@ def test_every_state_and_event_through_the_api(state: ReadState, event: ReadEven
     after = ends[0].state if ends else r.state("q")
     if READ_TRANSITIONS.legal(state, event):
         assert after is READ_TRANSITIONS.next(state, event)
-        if state is ReadState.POSTED and after is not ReadState.DONE:
+        if state is ReadState.POSTED and after not in (ReadState.DONE, ReadState.VERIFYING):
             assert StopRead(request_id="q") in out  # stopped, before it is reported
             if ends:
                 assert out.index(StopRead(request_id="q")) < out.index(ends[0])
@@ -757,10 +942,15 @@ def test_every_state_and_event_through_the_api(state: ReadState, event: ReadEven
 
 
 def test_the_api_walk_covers_every_step() -> None:
-    reachable = {ReadState.WAITING_PEER, ReadState.CONFIRMING, ReadState.POSTED}
+    reachable = {
+        ReadState.WAITING_PEER,
+        ReadState.CONFIRMING,
+        ReadState.POSTED,
+        ReadState.VERIFYING,
+    }
     steps = {(s.source, s.event) for s in READ_TRANSITIONS.steps}
     assert {s for s, _ in steps} <= reachable
-    assert len(steps) == len(READ_TRANSITIONS.steps) == 19
+    assert len(steps) == len(READ_TRANSITIONS.steps) == 27
 
 
 def test_transfer_reports_for_unknown_loads_raise() -> None:
