@@ -151,12 +151,92 @@ def test_abort_while_waiting_for_the_peer(pd: tuple[Engine, Engine]) -> None:
 def test_abort_while_waiting_for_the_lease(pd: tuple[Engine, Engine]) -> None:
     p, d = pd
     params = _prefill(p, "r", _prompt(3))
-    # Everything D sends to P is lost: the lease is never confirmed.
+    # Everything D sends to P is lost: the lease is never confirmed. The READ posted beside
+    # the heartbeat (optimistic_read) completed and waits for the confirmation.
     rule = Faults.of(_d_transport(d).fabric).drop_notifications(endpoint=_d_transport(d).name)
     d.add_request("d", _prompt(3), 4, params)
-    _step_until([p, d], lambda: _load_state(d, "d") is ReadState.CONFIRMING)
+    _step_until([p, d], lambda: _load_state(d, "d") is ReadState.VERIFYING)
     rule.cancel()
     _abort_and_check(p, d, "d")
+
+
+def test_abort_while_waiting_for_the_lease_without_optimistic_reads() -> None:
+    host = PluginHost(autoload=False, env={})
+    host.load()
+    n = next(_ids)
+    p = _engine("kv_producer", f"abortP{n}", host)
+    d = _engine("kv_consumer", f"abortD{n}", host, handshake_timeout=3.0, optimistic_read=False)
+    try:
+        params = _prefill(p, "r", _prompt(3))
+        rule = Faults.of(_d_transport(d).fabric).drop_notifications(endpoint=_d_transport(d).name)
+        d.add_request("d", _prompt(3), 4, params)
+        _step_until([p, d], lambda: _load_state(d, "d") is ReadState.CONFIRMING)
+        assert _d_transport(d).stats().get("transfers_posted", 0) == 0  # waits for the ack
+        rule.cancel()
+        _abort_and_check(p, d, "d")
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+@pytest.mark.parametrize("when", ["after_the_first_read", "at_the_same_time"])
+def test_a_ticket_replayed_to_another_decoder_is_never_trusted(when: str) -> None:
+    """A router retry sends the same kv_transfer_params to a second decoder, after the first
+    one read them (P consumed the lease, freed the blocks and reused them) or at the same time
+    (the first decoder to ask claims the lease). The second decoder posts its READ before P
+    answers (optimistic_read, the default), and P's answer (consumed, or claimed by the
+    other) fails the load: its bytes are never decoded."""
+    host = PluginHost(autoload=False, env={})
+    host.load()
+    n = next(_ids)
+    p = _engine("kv_producer", f"replayP{n}", host)
+    d1 = _engine("kv_consumer", f"replayD{n}", host, handshake_timeout=3.0)
+    d2 = _engine("kv_consumer", f"replayE{n}", host, handshake_timeout=3.0)
+    engines = [p, d1, d2]
+    try:
+        # Connect d2 to P first (a load of another prompt), so that its replayed load below
+        # posts at once, beside its heartbeat.
+        warm = _prompt(70, 40)
+        d2.add_request("warm", warm, 2, _prefill(p, "w", warm))
+        assert _finished(engines, d2, "warm").finish_reason is FinishReason.LENGTH
+        prompt = _prompt(71, 40)
+        params = _prefill(p, "r", prompt)
+        d1.add_request("d1", prompt, 4, params)
+        if when == "after_the_first_read":
+            first = _finished(engines, d1, "d1")
+            assert first.finish_reason is FinishReason.LENGTH
+            _settle(engines)  # P consumed the lease and freed the blocks
+            for i in range(3):  # P reuses the blocks for other prompts
+                _prefill(p, f"other{i}", _prompt(200 + i, 40))
+            d2.add_request("d2", prompt, 4, params)
+            second = _finished(engines, d2, "d2")
+        else:
+            d2.add_request("d2", prompt, 4, params)
+            outs: dict[str, Any] = {}
+            end = time.monotonic() + 5.0
+            while len(outs) < 2:
+                assert time.monotonic() < end, "the two loads did not finish"
+                for e in engines:
+                    for out in e.step():
+                        if out.request_id in ("d1", "d2") and out.finished:
+                            outs[out.request_id] = out
+                time.sleep(0.001)
+            reasons = sorted(o.finish_reason.name for o in outs.values())
+            assert reasons == ["ERROR", "LENGTH"], "one decoder reads, the other is refused"
+            first, second = sorted(outs.values(), key=lambda o: o.finish_reason.name != "LENGTH")
+        assert second.finish_reason is FinishReason.ERROR, "a replayed ticket was trusted"
+        assert second.num_external_tokens == 0
+        stats = (d2 if second.request_id == "d2" else d1).connector_stats()
+        if when == "after_the_first_read":
+            assert stats.get("reads_posted_early", 0) >= 1  # the replay's READ was posted
+            assert "consumed" in (second.error or "")
+        _settle(engines)
+        for e in engines:
+            e.check_no_leaks()
+    finally:
+        d2.shutdown()
+        d1.shutdown()
+        p.shutdown()
 
 
 def test_abort_with_the_transfer_in_flight(pd: tuple[Engine, Engine]) -> None:

@@ -40,6 +40,11 @@ class PDOptions:
     kv_recompute_threshold: int = 64
     """Bidirectional mode, P: pull a conversation's history from D only when the shared prefix
     is at least this many tokens (a shorter one is recomputed)."""
+    optimistic_read: bool = True
+    """Pull mode, D: post a load's READ in the same progress point as the heartbeat that asks
+    P to confirm its lease, and keep the bytes only once P's acknowledgement confirms a bound
+    later than the READ's completion (``kvframe.core.reader``, "Optimistic reads"); ``false``
+    posts only after the acknowledgement (one more round trip to P per load)."""
     kept_poll_interval: float = 0.02
     """Bidirectional mode, D: while the only leases held are kept turns, step this often (a
     prefill engine's first heartbeat of a kept turn waits at most this long for its answer)
@@ -152,6 +157,9 @@ class PDOptions:
                 f"{_PATH}.ttl_safety_margin = {safety!r}; expected a finite number of seconds "
                 ">= 0, smaller than decoder_kv_blocks_ttl (leave it out for min(30, ttl / 4))"
             )
+        optimistic = extra.get("optimistic_read", True)
+        if not isinstance(optimistic, bool):
+            raise ConfigError(f"{_PATH}.optimistic_read = {optimistic!r}; expected true or false")
         poll = seconds("kept_poll_interval", 0.02)
         assert poll is not None
         if poll > 1.0:
@@ -161,6 +169,7 @@ class PDOptions:
             )
         return cls(
             kept_poll_interval=poll,
+            optimistic_read=optimistic,
             symmetric_leases=symmetric,
             kv_recompute_threshold=threshold,
             ttl_safety_margin=None if safety is None else float(safety),

@@ -286,6 +286,9 @@ class _Read:
     """``time.perf_counter()`` when the READ was posted (timing statistics only)."""
     done_perf: float = 0.0
     """``time.perf_counter()`` at the first poll that saw the READ done (0: not yet)."""
+    reported: bool = False
+    """Its completion went to the reader, which waits for P's acknowledgement (an optimistic
+    READ that completed first): not polled again."""
 
 
 class PDConnectorWorker(WorkerReports, KVConnectorWorker):
@@ -395,6 +398,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 peer_timeout=2 * options.handshake_timeout,
                 margin=options.read_margin,
             ),
+            optimistic=options.optimistic_read,
         )
         self._reads: dict[str, _Read] = {}  # per-source load id -> its read
         # Heterogeneous tensor parallelism: request id -> its per-source loads; (engine id,
@@ -951,7 +955,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         out = []
         for rid in rids:
             rd = self._reads.get(rid)
-            if rd is None or rd.handle is None:
+            if rd is None or rd.handle is None or rd.reported:
                 continue
             status = self._transport.poll(rd.handle)
             if status.state is XferState.DONE and not rd.done_perf:
@@ -1541,6 +1545,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         moved = status.transfer_seconds
         self._observe("transfer_seconds", moved if moved is not None else now - rd.posted_at)
         self._observe("load_wait_seconds", now - rd.posted_at)
+        rd.reported = True
         self._run(self._reader.transfer_done(rid, now), now)
 
     def _stop(self, request_id: str) -> None:
