@@ -20,6 +20,14 @@ P runs in a child process (this module with ``serve``), which hosts both a kvfra
 and a raw NIXL agent over one registered pool and drives their progress every 0.5 ms. Commands
 and replies are msgpack maps over pipes.
 
+**The P/D connector column** (``pd_connector``): P's and D's engines are minimal loops around
+the P/D connector (:class:`_PDEngine`), their transports posting inline as raw NIXL does. P's
+engine steps every 0.5 ms; while its worker's
+:meth:`~kvframe.connectors.pd.worker.PDConnectorWorker.progress_wanted` is true (a lease held)
+the child also drives the worker's ``progress()`` every :data:`FAST_POLL` seconds between
+steps, as a driver thread would (``KVFRAME_BENCH_P_FAST_POLL=0.0005`` turns that off). D's
+engine steps back to back until the load is reported.
+
 **Adding a column** (the lead's "through the P/D connector" column): implement a
 :class:`Method` (``name``, ``setup``, ``run_once``, ``close``) and append its factory to
 :data:`METHOD_FACTORIES`; the tables, ratios and JSON pick it up, and the JSON shape stays the
@@ -237,6 +245,14 @@ def _quiet_nixl() -> None:
         logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
+STEP_POLL = 0.0005
+"""P's step interval in the child (seconds): the pace of an idle engine loop."""
+FAST_POLL = 0.0001
+"""How often the child drives P's P/D worker between steps while
+:meth:`~kvframe.connectors.pd.worker.PDConnectorWorker.progress_wanted` is true (seconds);
+``KVFRAME_BENCH_P_FAST_POLL`` overrides it (0.0005 or more: steps only, as before)."""
+
+
 def _send(fd: int, value: Any) -> None:
     data: bytes = msgpack.packb(value, use_bin_type=True)
     view = memoryview(data)
@@ -281,13 +297,24 @@ def serve(reply_fd: int, pool_bytes: int, device: str = "cpu") -> None:
     )
     unpacker = msgpack.Unpacker(raw=False)
     pd: _PDEngine | None = None
+    fast = float(os.environ.get("KVFRAME_BENCH_P_FAST_POLL", FAST_POLL))
+    next_step = 0.0
     try:
         while True:
-            ready, _, _ = select.select([0], [], [], 0.0005)
+            # P's engine steps every 0.5 ms; while its P/D worker says a decoder may be waiting
+            # for it (a lease held, a read under way), the loop also drives the worker's
+            # progress every ``fast`` seconds between steps, as a driver thread would.
+            busy = pd is not None and fast < STEP_POLL and pd.worker.progress_wanted()
+            ready, _, _ = select.select([0], [], [], fast if busy else STEP_POLL)
             t.progress()
             raw.get_new_notifs()
             if pd is not None:
-                pd.step()
+                now = time.perf_counter()
+                if not busy or now >= next_step:
+                    pd.step()
+                    next_step = now + STEP_POLL
+                else:
+                    pd.worker.progress()
             if not ready:
                 continue
             data = os.read(0, 1 << 16)
@@ -592,7 +619,13 @@ class _PDEngine:
                 "kv_connector": "PDConnector",
                 "kv_role": role,
                 "engine_id": f"bench-{role}-{os.getpid()}-{block_size}",
-                "kv_connector_extra_config": {"transport": "nixl"},
+                # Inline posting, as raw NIXL posts: this engine has no forward pass for a
+                # post worker to overlap, and a loop spinning beside the worker's copy on two
+                # cores made large loads 1.5x slower (docs/demo.md, fixed-cost section).
+                "kv_connector_extra_config": {
+                    "transport": "nixl",
+                    "transport_options": {"post_thread": False},
+                },
             }
         )
         self.codec = codec_for(PDConnector, config)

@@ -805,6 +805,23 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         """Make progress without an engine step (for a driver thread or an idle loop)."""
         self._progress()
 
+    def progress_wanted(self) -> bool:
+        """Whether a peer may be waiting for this worker's next progress point: it holds a
+        lease a reader may claim or is reading (any but a decoder's kept turns nobody claimed
+        yet), or has loads, pushes or writes under way. A driver loop may call
+        :meth:`progress` at a short interval while this is true and slow down when it is
+        false: P then answers a heartbeat, and lets a READ that follows a notification
+        complete, within that interval instead of at the engine's step pace (see
+        ``docs/demo.md``, "Where the connector's fixed cost goes"). Cheap; any thread."""
+        if self._closed:
+            return False
+        return (
+            self._holder.live_count > self._holder.kept_count
+            or bool(self._reads)
+            or bool(self._writes)
+            or len(self._push) > 0
+        )
+
     def _progress(self) -> None:
         if self._closed:
             return
