@@ -445,6 +445,8 @@ class _Load:
     an older confirmation's)."""
     done_at: float = math.inf
     """Verifying: when the READ was seen complete (reader's clock)."""
+    may_post_early: bool = False
+    """Optimistic reads allowed for this load."""
 
     def wait(self, t: float, seconds: float) -> None:
         self.deadline = min(t + seconds, self.hard)
@@ -555,8 +557,12 @@ class LeaseReader:
         *,
         incarnation: str | None = None,
         not_after: float | None = None,
+        optimistic: bool | None = None,
     ) -> list[Action]:
         """A load to carry out: read ``lease_id`` from ``engine`` into the request's blocks.
+
+        ``optimistic`` overrides the reader's setting for this load (``False``: post only
+        once confirmed; ``True`` only where reading before confirmation is harmless).
 
         ``incarnation`` names the holder instance that granted the lease (from the ticket);
         a connection to another instance is replaced first (:class:`Reconnect`).
@@ -594,6 +600,7 @@ class LeaseReader:
             since=t,
             deadline=t + self._t.peer_timeout,
             hard=t + self.bound(),
+            may_post_early=self._optimistic if optimistic is None else bool(optimistic),
         )
         if ticket.user is not None or ticket.spent:
             self._count("duplicate_tickets")
@@ -968,7 +975,7 @@ class LeaseReader:
         ticket = self._tickets[(load.engine, load.lease_id)]
         if not self._try_post(load, ticket, t, out):
             self._urgent_heartbeat(load, ticket, t)
-            if self._optimistic:
+            if load.may_post_early:
                 self._post_early(load, ticket, t)
 
     def _try_post(self, load: _Load, ticket: _Ticket, t: float, out: list[Action]) -> bool:

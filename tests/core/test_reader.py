@@ -769,6 +769,20 @@ def test_abort_of_a_verifying_load_sends_nothing() -> None:
     assert ended(out).state is ReadState.ABORTED
 
 
+def test_a_load_can_refuse_optimism() -> None:
+    r = make(optimistic=True)
+    r.peer_ready(E, 0.0, incarnation=INC)
+    out = r.add("q", E, "L", 0.0, incarnation=INC, optimistic=False)
+    assert kinds(out) == ["SendMessage"]  # the heartbeat only
+    assert r.state("q") is ReadState.CONFIRMING
+    r2 = make()
+    r2.peer_ready(E, 0.0, incarnation=INC)
+    assert kinds(r2.add("q", E, "L", 0.0, incarnation=INC, optimistic=True)) == [
+        "SendMessage",
+        "PostRead",
+    ]
+
+
 def test_a_writer_never_posts_before_confirmation() -> None:
     r = make()  # optimistic is off by default (writers must keep it off)
     hb = confirming(r)

@@ -73,9 +73,10 @@ def test_a_read_is_reported_in_the_step_its_bytes_land_with_its_timing(
     pd: bench._PDConnectorMethod,
 ) -> None:
     """A READ posted before the forward pass lands during it (P progresses) and is reported
-    by that step's get_finished; one posted in get_finished (the confirmation came during
-    the forward pass) is reported by that step when the final poll sees it done, else by
-    the next. Each
+    by that step's get_finished, or by the next one when P's acknowledgement of an optimistic
+    READ came after get_finished's last look; one posted in get_finished (the confirmation
+    came during the forward pass) is reported by that step when the final poll sees it done,
+    else by the next. Each
     report carries the request's timing: post, first poll seeing it done, reported."""
     engine = pd.engine
     assert engine is not None
@@ -100,7 +101,9 @@ def test_a_read_is_reported_in_the_step_its_bytes_land_with_its_timing(
         assert posted_at is not None
         assert not out.failures
         when, where = posted_at
-        assert when <= step <= (when if where == "start" else when + 1), (posted_at, step)
+        # Posted in start_load_kv beside its heartbeat (optimistic_read), the READ lands during
+        # the forward pass; P's acknowledgement follows it closely and may miss this step.
+        assert when <= step <= when + 1, (posted_at, step)
         seen.add(where)
         timing = [e.data for e in out.events if e.kind == "pd.load_timing"]
         assert [t["request_id"] for t in timing] == [rid]

@@ -398,7 +398,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 peer_timeout=2 * options.handshake_timeout,
                 margin=options.read_margin,
             ),
-            optimistic=options.optimistic_read,
+            # Not where the holder's transport checks each READ against the leases the
+            # reader claimed (access_control): a READ ahead of its claim would be refused.
+            optimistic=options.optimistic_read and not caps.access_control,
         )
         self._reads: dict[str, _Read] = {}  # per-source load id -> its read
         # Heterogeneous tensor parallelism: request id -> its per-source loads; (engine id,
@@ -726,10 +728,15 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def get_finished(self, finished_req_ids: Set[str]) -> tuple[set[str] | None, set[str] | None]:
         """A progress point after the forward pass; then every READ still in flight is polled
         once more just before returning, so a load whose bytes landed during this progress
-        point is reported in this step, not the next."""
+        point is reported in this step, not the next; and where an optimistic READ landed but
+        P's acknowledgement had not come yet, notifications are drained once more."""
         self._progress()
         if not self._closed and self._engines is not None:
             self._settle([rid for rid, rd in self._reads.items() if rd.handle is not None])
+            if any(rd.reported for rd in self._reads.values()):
+                # An optimistic READ landed before P's acknowledgement (P answers just after
+                # its progress completed the READ): one more look for it.
+                self._progress()
         self._step_progress = []
         sending, recving = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
@@ -1097,6 +1104,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     now,
                     incarnation=incarnation,
                     not_after=not_after,
+                    # A decoder's kept turn may be evicted (its blocks reused by its engine)
+                    # at any moment until claimed: read it only once confirmed.
+                    optimistic=False if load.kept_until is not None else None,
                 ),
                 now,
             )
