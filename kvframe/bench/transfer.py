@@ -76,14 +76,17 @@ from kvframe.spi.transport import (
 )
 
 __all__ = [
+    "FAST_POLL",
     "FULL",
     "METHOD_FACTORIES",
     "QUICK",
+    "STEP_POLL",
     "BenchConfig",
     "BenchEnv",
     "Memory",
     "Method",
     "add_arguments",
+    "config_from_args",
     "format_report",
     "measure",
     "run",
