@@ -56,6 +56,7 @@ __all__ = [
     "KeepAliveClock",
     "decode_record",
     "encode_record",
+    "is_engine_id",
 ]
 
 #: The schema version written into every record (``"kvframe_engine": 1``); a record of another
@@ -82,8 +83,14 @@ class EngineRole(enum.Enum):
     """Both (multi-turn engines that keep a turn's KV for the next prefill)."""
 
 
+def is_engine_id(value: Any) -> bool:
+    """Whether ``value`` is an allowed fleet engine id: a string of 1-128 letters, digits,
+    ``.``, ``_`` or ``-``, starting with a letter or digit."""
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
+
+
 def _check_id(inst: Any, attribute: Any, value: str) -> None:
-    if not isinstance(value, str) or _ID.fullmatch(value) is None:
+    if not is_engine_id(value):
         raise ValueError(
             f"engine_id {value!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit (it is the last part of the registration key)"

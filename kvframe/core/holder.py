@@ -31,6 +31,11 @@ answers the readers (decode workers) that talk to it through the transport's not
   it then ends within one extension of the claimant's last heartbeat), and
   :meth:`LeaseHolder.evict` gives it back early when the engine needs the memory: at once while
   nobody has claimed it, else as :meth:`revoke` does.
+- **leases meant for a decode engine**: a grant may name the engine it is meant for (the
+  router's ``decode_engine_id``); when that engine is gone for good, :meth:`abort_unclaimed_for`
+  ends at once every lease meant for it that no reader has claimed (:meth:`abort_claims` ends
+  those its readers claimed). The holder remembers the engine of a live lease only: the entry
+  goes when the lease ends, by whatever path.
 
 Like the lease table it is sans-I/O: every call takes ``now`` (the holder's monotonic clock) and
 returns what happened (:class:`HolderOutput`); :meth:`LeaseHolder.next_deadline` says when to
@@ -131,6 +136,7 @@ class LeaseHolder(Generic[_PayloadT]):
         self._reported: dict[int, dict[int, wire.DoneReason]] = {}
         self._revoked: set[int] = set()  # live lease handles no longer renewed
         self._kept: set[int] = set()  # live kept (TTL) lease handles nobody has claimed yet
+        self._meant: dict[int, str] = {}  # live lease handle -> the decode engine it is meant for
         self._heartbeats = 0
         self._stale = 0
         self._ignored = 0
@@ -220,10 +226,36 @@ class LeaseHolder(Generic[_PayloadT]):
         """Live kept leases nobody has claimed yet."""
         return len(self._kept)
 
+    def meant_for(self, lease_id: str) -> str | None:
+        """The decode engine the live lease ``lease_id`` was granted for (:meth:`grant`'s
+        ``engine``), or ``None`` (none named, or the lease is not live)."""
+        return self._meant.get(lease_handle(lease_id))
+
+    @property
+    def meant_count(self) -> int:
+        """Live leases granted for a named decode engine (never more than :attr:`live_count`)."""
+        return len(self._meant)
+
     # -- inputs --------------------------------------------------------------------------
-    def grant(self, lease_id: str, now: float, payload: _PayloadT) -> Lease[_PayloadT]:
-        """Grant a lease (see :meth:`LeaseTable.grant`; raises as it does, changing nothing)."""
-        return self._table.grant(lease_id, now, payload)
+    def grant(
+        self, lease_id: str, now: float, payload: _PayloadT, *, engine: str | None = None
+    ) -> Lease[_PayloadT]:
+        """Grant a lease (see :meth:`LeaseTable.grant`; raises as it does, changing nothing).
+
+        ``engine``: the decode engine the lease is meant for (the prefill request's
+        ``decode_engine_id``), remembered while the lease lives for
+        :meth:`abort_unclaimed_for`; ``None``: not known (the lease then ends by its reader or
+        its expiry only). It restricts nothing: the first reader that names the lease claims
+        it, whichever engine it belongs to.
+
+        :raises ValueError: ``engine`` is given but not a non-empty string (nothing changes).
+        """
+        if engine is not None and (not isinstance(engine, str) or not engine):
+            raise ValueError(f"engine = {engine!r}; give a decode engine id or None")
+        lease = self._table.grant(lease_id, now, payload)
+        if engine is not None:
+            self._meant[lease.handle] = engine
+        return lease
 
     def keep(self, lease_id: str, now: float, payload: _PayloadT, ttl: float) -> Lease[_PayloadT]:
         """Grant a *kept* lease: it lives ``ttl`` seconds (``decoder_kv_blocks_ttl``) with no
@@ -299,12 +331,13 @@ class LeaseHolder(Generic[_PayloadT]):
         """Reclaim every lease whose expiry is ``<= now``."""
         ended = self._table.expire(now)
         claims = self._claims
-        if claims or self._revoked or self._kept:
+        if claims or self._revoked or self._kept or self._meant:
             for handle in ended.handles:
                 claims.pop(handle, None)
                 self._revoked.discard(handle)
                 self._kept.discard(handle)
                 self._reported.pop(handle, None)
+                self._meant.pop(handle, None)
         return HolderOutput(ended=tuple(ended))
 
     def abort(self, lease_id: str, now: float) -> HolderOutput[_PayloadT]:
@@ -317,6 +350,7 @@ class LeaseHolder(Generic[_PayloadT]):
         self._revoked.discard(handle)
         self._kept.discard(handle)
         self._reported.pop(handle, None)
+        self._meant.pop(handle, None)
         return HolderOutput(ended=(self._table.abort(lease_id, now),))
 
     def claimed_by(self, reader: str) -> tuple[str, ...]:
@@ -329,10 +363,10 @@ class LeaseHolder(Generic[_PayloadT]):
 
     def abort_claims(self, reader: str, now: float) -> HolderOutput[_PayloadT]:
         """``reader`` is gone for good (its engine left the fleet): end every live lease its
-        group claimed at once (``ABORTED``) instead of at its expiry. Leases nobody claimed yet are
-        untouched: the holder cannot know which reader they were meant for, and they end at
-        their expiry as usual. Only for a reader that can no longer be reading: a reader
-        still alive would lose blocks under a bound this holder confirmed.
+        group claimed at once (``ABORTED``) instead of at its expiry. Leases nobody claimed yet
+        are untouched here: :meth:`abort_unclaimed_for` ends those granted for the reader's
+        engine; the others end at their expiry as usual. Only for a reader that can no longer
+        be reading: a reader still alive would lose blocks under a bound this holder confirmed.
 
         :raises LeaseError: ``now`` is not finite (nothing changes).
         """
@@ -340,6 +374,37 @@ class LeaseHolder(Generic[_PayloadT]):
         ended: list[Lease[_PayloadT]] = []
         for lease_id in self.claimed_by(reader):
             ended.extend(self.abort(lease_id, now).ended)
+        return HolderOutput(ended=tuple(ended))
+
+    def abort_unclaimed_for(self, engine: str, now: float) -> HolderOutput[_PayloadT]:
+        """Decode engine ``engine`` is gone for good (it left the fleet): end at once
+        (``ABORTED``) every live lease granted for it (:meth:`grant`'s ``engine``) that no
+        reader has claimed, instead of at its expiry. A lease some reader claimed is left to
+        the claim, whoever claimed it: :meth:`abort_claims` ends it when its claimant's engine
+        is gone, and a lease meant for ``engine`` but claimed by another engine's reader (a
+        router that retried the ticket elsewhere) is not touched.
+
+        Why this is safe: a reader's bytes count only under a bound this holder confirmed in an
+        acknowledgement, and the holder acknowledges only the leases a heartbeat renews, which
+        that same call claims for the heartbeat's reader. An unclaimed lease has therefore
+        never been confirmed to anyone: no reader holds a bound on it, so no accepted read
+        can overlap the release of its blocks (a READ posted before any confirmation, an
+        optimistic one, is never accepted without one). Any reader that names it later, the
+        engine's own or another engine's that the router handed the same ticket, is answered
+        ``ABORTED`` (a lease id is single-use: it is never live again) and its load fails by
+        the failure policy (it recomputes the prompt or fails the request).
+
+        :raises LeaseError: ``now`` is not finite (nothing changes).
+        """
+        check_now(now)
+        if not self._meant:
+            return HolderOutput()
+        table, claims = self._table, self._claims
+        ended: list[Lease[_PayloadT]] = []
+        for handle in [h for h, e in self._meant.items() if e == engine and h not in claims]:
+            lease_id = table.request_id_for(handle)
+            if lease_id is not None:
+                ended.extend(self.abort(lease_id, now).ended)
         return HolderOutput(ended=tuple(ended))
 
     # -- internals -----------------------------------------------------------------------
@@ -442,6 +507,7 @@ class LeaseHolder(Generic[_PayloadT]):
             self._claims.pop(h, None)
             self._revoked.discard(h)
             self._kept.discard(h)
+            self._meant.pop(h, None)
             if reason is wire.DoneReason.READ:
                 ended.append(table.consume(rid, now))
             else:

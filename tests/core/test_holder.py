@@ -402,3 +402,61 @@ def test_join_refuses_bad_membership() -> None:
     with pytest.raises(ValueError, match="group = ''"):
         h.join("D.0", "", 0, 1)
     assert h.group_of("D.0") == "D.0"
+
+
+# -- leases meant for a decode engine ----------------------------------------------------------
+def test_a_gone_engines_unclaimed_leases_end_at_once_and_claimed_ones_follow_the_claim() -> None:
+    h = make()
+    h.grant("A", 0.0, "a", engine="E")  # meant for E, never claimed
+    h.grant("B", 0.0, "b", engine="E")  # meant for E, claimed by F's reader (a router retry)
+    h.grant("C", 0.0, "c", engine="F")  # meant for F
+    h.grant("N", 0.0, "n")  # meant for nobody named
+    h.receive("F.0", beat(1, 0.0, "B"), 0.0)
+    assert (h.meant_for("A"), h.meant_for("N"), h.meant_count) == ("E", None, 3)
+    out = h.abort_unclaimed_for("E", 1.0)
+    assert ended(out) == {"A": LeaseState.ABORTED}
+    assert out.replies == ()
+    assert h.live_count == 3
+    assert h.claimant("B") == "F.0"
+    assert h.meant_for("A") is None
+    # A reader that names the aborted lease later is told so and cannot claim it.
+    assert lost(h.receive("E.0", beat(1, 1.5, "A"), 1.5)) == {"A": wire.LostReason.ABORTED}
+    assert lost(h.receive("G.0", beat(1, 1.5, "A"), 1.5)) == {"A": wire.LostReason.ABORTED}
+    assert h.claimant("A") is None
+    # Nothing more for E; an engine nobody named changes nothing.
+    assert ended(h.abort_unclaimed_for("E", 2.0)) == {}
+    assert ended(h.abort_unclaimed_for("nobody", 2.0)) == {}
+    assert ended(h.abort_unclaimed_for("F", 2.0)) == {"C": LeaseState.ABORTED}
+
+
+def test_the_intended_engine_is_forgotten_when_the_lease_ends_by_any_path() -> None:
+    h = make()
+    for lid in ("X", "A", "R", "C"):
+        h.grant(lid, 0.0, lid, engine="E")
+    assert h.meant_count == 4
+    h.abort("A", 0.1)
+    h.receive("E.0", done(1, RELEASED, "R"), 0.2)
+    h.receive("E.0", beat(2, 0.3, "C"), 0.3)
+    h.receive("E.0", done(3, READ, "C"), 0.4)
+    assert (h.meant_count, h.meant_for("X")) == (1, "E")
+    assert ended(h.expire(POLICY.duration)) == {"X": LeaseState.EXPIRED}
+    assert h.meant_count == 0
+    assert ended(h.abort_unclaimed_for("E", 10.0)) == {}
+
+
+@pytest.mark.parametrize("bad", ["", 7, b"E"])
+def test_grant_refuses_a_bad_engine_and_changes_nothing(bad: object) -> None:
+    h = make()
+    with pytest.raises(ValueError, match="engine = "):
+        h.grant("L", 0.0, "blocks", engine=bad)  # type: ignore[arg-type]
+    assert (h.live_count, h.meant_count) == (0, 0)
+    h.grant("L", 0.0, "blocks", engine="E")  # the id was not used up
+    assert h.meant_for("L") == "E"
+
+
+def test_abort_unclaimed_for_refuses_a_time_that_is_not_finite() -> None:
+    h = make()
+    h.grant("L", 0.0, "blocks", engine="E")
+    with pytest.raises(LeaseError):
+        h.abort_unclaimed_for("E", math.nan)
+    assert h.live_count == 1

@@ -1,5 +1,6 @@
 """Kept leases (bidirectional mode): properties of ``LeaseHolder.keep``/``evict`` and
-``LeaseTable.grant(ttl=)``/``restart``, and a state machine mixing them with ordinary leases.
+``LeaseTable.grant(ttl=)``/``restart``, and a state machine mixing them with ordinary leases,
+some granted for a named decode engine and ended by ``abort_unclaimed_for`` when it is gone.
 
 A kept lease lives ``ttl`` seconds with no heartbeat; the first fresh heartbeat naming it
 claims it for its reader and restarts it as an ordinary lease (``sent + extension``, earlier
@@ -285,6 +286,7 @@ def test_keep_with_a_bad_ttl_raises_and_changes_nothing(bad: object) -> None:
 IDS = [f"L{i}" for i in range(6)]
 for _lid in [*IDS, "X"]:
     H(_lid)
+ENGINES = ["E1", "E2"]  # decode engines a grant may name (readers R1, R2 belong to neither)
 REASON_FOR = {
     LeaseState.CONSUMED: wire.LostReason.CONSUMED,
     LeaseState.ABORTED: wire.LostReason.ABORTED,
@@ -349,17 +351,20 @@ class KeptLeases(RuleBasedStateMachine):
         self.t += dt
 
     @rule(
-        lid=st.sampled_from(IDS), ttl=st.one_of(st.none(), st.sampled_from([0.5, 2.0, 5.0, 12.0]))
+        lid=st.sampled_from(IDS),
+        ttl=st.one_of(st.none(), st.sampled_from([0.5, 2.0, 5.0, 12.0])),
+        meant=st.sampled_from([None, *ENGINES]),
     )
-    def grant_or_keep(self, lid: str, ttl: float | None) -> None:
+    def grant_or_keep(self, lid: str, ttl: float | None, meant: str | None) -> None:
         if lid in self.m:
             with pytest.raises(InvalidTransitionError):
                 self.h.keep(lid, self.t, lid, 1.0)
             return
         if ttl is None:
-            lease = self.h.grant(lid, self.t, lid)
+            lease = self.h.grant(lid, self.t, lid, engine=meant)
             life = POLICY.duration
         else:
+            meant = None  # a kept lease names no decode engine
             lease = self.h.keep(lid, self.t, lid, ttl)
             life = ttl
         assert lease.expiry == self.t + life
@@ -371,6 +376,7 @@ class KeptLeases(RuleBasedStateMachine):
             "revoked": False,
             "ended_at": None,
             "restarted": False,
+            "meant": meant,
         }
 
     def _names(self, data: st.DataObject, most: int) -> list[str]:
@@ -478,6 +484,28 @@ class KeptLeases(RuleBasedStateMachine):
             self._check_ended(out, {})
         assert out.replies == ()
 
+    @rule(engine=st.sampled_from(ENGINES))
+    def engine_gone(self, engine: str) -> None:
+        # Every live lease meant for ``engine`` that nobody claimed ends at once; one claimed
+        # by any reader (the other engine's included) is left to its claim. _end checks that no
+        # reader holds a confirmed bound on what is freed.
+        out = self.h.abort_unclaimed_for(engine, self.t)
+        due = {
+            lid: LeaseState.ABORTED
+            for lid, m in self.m.items()
+            if m["state"] is LeaseState.LIVE and m["claim"] is None and m["meant"] == engine
+        }
+        for lid in due:
+            event("engine_gone aborts an unclaimed lease")
+            self._end(lid, LeaseState.ABORTED, by=None)
+        if any(
+            m["state"] is LeaseState.LIVE and m["claim"] is not None and m["meant"] == engine
+            for m in self.m.values()
+        ):
+            event("engine_gone leaves a lease meant for it that a reader claimed")
+        self._check_ended(out, due)
+        assert out.replies == ()
+
     @rule()
     def expire(self) -> None:
         out = self.h.expire(self.t)
@@ -509,6 +537,8 @@ class KeptLeases(RuleBasedStateMachine):
             assert self.h.kept(lid) == (is_live and m["kept"])
             assert self.h.revoked(lid) == (is_live and m["revoked"])
             assert self.h.claimant(lid) == (m["claim"] if is_live else None)
+            # The intended engine never outlives its lease.
+            assert self.h.meant_for(lid) == (m["meant"] if is_live else None)
             if is_live:
                 live.append(m["expiry"])
         assert self.h.live_count == len(live)
@@ -516,6 +546,10 @@ class KeptLeases(RuleBasedStateMachine):
             m["state"] is LeaseState.LIVE and m["kept"] for m in self.m.values()
         )
         assert self.h.next_deadline() == (min(live) if live else None)
+        assert self.h.meant_count == sum(
+            m["state"] is LeaseState.LIVE and m["meant"] is not None for m in self.m.values()
+        )
+        assert self.h.meant_count <= self.h.live_count
 
     @invariant()
     def every_lease_ends_at_most_once(self) -> None:
@@ -529,6 +563,7 @@ class KeptLeases(RuleBasedStateMachine):
         self.expire()
         assert self.h.live_count == 0
         assert self.h.kept_count == 0
+        assert self.h.meant_count == 0
         assert self.ends == dict.fromkeys(self.m, 1)
 
 

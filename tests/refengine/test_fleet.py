@@ -313,6 +313,60 @@ def test_two_p_two_d_route_on_prefixes_and_survive_a_vanished_and_a_dead_engine(
         assert router.retried == 1  # only the request that found it dead was routed again
 
 
+def _recording(router: Router) -> list[tuple[str, Any]]:
+    """Record each leg's ``kv_transfer_params`` as the router sends it (the legs still run)."""
+    sent: list[tuple[str, Any]] = []
+    ask = router._ask
+
+    def recorded(side: str, target: Any, body: dict[str, Any], timeout: float) -> Any:
+        sent.append((side, body.get("kv_transfer_params")))
+        return ask(side, target, body, timeout)
+
+    router._ask = recorded  # type: ignore[method-assign]
+    return sent
+
+
+def test_the_prefill_leg_names_the_decode_engine_chosen_for_it(url: str) -> None:
+    with contextlib.ExitStack() as stack:
+        for eid, role in (
+            ("fd-p", "kv_producer"),
+            ("fd-d0", "kv_consumer"),
+            ("fd-d1", "kv_consumer"),
+        ):
+            stack.enter_context(member(role, eid, url))
+        router = stack.enter_context(fleet_router(url, policy="round_robin"))
+        _wait(lambda: len(_live(router, "prefill")) == 1 and len(_live(router, "decode")) == 2)
+        sent = _recording(router)
+        chosen = set()
+        for i in range(2):
+            sent.clear()
+            code, ans = router.complete({"prompt": [5, 6, 7 + i], "max_tokens": 2})
+            assert code == 200, ans
+            decoder = ans["engines"]["decode"]
+            chosen.add(decoder)
+            # P learns which decoder the ticket is for: it aborts the lease at once if that
+            # decoder leaves the fleet before claiming it.
+            assert sent[0] == ("prefill", {"do_remote_decode": True, "decode_engine_id": decoder})
+            assert sent[1][0] == "decode"
+            assert "decode_engine_id" not in sent[1][1]
+        assert chosen == {"fd-d0", "fd-d1"}
+
+
+def test_a_router_of_one_p_and_one_d_names_no_decode_engine() -> None:
+    # It knows D by address only (not its engine id); P's lease then runs as before.
+    router = Router("http://127.0.0.1:9", "http://127.0.0.1:9")
+    sent: list[tuple[str, Any]] = []
+
+    def refuse(side: str, target: Any, body: dict[str, Any], timeout: float) -> Any:
+        sent.append((side, body.get("kv_transfer_params")))
+        return 502, {"error": {"message": "not reached", "type": "unreachable"}}
+
+    router._ask = refuse  # type: ignore[method-assign]
+    code, _ = router.complete({"prompt": [1, 2, 3], "max_tokens": 2})
+    assert code == 502
+    assert sent == [("prefill", {"do_remote_decode": True})]
+
+
 def test_no_live_engine_is_a_503_naming_the_side(url: str) -> None:
     with member("kv_consumer", "fn-d", url), fleet_router(url) as router:
         _wait(lambda: _live(router, "decode") == ["fn-d"])

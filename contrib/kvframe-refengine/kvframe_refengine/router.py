@@ -500,7 +500,11 @@ class Router:
         t0 = time.monotonic()
         p_body = dict(body)
         p_body["max_tokens"] = 1
-        p_body["kv_transfer_params"] = turn.prefill_params({"do_remote_decode": True})
+        p_params: dict[str, Any] = {"do_remote_decode": True}
+        if d.member is not None:
+            # Fleet mode: P aborts the lease at once if this decoder leaves before claiming it.
+            p_params["decode_engine_id"] = d.member.engine_id
+        p_body["kv_transfer_params"] = turn.prefill_params(p_params)
         p_body.pop("request_id", None)
         code, p_resp = self._ask("prefill", p, p_body, timeout)
         if code != 200:

@@ -166,6 +166,10 @@ class PDGrant:
     """Bidirectional mode, D: keep the blocks this many seconds for the conversation's next
     turn (a kept lease: :meth:`~kvframe.core.holder.LeaseHolder.keep`); ``None``: an ordinary
     lease."""
+    decode_engine: str | None = None
+    """The decode engine the lease is meant for (the prefill request's ``decode_engine_id``;
+    ``None``: not named). The worker aborts the lease at once, while nobody claimed it, when
+    that engine leaves the fleet (:meth:`~kvframe.core.holder.LeaseHolder.abort_unclaimed_for`)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 
 from kvframe.connectors.pd.auth import TICKET_FIELD, KeyRing, ticket_body
+from kvframe.core.fleet import is_engine_id
 from kvframe.errors import ConfigError
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "MAX_TOKEN_CHARS",
     "PushPrefillParams",
     "RemotePrefillParams",
+    "decode_engine_of",
     "history_of",
     "prompt_digest",
     "push_id_of",
@@ -138,6 +140,25 @@ def push_id_of(params: Mapping[str, Any]) -> str:
 
 
 _PUSH_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+
+
+def decode_engine_of(params: Mapping[str, Any]) -> str | None:
+    """``kv_transfer_params.decode_engine_id`` of a prefill request: the decode engine the
+    router will send the ticket to (``None`` when absent). P remembers it with the lease and
+    aborts the lease at once, before anyone claimed it, when that engine leaves the fleet.
+    Checked as an engine id of the fleet (:class:`~kvframe.core.fleet.EngineRecord`): 1-128
+    letters, digits, ``.``, ``_`` or ``-``, starting with a letter or digit;
+    :class:`~kvframe.errors.ConfigError` otherwise."""
+    if "decode_engine_id" not in params:
+        return None
+    value = params["decode_engine_id"]
+    if not is_engine_id(value):
+        raise ConfigError(
+            f"kv_transfer_params.decode_engine_id = {_short(value)}; expected the decode "
+            "engine's id as registered in the fleet: 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (or leave the field out)"
+        )
+    return str(value)
 
 
 @attrs.frozen(kw_only=True)

@@ -34,6 +34,7 @@ from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.params import (
     PushPrefillParams,
     RemotePrefillParams,
+    decode_engine_of,
     history_of,
     prompt_digest,
     push_id_of,
@@ -675,6 +676,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         try:
             mode = transfer_mode(request.kv_transfer_params)
             push_id = push_id_of(request.kv_transfer_params) if mode == "push" else ""
+            decoder = decode_engine_of(request.kv_transfer_params)
         except ConfigError as exc:
             self._count("remote_decode_not_kept")
             self._events.append(
@@ -699,7 +701,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 KVEvent(kind="pd.not_kept", data={"request_id": rid, "error": str(exc)})
             )
             return False, None
-        self._grants.append(PDGrant(request_id=rid, lease_id=lease_id, block_ids=block_ids))
+        self._grants.append(
+            PDGrant(request_id=rid, lease_id=lease_id, block_ids=block_ids, decode_engine=decoder)
+        )
         self._held[rid] = lease_id
         self._count("leases_offered")
         return True, params

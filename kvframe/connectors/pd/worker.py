@@ -882,7 +882,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
 
         Safe to call from any thread (a discovery watcher's, an operator's); it takes effect
         at this worker's next progress point. As a **holder** (P) every live lease that a
-        worker of that engine claimed is aborted at once (its blocks reported in
+        worker of that engine claimed, or that was granted for it (``decode_engine_id``) and
+        nobody claimed yet, is aborted at once (its blocks reported in
         ``finished_sending``), and writes to it in push mode stop. As a **reader** (D) every
         pending load from that engine fails at once with ``reason`` (failure policy applies;
         posted READs are stopped first) and its connection is dropped; a later request naming
@@ -958,6 +959,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count("leases_aborted_engine_gone", len(out.ended))
             self._lease_output(out, now)
             self._reader_peer_gone(peer, f"decoder {engine_id!r} is gone: {reason}", now)
+        # Leases granted for it (the request's decode_engine_id) that nobody claimed yet.
+        out = self._holder.abort_unclaimed_for(engine_id, now)
+        self._count("leases_aborted_engine_gone", len(out.ended))
+        self._lease_output(out, now)
         if self._engines is None:
             return
         why = f"left the fleet ({reason})"
@@ -1010,7 +1015,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _apply(self, meta: PDMetadata, now: float) -> None:
         for grant in meta.grants:
             if grant.ttl is None:
-                self._holder.grant(grant.lease_id, now, (grant.request_id, grant.block_ids))
+                self._holder.grant(
+                    grant.lease_id,
+                    now,
+                    (grant.request_id, grant.block_ids),
+                    engine=grant.decode_engine,
+                )
                 self._count("leases_granted")
             else:
                 self._holder.keep(
