@@ -15,9 +15,10 @@ On loopback, each its own process:
    ``--retries``) or failed by that policy, that served outputs still equal the single
    engine's, that the router stopped routing to the dead engines within the registrations'
    TTL, that the survivors heard of them through the etcd watch (the prefill engine aborted
-   the leases the dead decoder claimed, the decode engine failed its loads from the dead
-   prefill engine: their ``engines_gone`` counters), and that every block was reclaimed (the
-   leak oracle on both survivors);
+   the leases the dead decoder claimed and those granted for it that it had not claimed yet,
+   the router having named it in their prefill legs; the decode engine failed its loads from
+   the dead prefill engine: their ``engines_gone`` counters), and that every block was
+   reclaimed (the leak oracle on both survivors);
 4. stops one survivor cleanly (SIGTERM): its registration is withdrawn, and the router drops
    it at once;
 5. prints a table and the checks (``--json`` for machines).
