@@ -75,6 +75,9 @@ def test_decode_outputs_equal_single_engine_outputs(engines: dict[str, EnginePro
     for x, prompt in zip(params, prompts, strict=True):
         assert x["remote_engine_id"] == "prefill-0"
         assert x["remote_num_tokens"] == len(prompt)
+        # vLLM's tensor-parallel size, through the adapter's EngineInfo: one rank, one port.
+        assert x["tp_size"] == 1
+        assert len(x["remote_ports"]) == 1
     decoded = generate(d, prompts, params)
     assert decoded == reference
     after = d.call("state")["worker"]

@@ -227,7 +227,10 @@ class EngineInfo:
     num_kv_groups: int = attrs.field(default=1, validator=_positive)
     """KV cache groups (1 unless the model mixes attention types)."""
     world_size: int = attrs.field(default=1, validator=_positive)
-    """Worker ranks (tensor × pipeline parallel); ranks are ``0 .. world_size - 1``."""
+    """Worker ranks (tensor × pipeline parallel); ranks are ``0 .. world_size - 1``. The P/D
+    connector takes it as the engine's tensor-parallel size (``tp_size`` in
+    ``kv_transfer_params`` and the handshake); the vLLM adapter gives vLLM's
+    ``tensor_parallel_size`` and refuses pipeline parallelism."""
     model: str = ""
     """What the engine serves (a model name or digest); connectors compare it in the handshake
     so that KV never moves between engines serving different models."""

@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvframe.errors import CodecError
+from kvframe.errors import CodecError, ConfigError
 from kvframe.protocol.aggregate import OutputAggregator
 from kvframe.protocol.codec import Codec
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput, KVEvent, Stats
@@ -184,15 +184,40 @@ def _loaded_host() -> PluginHost:
 
 
 def _engine_info(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
+    """kvframe's :class:`~kvframe.spi.connector.EngineInfo` for a vLLM engine.
+
+    - ``block_size``: ``cache_config.block_size``; ``num_kv_groups``: the KV cache groups.
+    - ``world_size``: ``parallel_config.tensor_parallel_size`` (kvframe's tensor-parallel size;
+      each worker's rank is vLLM's tensor-parallel rank, :func:`_tp_rank`). The P/D connector
+      puts it in ``kv_transfer_params.tp_size`` and its handshake.
+    - ``model``: the served model name (else the model path).
+    - ``num_kv_heads`` is **not** passed: kvframe's heterogeneous tensor parallelism needs each
+      rank's cache as ``[blocks, 2, block_size, heads, head_size]`` (K/V outermost), and
+      vLLM 0.32 hands connectors ``[blocks, heads, block_size, 2 * head_size]`` per layer (its
+      ``LBHNC`` layout: K and V side by side in the last dimension), which kvframe's
+      ``register_kv_caches`` would refuse. Without it equal tensor-parallel sizes work and a
+      different size is refused by the P/D scheduler, naming ``EngineInfo.num_kv_heads``.
+
+    Raises :class:`~kvframe.errors.ConfigError` for ``pipeline_parallel_size`` > 1: ranks
+    would then repeat across pipeline stages, and kvframe names a worker by its rank alone.
+    """
     model = vllm_config.model_config
     served = getattr(model, "served_model_name", None)
     if isinstance(served, (list, tuple)):
         served = served[0] if served else None
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or [None]
+    parallel = vllm_config.parallel_config
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if pp != 1:
+        raise ConfigError(
+            f"pipeline_parallel_size = {pp}: KVFrameConnector supports tensor parallelism "
+            "only (each worker is named by its tensor-parallel rank); run with "
+            "--pipeline-parallel-size 1"
+        )
     return EngineInfo(
         block_size=int(vllm_config.cache_config.block_size),
         num_kv_groups=len(groups),
-        world_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        world_size=int(parallel.tensor_parallel_size),
         # The served name, not the weights' path: two engines serving one model from
         # different directories must still be allowed to exchange KV.
         model=str(served or model.model),
@@ -247,7 +272,7 @@ class KVFrameConnector(KVConnectorBase_V1):
                 self._adapter.config, self._engine, self._ctx
             )
         else:
-            rank = _tp_rank()
+            rank = _tp_rank(self._engine.world_size)
             self._worker = self._cls.build_worker(
                 self._adapter.config, self._engine, rank, self._ctx
             )
@@ -552,10 +577,20 @@ class KVFrameConnector(KVConnectorBase_V1):
             self._worker.shutdown()
 
 
-def _tp_rank() -> int:
+def _tp_rank(tp_size: int = 1) -> int:
+    """This worker's vLLM tensor-parallel rank: 0 in a one-rank engine whose tensor-parallel
+    group is not set up; raises ``RuntimeError`` when ``tp_size`` > 1 and vLLM cannot say
+    (every rank would otherwise call itself 0)."""
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
-    except (AssertionError, ImportError):
+    except (AssertionError, ImportError) as exc:
+        if tp_size > 1:
+            raise RuntimeError(
+                f"KVFrameConnector's worker at tensor_parallel_size {tp_size} could not read "
+                f"its rank from vLLM ({type(exc).__name__}: {exc}); vLLM builds worker "
+                "connectors after its tensor-parallel group, so this is a vLLM version the "
+                "adapter does not know"
+            ) from exc
         return 0
