@@ -8,6 +8,7 @@ last test shows why (kvframe's heterogeneous-TP layout check refuses vLLM's cach
 
 from __future__ import annotations
 
+import re
 import types
 from typing import Any
 
@@ -136,3 +137,79 @@ def _view(params: dict[str, Any]) -> RequestView:
         prompt_token_ids=list(range(65)),
         kv_transfer_params=params,
     )
+
+
+def _layer_cache(head_size: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    # vLLM 0.32's CPU KV cache of one layer, as register_kv_caches receives it.
+    return {
+        "model.layers.0.self_attn.attn": torch.zeros(
+            BLOCKS, HEADS, BLOCK, 2 * head_size, dtype=dtype
+        )
+    }
+
+
+_LAYOUT_CASES = [
+    ("same", _layer_cache(HEAD_SIZE), ""),
+    (
+        "head_size",
+        _layer_cache(2 * HEAD_SIZE),
+        r"layer 'model\.layers\.0\.self_attn\.attn': this engine \[4, 32, 64\] torch\.float32, "
+        r"the peer \[4, 32, 128\] torch\.float32; serve the same model with the same KV cache "
+        r"shape on both engines",
+    ),
+    (
+        "dtype",
+        _layer_cache(HEAD_SIZE, torch.bfloat16),
+        r"dtype: this engine torch\.float32, the peer torch\.bfloat16; run both engines with one "
+        r"KV cache dtype",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "d_cache", "expected"), _LAYOUT_CASES, ids=[c[0] for c in _LAYOUT_CASES]
+)
+def test_two_vllm_engines_layout_mismatch_is_refused_at_the_handshake(
+    name: str, d_cache: dict[str, torch.Tensor], expected: str
+) -> None:
+    # Two workers as the adapter builds them (its EngineInfo, vLLM's CPU cache through
+    # kv_regions), handshaking over pyzmq on loopback as two vLLM engines would.
+    import time
+
+    from kvframe.connectors.pd.peers import PeerState
+
+    cls, _, ctx = _pd("kv_both")
+    info = _adapter()._engine_info(_vllm_config(), None)
+
+    def worker(role: str, engine_id: str, cache: dict[str, torch.Tensor]) -> Any:
+        cfg = AdapterConfig.from_fields(
+            kv_role=role, engine_id=engine_id, extra={"transport": "inprocess"}
+        )
+        w = cls.build_worker(cfg.config, info, 0, ctx)
+        w.register_kv_caches(kv_regions(cache, BLOCKS))
+        return w
+
+    p = worker("kv_producer", "P", _layer_cache(HEAD_SIZE))
+    d = worker("kv_consumer", "D", d_cache)
+    try:
+        entry = d._engines.ensure("P", 0, "127.0.0.1", p._server.port, time.monotonic())
+        deadline = time.monotonic() + 10
+        while entry.state is PeerState.CONNECTING and time.monotonic() < deadline:
+            time.sleep(0.02)
+            d._engines.poll(time.monotonic(), lambda _e: True)
+        if not expected:
+            assert entry.state is PeerState.READY
+            facts = entry.response.kv_layout
+            assert (facts.order, facts.block_size, facts.tp_size) == ("block-major", BLOCK, 1)
+            assert (facts.head_size, facts.num_kv_heads) == (0, 0)
+            assert [(x.shape, x.dtype) for x in facts.layers] == [
+                ((HEADS, BLOCK, 2 * HEAD_SIZE), "torch.float32")
+            ]
+            return
+        assert entry.state is PeerState.FAILED
+        assert entry.peer is None
+        assert "KV layout mismatch with the decoder, nothing is read" in (entry.error or "")
+        assert re.search(expected, entry.error or ""), entry.error
+    finally:
+        d.shutdown()
+        p.shutdown()
