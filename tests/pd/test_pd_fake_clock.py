@@ -225,3 +225,25 @@ def test_each_worker_reads_the_clock_once_per_progress_point() -> None:
     finally:
         d.shutdown()
         p.shutdown()
+
+
+def test_a_prefill_engine_gone_at_the_optimistic_post_fails_the_load_once(
+    pd: tuple[Driver, Driver], clock: FakeClock
+) -> None:
+    # The heartbeat asking P to confirm and the optimistic READ go in one progress point. When
+    # sending the heartbeat finds P unreachable, the load ends there (the peer broke); the READ
+    # queued behind it must then not be posted nor reported to the reader a second time (it
+    # raised InvalidTransitionError inside vLLM's decode engine: tests_vllm/test_vllm_pd.py).
+    p, d = pd
+    first = _prefill(p, "r1", [1])
+    _arrive(d, "q1", first, clock)
+    _schedule(d, "q1", first, [5])
+    _steps([d, p], lambda: _ended(d, "q1", "finished_recving"))
+    params = _prefill(p, "r2", [2])
+    Faults.of(d.worker.transport.fabric).vanish(p.worker.transport.name)
+    _arrive(d, "q2", params, clock)
+    _schedule(d, "q2", params, [6])
+    _steps([d], lambda: _ended(d, "q2", "finished_recving"))
+    assert "unreachable" in _failure(d, "q2")
+    assert d.worker.reader.state("q2") is None
+    assert not d.sched.has_pending_work()

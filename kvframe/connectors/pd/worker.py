@@ -1452,7 +1452,14 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         return []
 
     def _post(self, action: PostRead, now: float) -> list[Action]:
-        rd = self._reads[action.request_id]
+        rd = self._reads.get(action.request_id)
+        if rd is None or self._reader.state(action.request_id) is not ReadState.POSTED:
+            # Ended since the reader asked for the post: an optimistic READ queued behind the
+            # heartbeat whose send found the prefill engine unreachable. The reader already
+            # reported the end (its LoadEnded follows); posting or failing it again would
+            # report it twice.
+            self._count("posts_skipped_ended")
+            return []
         entry = self._entry(action.engine)
         if (
             entry is None
