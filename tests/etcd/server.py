@@ -1,95 +1,30 @@
 """A real etcd server on loopback for the tests, and a TCP proxy that can partition a client.
 
 :class:`EtcdServer` runs the ``etcd`` binary (Debian's ``etcd-server``; ``./dev test`` installs
-it) on free loopback ports with a data directory of its own; it can be stopped, killed and
-started again on the same ports and data.
+it) on free loopback ports with a data directory of its own, through the fleet demo's
+:class:`~kvframe_refengine.fleet_procs.LocalEtcd`; it can be stopped, killed and started again
+on the same ports and data.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shutil
-import signal
 import socket
-import subprocess
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kvframe_refengine.fleet_procs import LocalEtcd
 
 
-def etcd_binary() -> str:
-    path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
-    if path is None:
-        raise RuntimeError(
-            "etcd is not installed: the etcd tests start a real etcd. Run `./dev test` (it "
-            "installs Debian's etcd-server) or install etcd >= 3.4 on PATH"
-        )
-    return path
-
-
-class EtcdServer:
-    """One etcd member on ``127.0.0.1``; :attr:`endpoint` is its client URL."""
+class EtcdServer(LocalEtcd):
+    """One etcd member on ``127.0.0.1`` (the fleet demo's :class:`LocalEtcd`), its output
+    appended to ``<data_dir>.log``; :attr:`endpoint` is its client URL."""
 
     def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.client_port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log = data_dir.with_suffix(".log")
+        super().__init__(data_dir, name="kvframe-test", log=data_dir.with_suffix(".log"))
 
     def start(self, timeout: float = 20.0) -> None:
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        with open(self._log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    etcd_binary(),
-                    "--name=kvframe-test",
-                    f"--data-dir={self.data_dir}",
-                    f"--listen-client-urls={self.endpoint}",
-                    f"--advertise-client-urls={self.endpoint}",
-                    f"--listen-peer-urls={peer}",
-                    f"--initial-advertise-peer-urls={peer}",
-                    f"--initial-cluster=kvframe-test={peer}",
-                    "--logger=zap",
-                    "--log-level=error",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + timeout
-        while not self.healthy():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self._log}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"etcd not healthy within {timeout} s; see {self._log}")
-            time.sleep(0.05)
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as r:
-                return bool(json.loads(r.read()).get("health") == "true")
-        except (OSError, ValueError):
-            return False
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+        super().start(timeout)
 
 
 class Proxy:

@@ -9,9 +9,11 @@ starts the engines, each its own process in :class:`~kvframe.runtime.procs.Child
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 import urllib.request
@@ -39,48 +41,84 @@ def etcd_binary() -> str:
 
 
 class LocalEtcd:
-    """One etcd member on ``127.0.0.1`` (:attr:`endpoint`), data under ``data_dir``."""
+    """One etcd member on ``127.0.0.1`` (:attr:`endpoint`), data under ``data_dir``.
 
-    def __init__(self, data_dir: Path, children: ChildProcesses) -> None:
+    :param children: where the process is registered (stopped with the rest on a signal);
+        ``None`` starts it with plain :class:`subprocess.Popen` (the etcd tests do).
+    :param name: the member's name.
+    :param log: a file etcd's output is appended to (errors only); ``None`` discards it.
+
+    It can be stopped (:meth:`stop`, any signal) and started again on the same ports and data:
+    the tests use that to restart etcd under its clients.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        children: ChildProcesses | None = None,
+        *,
+        name: str = "kvframe-fleet",
+        log: Path | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.client_port = _free_port()
         self.peer_port = _free_port()
         self.endpoint = f"http://127.0.0.1:{self.client_port}"
         self._children = children
+        self._name = name
+        self._log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> None:
+        """Start etcd and wait until it answers ``/health``; :class:`RuntimeError` when it
+        exits first or is not healthy within ``timeout`` seconds."""
         peer = f"http://127.0.0.1:{self.peer_port}"
-        self.proc = self._children.popen(
-            [
-                etcd_binary(),
-                "--name=kvframe-fleet",
-                f"--data-dir={self.data_dir}",
-                f"--listen-client-urls={self.endpoint}",
-                f"--advertise-client-urls={self.endpoint}",
-                f"--listen-peer-urls={peer}",
-                f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=kvframe-fleet={peer}",
-                "--logger=zap",
-                "--log-level=error",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        args = [
+            etcd_binary(),
+            f"--name={self._name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={self.endpoint}",
+            f"--advertise-client-urls={self.endpoint}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster={self._name}={peer}",
+            "--logger=zap",
+            "--log-level=error",
+        ]
+        with contextlib.ExitStack() as stack:
+            out: Any = subprocess.DEVNULL
+            if self._log is not None:
+                out = stack.enter_context(open(self._log, "ab"))
+            popen = subprocess.Popen if self._children is None else self._children.popen
+            self.proc = popen(args, stdout=out, stderr=subprocess.STDOUT)
+        where = "" if self._log is None else f"; see {self._log}"
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with status {self.proc.returncode}")
+                raise RuntimeError(f"etcd exited with status {self.proc.returncode}{where}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"etcd was not healthy within {timeout:g} s")
+                raise RuntimeError(f"etcd was not healthy within {timeout:g} s{where}")
             time.sleep(0.05)
 
     def healthy(self) -> bool:
+        """Whether etcd answers ``/health`` with ``true`` within a second."""
         try:
             with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as r:
                 return bool(json.loads(r.read()).get("health") == "true")
         except (OSError, ValueError):
             return False
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` and wait for the process (up to 20 s, then SIGKILL); a no-op when it is
+        not running."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
 
 
 class LocalFleet:
