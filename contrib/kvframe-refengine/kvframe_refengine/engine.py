@@ -129,6 +129,14 @@ class EngineConfig:
     processes, each holding its shard of the model, the KV cache of its KV heads and its own
     connector worker half (:mod:`kvframe_refengine.tp`). Must fit the model
     (:func:`~kvframe_refengine.model.check_tp_size`)."""
+    kv_cache_order: str = attrs.field(
+        default="NHD", validator=attrs.validators.in_(("NHD", "HND"))
+    )
+    """The KV cache's dimension order, which the model reads and writes: ``"NHD"`` (default)
+    ``[block, K/V, token, head, dim]``, or ``"HND"`` ``[block, K/V, head, token, dim]``. The
+    engine tells its connector (``EngineInfo.kv_cache_order``): the P/D connector moves KV
+    between engines of different orders only with ``allow_layout_permute`` on the decoder,
+    and between different tensor-parallel sizes only when both are NHD."""
     worker_timeout_s: float = attrs.field(default=60.0, validator=_non_negative_seconds)
     """With ``tp_size > 1``: the longest one step may take on the workers (and each
     all-reduce in it) before the engine declares them broken and fails every live request;
@@ -211,6 +219,7 @@ class Engine:
                     self._model,
                     num_blocks=config.num_blocks,
                     block_size=config.block_size,
+                    kv_cache_order=config.kv_cache_order,
                     connector=worker_conn,
                     decode_metadata=self._decode_metadata,
                     encode_output=self._round_trip_output,
@@ -224,6 +233,7 @@ class Engine:
                     tp_size=config.tp_size,
                     num_blocks=config.num_blocks,
                     block_size=config.block_size,
+                    kv_cache_order=config.kv_cache_order,
                     device=config.device,
                     torch_threads=config.torch_threads or 1,
                     timeout_s=config.worker_timeout_s,
@@ -288,14 +298,16 @@ class Engine:
     def engine_info(self) -> EngineInfo:
         """What connectors learn about this engine; ``model`` is a digest of the model
         configuration, so engines with different weights never exchange KV; ``world_size``
-        is ``tp_size``; ``num_kv_heads`` is the model's (its cache is NHD), so engines of
-        different tensor-parallel sizes exchange KV."""
+        is ``tp_size``; ``num_kv_heads`` is the model's and ``kv_cache_order`` the cache's
+        (:attr:`EngineConfig.kv_cache_order`), so engines of different tensor-parallel sizes
+        exchange KV (NHD caches)."""
         digest = hashlib.sha256(repr(self.config.model).encode()).hexdigest()[:16]
         return EngineInfo(
             block_size=self.config.block_size,
             world_size=self.config.tp_size,
             model=f"refengine-tinylm-{digest}",
             num_kv_heads=self.config.model.num_kv_heads,
+            kv_cache_order=self.config.kv_cache_order,
         )
 
     def side_channel_ports(self) -> tuple[int, ...]:
@@ -341,10 +353,11 @@ class Engine:
             return None, None
         cls: type[KVConnector] = ctx.host.connector(kv.kv_connector)
         layout = cls.get_required_kvcache_layout(kv, ctx)
-        if layout not in (None, "NHD"):
+        if layout not in (None, self.config.kv_cache_order):
             raise ConfigError(
-                f"kv_connector {kv.kv_connector!r} needs KV cache layout {layout!r}; the "
-                "reference engine stores [block, K/V, token, head, dim] (NHD) only"
+                f"kv_connector {kv.kv_connector!r} needs KV cache layout {layout!r}; this "
+                f"engine's is {self.config.kv_cache_order!r}: set EngineConfig.kv_cache_order "
+                "(NHD or HND)"
             )
         # With tp_size > 1 each worker process builds its own rank's half (tp_worker.py).
         info = self.engine_info()
@@ -486,7 +499,8 @@ class Engine:
     def read_kv(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         """A copy of the KV cache's blocks ``block_ids``, one tensor per rank (one with
         ``tp_size`` 1), each ``[layers, len(block_ids), 2, block_size, kv_heads, head_dim]``
-        with that rank's KV heads (:meth:`~kvframe_refengine.model.TPShard.kv_heads`). For
+        (``[layers, len(block_ids), 2, kv_heads, block_size, head_dim]`` with
+        :attr:`EngineConfig.kv_cache_order` ``"HND"``) with that rank's KV heads (:meth:`~kvframe_refengine.model.TPShard.kv_heads`). For
         tests and diagnostics: it reads whatever the blocks hold, free or not.
 
         Raises ``ValueError`` for a block id outside the cache and

@@ -346,15 +346,23 @@ class TinyLM:
         return self._rms_norm(h, self.final_norm) @ self.lm_head.T
 
     # -- the engine's pass -----------------------------------------------------------------
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's cache: ``[num_blocks, 2, block_size, kv_heads, head_dim]``,
-        ``kv_heads`` being this shard's (:attr:`num_kv_heads`).
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, order: str = "NHD"
+    ) -> tuple[int, ...]:
+        """Shape of one layer's cache: ``[num_blocks, 2, block_size, kv_heads, head_dim]``
+        (``order`` ``"NHD"``, tokens then heads) or ``[num_blocks, 2, kv_heads, block_size,
+        head_dim]`` (``"HND"``, heads then tokens), ``kv_heads`` being this shard's
+        (:attr:`num_kv_heads`). Raises ``ValueError`` for another order.
 
         Block-major, K at index 0 and V at index 1 of dimension 1: one block id names the same
         tokens in every layer, and one block of one layer is one contiguous byte range (what a
         transport moves).
         """
-        return (num_blocks, 2, block_size, self.num_kv_heads, self.config.head_dim)
+        if order == "NHD":
+            return (num_blocks, 2, block_size, self.num_kv_heads, self.config.head_dim)
+        if order == "HND":
+            return (num_blocks, 2, self.num_kv_heads, block_size, self.config.head_dim)
+        raise ValueError(f"KV cache order {order!r}; it must be 'NHD' or 'HND'")
 
     @torch.inference_mode()
     def forward_paged(
@@ -362,8 +370,13 @@ class TinyLM:
         batch: PagedBatch,
         kv_caches: Sequence[torch.Tensor],
         hooks: AttentionHooks | None = None,
+        *,
+        order: str = "NHD",
     ) -> torch.Tensor:
         """Run the new tokens of every request in ``batch`` through the model.
+
+        ``kv_caches`` are in ``order`` (:meth:`kv_cache_shape`): the K/V written and read go
+        through that order's dimensions.
 
         Each layer calls ``hooks.before_attention(layer)``, writes the new tokens' K/V at
         ``batch.slot_mapping``, lets each request attend over its ``context_len`` cached tokens
@@ -379,7 +392,10 @@ class TinyLM:
                 f"got {len(kv_caches)} KV cache tensors for a {c.num_layers}-layer model; "
                 "pass one tensor per layer (see kv_cache_shape)"
             )
-        block_size = kv_caches[0].shape[2]
+        if order not in ("NHD", "HND"):
+            raise ValueError(f"KV cache order {order!r}; it must be 'NHD' or 'HND'")
+        nhd = order == "NHD"
+        block_size = kv_caches[0].shape[2 if nhd else 3]
         blk = torch.div(batch.slot_mapping, block_size, rounding_mode="floor")
         off = batch.slot_mapping % block_size
         h = self.embed[batch.token_ids]
@@ -388,11 +404,18 @@ class TinyLM:
             q, k, v = self._qkv(h, layer, batch.positions)
             if hooks is not None:
                 hooks.before_attention(i)
-            cache[blk, 0, off] = k
-            cache[blk, 1, off] = v
+            if nhd:
+                cache[blk, 0, off] = k
+                cache[blk, 1, off] = v
+            else:  # the token's row of every head: [tokens, kv_heads, d] as NHD's
+                cache[blk, 0, :, off] = k
+                cache[blk, 1, :, off] = v
             outs = []
             for seq in batch.seqs:
-                kv = cache[seq.block_table]  # [n_blocks, 2, block_size, kv_heads, d]
+                kv = cache[seq.block_table]
+                if not nhd:  # [n_blocks, 2, kv_heads, block_size, d] -> NHD's
+                    kv = kv.transpose(2, 3)
+                # [n_blocks, 2, block_size, kv_heads, d]
                 ctx_k = kv[:, 0].reshape(-1, self.num_kv_heads, c.head_dim)[: seq.context_len]
                 ctx_v = kv[:, 1].reshape(-1, self.num_kv_heads, c.head_dim)[: seq.context_len]
                 outs.append(

@@ -64,6 +64,8 @@ class ModelRunner:
         model: the model (its device is the runner's device).
         num_blocks: blocks per layer cache.
         block_size: tokens per block.
+        kv_cache_order: the cache's dimension order, ``"NHD"`` or ``"HND"``
+            (:meth:`~kvframe_refengine.model.TinyLM.kv_cache_shape`).
         connector: the connector's worker half, or ``None``.
         decode_metadata: turns what the scheduler sent into a ``ConnectorMetadata``.
         encode_output: turns the worker's ``ConnectorOutput`` into what the scheduler receives
@@ -79,13 +81,15 @@ class ModelRunner:
         *,
         num_blocks: int,
         block_size: int,
+        kv_cache_order: str = "NHD",
         connector: KVConnectorWorker | None,
         decode_metadata: Callable[[Any], ConnectorMetadata],
         encode_output: Callable[[ConnectorOutput], ConnectorOutput],
     ) -> None:
         self.model = model
         self.block_size = block_size
-        shape = model.kv_cache_shape(num_blocks, block_size)
+        self.kv_cache_order = kv_cache_order
+        shape = model.kv_cache_shape(num_blocks, block_size, kv_cache_order)
         self.kv_caches = [
             torch.zeros(shape, dtype=torch.float32, device=model.device)
             for _ in range(model.config.num_layers)
@@ -137,7 +141,11 @@ class ModelRunner:
         paged = self._build_batch(batch) if batch.seqs else None
         worker = self.connector
         if worker is None:
-            logits = self.model.forward_paged(paged, self.kv_caches) if paged else None
+            logits = (
+                self.model.forward_paged(paged, self.kv_caches, order=self.kv_cache_order)
+                if paged
+                else None
+            )
             return StepResult(sampled=self._sample(batch, logits), connector_output=None)
         worker.bind_connector_metadata(self._decode(batch.connector_metadata))
         try:
@@ -147,7 +155,9 @@ class ModelRunner:
             logits = None
             if paged is not None:
                 hooks = _ConnectorHooks(worker, self.kv_caches, paged)
-                logits = self.model.forward_paged(paged, self.kv_caches, hooks)
+                logits = self.model.forward_paged(
+                    paged, self.kv_caches, hooks, order=self.kv_cache_order
+                )
             worker.wait_for_save()
             output = worker.build_connector_worker_output(batch.finished_request_ids)
         finally:

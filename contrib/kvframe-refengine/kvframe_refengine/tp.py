@@ -101,6 +101,8 @@ class WorkerInit:
     """``EngineInfo.model`` of the engine (what connectors compare in handshakes)."""
     kv_transfer_config: str | None
     """The connector's configuration as JSON (``KVTransferConfig.to_json``), or ``None``."""
+    kv_cache_order: str = "NHD"
+    """The KV cache's dimension order (``EngineConfig.kv_cache_order``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -218,6 +220,7 @@ class TPWorkers:
         engine_model: str,
         kv_transfer_config: str | None,
         codec: Codec,
+        kv_cache_order: str = "NHD",
     ) -> None:
         self.tp_size = tp_size
         self._codec = codec
@@ -263,6 +266,7 @@ class TPWorkers:
                         timeout_s=timeout_s,
                         engine_model=engine_model,
                         kv_transfer_config=kv_transfer_config,
+                        kv_cache_order=kv_cache_order,
                     ),
                 )
             for reply in self._gather(WorkerReady, "start", 4 * timeout_s):

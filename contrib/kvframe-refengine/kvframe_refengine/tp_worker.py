@@ -66,6 +66,7 @@ def _build_connector(init: WorkerInit) -> tuple[KVConnectorWorker | None, Codec]
         world_size=init.tp_size,
         model=init.engine_model,
         num_kv_heads=init.model.num_kv_heads,
+        kv_cache_order=init.kv_cache_order,
     )
     return cls.build_worker(kv, info, init.rank, ctx), codec_for(cls, kv)
 
@@ -92,6 +93,7 @@ def _serve(sock: socket.socket, init: WorkerInit) -> None:
             model,
             num_blocks=init.num_blocks,
             block_size=init.block_size,
+            kv_cache_order=init.kv_cache_order,
             connector=connector,
             decode_metadata=lambda sent: codec.decode_as(sent, ConnectorMetadata),
             encode_output=lambda out: out,

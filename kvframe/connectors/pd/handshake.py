@@ -11,7 +11,10 @@ cache and gives P what it needs to talk back (heartbeat acknowledgements and fai
   incarnation) and P's clock reading; or a :class:`HandshakeRefusal` saying why not.
 - Both sides compare the layout facts field by field (:func:`check_kv_layout`): P refuses a
   mismatch (``"incompatible"``) and D refuses an answer whose facts differ, naming every
-  differing field with both values; nothing is prepared for reading then.
+  differing field with both values; nothing is prepared for reading then. One exception: an
+  NHD/HND order difference alone (equal tensor-parallel sizes, everything else equal) passes
+  P, and D accepts it only with ``allow_layout_permute`` (it then reads into a staging area
+  and permutes on arrival, :mod:`kvframe.connectors.pd.permute`).
 - Later exchanges of the same handshake: :class:`ClockPing` → :class:`ClockPong` (a clock
   reading only).
 
@@ -317,8 +320,8 @@ def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
         "cache order",
         f"{mine.order} {LAYOUT_ORDERS[mine.order].split(' (')[0]}",
         f"{theirs.order} {LAYOUT_ORDERS[theirs.order].split(' (')[0]}",
-        "configure both engines' KV cache layout alike (the P/D connector does not permute "
-        "a layout on arrival)",
+        "configure both engines' KV cache layout alike, or (NHD and HND only) set "
+        "allow_layout_permute on the decoder to permute blocks on arrival",
     )
     differ(
         "block size",
@@ -378,18 +381,37 @@ def _names(names: list[str]) -> str:
     return shown + (", ..." if len(names) > 3 else "")
 
 
-def check_kv_layout(mine: KVLayoutFacts | None, theirs: KVLayoutFacts | None, peer: str) -> None:
+def check_kv_layout(
+    mine: KVLayoutFacts | None,
+    theirs: KVLayoutFacts | None,
+    peer: str,
+    *,
+    permute: bool = False,
+) -> None:
     """Raise :class:`~kvframe.errors.IncompatiblePeerError` when ``peer`` (``"the decoder"``,
     ``"the prefill engine"``) sent no layout while this side has one, or one that differs
     (:func:`layout_mismatches`, every field named). Nothing to check when ``mine`` is
-    ``None``."""
+    ``None``.
+
+    With ``permute``, facts that differ in the NHD/HND order alone at equal tensor-parallel
+    sizes pass (:func:`kvframe.connectors.pd.permute.permutable`: the reader permutes on
+    arrival); any other difference is refused with every field named. An HND cache is refused
+    at a different tensor-parallel size whatever ``permute`` says (heterogeneous tensor
+    parallelism reads head runs of NHD caches only)."""
     if mine is None:
         return
     if theirs is None:
         raise IncompatiblePeerError(
             f"{peer} sent no KV layout; run the same kvframe version on both engines"
         )
-    wrong = layout_mismatches(mine, theirs)
+    # Imported here: the permutation module builds on this one.
+    from kvframe.connectors.pd.permute import order_refusal, permute_refusal
+
+    if permute and mine.order != theirs.order:
+        wrong = permute_refusal(mine, theirs)
+    else:
+        wrong = layout_mismatches(mine, theirs)
+    wrong += order_refusal(mine, theirs)
     if wrong:
         raise IncompatiblePeerError(
             f"KV layout mismatch with {peer}, nothing is read: " + "; and ".join(wrong)
@@ -624,6 +646,7 @@ def handshake(
     context: zmq.Context[Any] | None = None,
     keys: KeyRing | None = None,
     expect_engine: str | None = None,
+    allow_permute: bool = False,
 ) -> HandshakeResult:
     """Ask the P worker listening at ``host:port``; blocks up to ``timeout`` seconds in all.
 
@@ -631,7 +654,8 @@ def handshake(
     ``keys``, an authenticated one (see the module docs) whose challenge is one of them, and P
     must prove it holds the fleet key and, with ``expect_engine``, that it is that engine.
     With ``request.kv_layout``, P's answer must carry equal layout facts
-    (:func:`check_kv_layout`). Raises :class:`HandshakeTimeoutError`,
+    (:func:`check_kv_layout`), or with ``allow_permute`` facts that differ in the NHD/HND
+    order alone (the caller then permutes what it reads, :mod:`kvframe.connectors.pd.permute`). Raises :class:`HandshakeTimeoutError`,
     :class:`IncompatiblePeerError` or :class:`HandshakeError`. Nothing is left open after it
     returns or raises.
     """
@@ -714,7 +738,12 @@ def handshake(
             if isinstance(answer, HandshakeAccept):
                 response = answer.response
                 try:
-                    check_kv_layout(request.kv_layout, response.kv_layout, "the prefill engine")
+                    check_kv_layout(
+                        request.kv_layout,
+                        response.kv_layout,
+                        "the prefill engine",
+                        permute=allow_permute,
+                    )
                 except IncompatiblePeerError as exc:
                     raise IncompatiblePeerError(f"{host}:{port}: {exc}") from None
             nxt = ping
@@ -765,7 +794,8 @@ class HandshakeServer:
     :attr:`challenged` and accepted handshakes in :attr:`served`; the server keeps serving.
     With ``kv_layout``, a request (once authenticated, with ``keys``) whose
     :class:`KVLayoutFacts` differ is refused as ``"incompatible"``, naming every differing
-    field (:func:`check_kv_layout`), before ``respond`` is called, and so is a push request
+    field (:func:`check_kv_layout`; a difference in the NHD/HND order alone passes: the
+    decoder decides whether it permutes on arrival), before ``respond`` is called, and so is a push request
     (one with a ``layout``: P would write into it) without facts; a pull request without facts
     is answered, its reader checks the answer's facts; an answer ``respond`` built without
     layout facts gets ``kv_layout``.
@@ -958,7 +988,11 @@ class HandshakeServer:
             if message.kv_layout is not None or message.layout is not None:
                 # A pull request without facts is not refused here: its reader checks the
                 # facts of the answer (a kvframe D always does, and sends its own).
-                check_kv_layout(self._kv_layout, message.kv_layout, "the decoder")
+                # An NHD/HND order difference alone passes: the decoder refuses it unless it
+                # permutes on arrival (allow_layout_permute), and this engine never writes
+                # into a layout it does not match (the responder drops a differing
+                # decoder's layout, so nothing is pushed into it).
+                check_kv_layout(self._kv_layout, message.kv_layout, "the decoder", permute=True)
         except IncompatiblePeerError as exc:
             return self._reject("incompatible", str(exc))
         try:

@@ -53,6 +53,17 @@ class PDOptions:
     """Bidirectional mode, P: seconds subtracted from D's kept-blocks expiry (after the clock
     offset correction and its uncertainty) before P relies on it; ``None``:
     ``min(30, decoder_kv_blocks_ttl / 4)``."""
+    allow_layout_permute: bool = False
+    """Pull mode, D: read from a prefill engine whose KV cache order is the other of NHD and
+    HND (everything else equal, at one tensor-parallel size) into a staging area and permute
+    the blocks into this engine's order before the load is reported done
+    (:mod:`kvframe.connectors.pd.permute`); ``false`` refuses the handshake, naming both
+    orders. A block-major cache is never permuted."""
+    permute_staging_blocks: int = 64
+    """With :attr:`allow_layout_permute`, D: the staging area's size in blocks (each slot one
+    block of every layer, allocated next to the KV cache when it is registered). A load of more
+    blocks fails at once; a load that finds too few free slots waits in arrival order, until
+    the reader's deadline of a posted load."""
     auth_key_file: str | None = None
     """The fleet key file (see :mod:`kvframe.connectors.pd.auth`); ``None``: unauthenticated."""
     keys: KeyRing | None = attrs.field(default=None, repr=False)
@@ -160,6 +171,17 @@ class PDOptions:
         optimistic = extra.get("optimistic_read", True)
         if not isinstance(optimistic, bool):
             raise ConfigError(f"{_PATH}.optimistic_read = {optimistic!r}; expected true or false")
+        permute = extra.get("allow_layout_permute", False)
+        if not isinstance(permute, bool):
+            raise ConfigError(
+                f"{_PATH}.allow_layout_permute = {permute!r}; expected true or false"
+            )
+        staging = extra.get("permute_staging_blocks", 64)
+        if isinstance(staging, bool) or not isinstance(staging, int) or not 1 <= staging <= 65536:
+            raise ConfigError(
+                f"{_PATH}.permute_staging_blocks = {staging!r}; expected a whole number of "
+                "blocks from 1 to 65536 (the most blocks of permuting loads read at once)"
+            )
         poll = seconds("kept_poll_interval", 0.02)
         assert poll is not None
         if poll > 1.0:
@@ -170,6 +192,8 @@ class PDOptions:
         return cls(
             kept_poll_interval=poll,
             optimistic_read=optimistic,
+            allow_layout_permute=permute,
+            permute_staging_blocks=staging,
             symmetric_leases=symmetric,
             kv_recompute_threshold=threshold,
             ttl_safety_margin=None if safety is None else float(safety),

@@ -111,8 +111,10 @@ class RemoteEngines:
         layout: BlockLayout | None = None,
         tp_size: int = 1,
         kv_layout: KVLayoutFacts | None = None,
+        allow_permute: bool = False,
     ) -> None:
         self._transport = transport
+        self._allow_permute = allow_permute
         self._keys = keys
         self._request = HandshakeRequest(
             engine_id=engine_id,
@@ -162,6 +164,7 @@ class RemoteEngines:
                     clock=self._clock,
                     keys=self._keys,
                     expect_engine=job.engine_id,
+                    allow_permute=self._allow_permute,
                 )
             except KVFrameError as exc:
                 result = exc

@@ -79,6 +79,7 @@ from kvframe.connectors.pd.metadata import (
 )
 from kvframe.connectors.pd.options import PDOptions
 from kvframe.connectors.pd.peers import PeerState, RemoteEngine, RemoteEngines
+from kvframe.connectors.pd.permute import StagingArea
 from kvframe.core import push as pushwire
 from kvframe.core import wire
 from kvframe.core.holder import HolderOutput, LeaseHolder
@@ -289,6 +290,10 @@ class _Read:
     reported: bool = False
     """Its completion went to the reader, which waits for P's acknowledgement (an optimistic
     READ that completed first): not polled again."""
+    permute_from: str | None = None
+    """``allow_layout_permute``: the source's KV cache order, when the READ went into the
+    staging area and is permuted into this engine's order once DONE (``None``: read in
+    place)."""
 
 
 class PDConnectorWorker(WorkerReports, KVConnectorWorker):
@@ -336,6 +341,14 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._local: LayoutHandle | None = None
         self._local_heads = 0  # KV heads of this rank (num_kv_heads given)
         self._layout: BlockLayout | None = None
+        self._kv_facts: KVLayoutFacts | None = None
+        # allow_layout_permute (D): the staging area, its prepared layout, its tensors and
+        # the caches' byte views (permute.py); the permuting loads waiting for free slots.
+        self._staging: StagingArea | None = None
+        self._staging_handle: LayoutHandle | None = None
+        self._staging_tensors: list[Any] = []
+        self._cache_bytes: list[Any] = []
+        self._staging_wait: collections.deque[PostRead] = collections.deque()
         self._chash = b""
         self._local_meta = b""
         self._server: HandshakeServer | None = None
@@ -491,14 +504,16 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._layout = BlockLayout(regions=regions, block_lens=block_lens, num_blocks=num_blocks)
         heads = self._engine.num_kv_heads
+        order = self._engine.kv_cache_order if heads is not None else "block-major"
         if heads is not None:
-            # Heterogeneous tensor parallelism is possible: the caches must be NHD, and what
-            # both sides must agree on is the whole model's shape, not this rank's share.
-            facts = self._nhd_facts(kv_caches, heads)
+            # The caches are NHD or HND (heterogeneous tensor parallelism is possible between
+            # NHD caches), and what both sides must agree on is the whole model's shape, not
+            # this rank's share.
+            facts = self._head_facts(kv_caches, heads, order)
         # The layout travels as fields, compared field by field at the handshake; the hash
         # covers the rest both sides must agree on.
         self._kv_facts = KVLayoutFacts(
-            order="NHD" if heads is not None else "block-major",
+            order=order,
             block_size=self._engine.block_size,
             head_size=facts[0][1][3] if heads is not None else 0,
             num_kv_heads=heads or 0,
@@ -514,8 +529,19 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             transport=self._options.transport,
             groups=self._engine.num_kv_groups,
         )
-        self._transport.register_memory(regions)
+        staging_regions: list[MemoryRegion] = []
+        if self._options.allow_layout_permute and heads is not None and self._config.is_consumer:
+            staging_regions = self._make_staging(kv_caches, block_lens)
+        self._transport.register_memory(regions + staging_regions)
         self._local = self._transport.prepare_local(self._layout)
+        if staging_regions:
+            self._staging_handle = self._transport.prepare_local(
+                BlockLayout(
+                    regions=staging_regions,
+                    block_lens=block_lens,
+                    num_blocks=self._staging.size,
+                )
+            )
         # Read on the engine thread, before the server thread that answers with it exists.
         self._local_meta = self._transport.local_metadata()
         if self._transport.capabilities.access_control:
@@ -554,34 +580,59 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 layout=self._layout,
                 tp_size=self._engine.world_size,
                 kv_layout=self._kv_facts,
+                allow_permute=self._options.allow_layout_permute,
             )
 
-    def _nhd_facts(self, kv_caches: Mapping[str, torch.Tensor], heads: int) -> list[Any]:
-        # Each layer must be [blocks, 2, block_size, this rank's heads, head_dim]; the facts
-        # hashed name the whole model's head count instead of this rank's.
+    def _head_facts(
+        self, kv_caches: Mapping[str, torch.Tensor], heads: int, order: str
+    ) -> list[Any]:
+        # Each layer must be [blocks, 2, block_size, this rank's heads, head_dim] (NHD) or
+        # [blocks, 2, this rank's heads, block_size, head_dim] (HND); the facts hashed name
+        # the whole model's head count instead of this rank's.
         try:
             local = len(kv_heads_of(self._rank, self._engine.world_size, heads))
         except ValueError as exc:
             raise ValueError(f"EngineInfo.num_kv_heads = {heads}: {exc}") from None
         facts: list[Any] = []
-        want = f"[blocks, 2, {self._engine.block_size}, {local}, head_dim]"
+        bs = self._engine.block_size
+        nhd = order == "NHD"
+        dims = (2, bs, local) if nhd else (2, local, bs)
+        want = f"[blocks, 2, {dims[1]}, {dims[2]}, head_dim]"
+        what = "K/V, tokens, then heads" if nhd else "K/V, heads, then tokens"
         for name, t in kv_caches.items():
             shape = tuple(int(x) for x in t.shape)
-            if (
-                len(shape) != 5
-                or shape[1:4] != (2, self._engine.block_size, local)
-                or not t.is_contiguous()
-            ):
+            if len(shape) != 5 or shape[1:4] != dims or not t.is_contiguous():
                 raise ValueError(
                     f"KV cache {name!r} has shape {list(shape)}; with EngineInfo.num_kv_heads "
                     f"= {heads} at tensor-parallel size {self._engine.world_size}, rank "
-                    f"{self._rank} needs a contiguous {want} (K/V, tokens, then heads: the "
-                    "NHD layout). Leave num_kv_heads unset to move whole blocks between "
-                    "engines of equal tensor-parallel sizes only"
+                    f"{self._rank} needs a contiguous {want} ({what}: the {order} layout, "
+                    "EngineInfo.kv_cache_order). Leave num_kv_heads unset to move whole "
+                    "blocks between engines of equal tensor-parallel sizes only"
                 )
-            facts.append((name, (2, shape[2], heads, shape[4]), str(t.dtype)))
+            whole = (2, bs, heads, shape[4]) if nhd else (2, heads, bs, shape[4])
+            facts.append((name, whole, str(t.dtype)))
         self._local_heads = local
         return facts
+
+    def _make_staging(
+        self, kv_caches: Mapping[str, torch.Tensor], block_lens: list[int]
+    ) -> list[MemoryRegion]:
+        # allow_layout_permute: a staging area of permute_staging_blocks slots (one block of
+        # every layer each, on the cache's device) that READs from a peer of the other order
+        # land in, and byte views of the caches the permuted blocks are written into.
+        import torch
+
+        size = self._options.permute_staging_blocks
+        self._staging = StagingArea(size)
+        self._staging_tensors = []
+        self._cache_bytes = []
+        regions = []
+        for t, blen in zip(kv_caches.values(), block_lens, strict=True):
+            st = torch.zeros((size, blen), dtype=torch.uint8, device=t.device)
+            self._staging_tensors.append(st)
+            self._cache_bytes.append(t.view(torch.uint8).reshape(int(t.shape[0]), blen))
+            regions.append(MemoryRegion.from_tensor(st))
+        return regions
 
     def _check_access(self, peer: str, op: Op, ranges: Sequence[tuple[int, int]]) -> str | None:
         # Runs inside the transport's progress, on the engine thread (the holder's thread).
@@ -680,7 +731,13 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     request.rank,
                     request.transport_metadata,
                     session,
-                    request.layout,
+                    # Push mode writes into the decoder's blocks: never into a layout of
+                    # another order (a permuting decoder pulls only).
+                    request.layout
+                    if request.kv_layout is None
+                    or self._kv_facts is None
+                    or request.kv_layout.order == self._kv_facts.order
+                    else None,
                     request.tp_size,
                 )
             )
@@ -862,6 +919,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             for rid, state, handle in states:
                 self._transfer_state(rid, state, handle, now)
             self._run(self._reader.tick(now), now)
+            if self._staging_wait:
+                self._post_waiting(now)
             self._settle_posted()
             if self._pushes:
                 self._push_tick(now)
@@ -1451,7 +1510,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._count("heartbeats_sent", engine=entry.engine_id)
         return []
 
-    def _post(self, action: PostRead, now: float) -> list[Action]:
+    def _post(self, action: PostRead, now: float, *, waited: bool = False) -> list[Action]:
         rd = self._reads.get(action.request_id)
         if rd is None or self._reader.state(action.request_id) is not ReadState.POSTED:
             # Ended since the reader asked for the post: an optimistic READ queued behind the
@@ -1477,6 +1536,38 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if not local:
             return self._reader.transfer_done(action.request_id, now)
         local_handle, remote_handle = self._local, entry.remote
+        permute = self._permute_order(entry)
+        if permute is not None:
+            # allow_layout_permute: P's blocks land in staging slots, permuted into this
+            # engine's order once DONE (_transfer_state); nothing lands in the cache as read.
+            staging = self._staging
+            if staging is None or self._staging_handle is None or rd.heads is not None:
+                return self._reader.transfer_failed(
+                    action.request_id,
+                    "the prefill engine's KV cache order differs and this engine has no "
+                    "staging area to permute it in (allow_layout_permute with "
+                    "EngineInfo.num_kv_heads, equal tensor-parallel sizes)",
+                    now,
+                )
+            if len(local) > staging.size:
+                self._count("permute_refused")
+                return self._reader.transfer_failed(
+                    action.request_id,
+                    f"the load's {len(local)} blocks need permuting and do not fit the staging "
+                    f"area of {staging.size} blocks; raise permute_staging_blocks",
+                    now,
+                )
+            if (self._staging_wait and not waited) or staging.take(
+                action.request_id, len(local)
+            ) is None:
+                # Too few free slots (or loads waiting ahead): wait, in arrival order, for
+                # the loads ahead to end; the reader's deadline of a posted load bounds it.
+                if not waited:
+                    self._staging_wait.append(action)
+                    self._count("permute_waits")
+                return []
+            rd.permute_from = permute
+            local_handle, local = self._staging_handle, list(staging.slots(action.request_id))
         if rd.heads is not None:
             # Heterogeneous tensor parallelism: this rank's heads of each block, from the
             # source rank's share, as units of a layout cut into head runs.
@@ -1508,6 +1599,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 notification=notice,
             )
         except (TransportError, ValueError) as exc:
+            if self._staging is not None:
+                self._staging.give(action.request_id)
             broken = isinstance(exc, PeerUnreachableError)
             out = self._reader.transfer_failed(
                 action.request_id, f"posting the read failed: {exc}", now, peer_broken=broken
@@ -1524,6 +1617,59 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         assert self._engines is not None
         self._engines.touch(entry, now)
         return []
+
+    def _permute_order(self, entry: RemoteEngine) -> str | None:
+        """The source's KV cache order when it differs from this engine's (the handshake let
+        it through only with ``allow_layout_permute``), else ``None``."""
+        theirs = entry.response.kv_layout if entry.response is not None else None
+        if theirs is None or self._kv_facts is None or theirs.order == self._kv_facts.order:
+            return None
+        return theirs.order
+
+    def _post_waiting(self, now: float) -> None:
+        # Permuting loads that found too few free staging slots, in arrival order: post the
+        # first ones that fit now; loads that ended meanwhile are dropped.
+        staging = self._staging
+        while self._staging_wait and staging is not None:
+            action = self._staging_wait[0]
+            rid = action.request_id
+            rd = self._reads.get(rid)
+            if (
+                rd is None
+                or rd.handle is not None
+                or self._reader.state(rid) is not ReadState.POSTED
+            ):
+                self._staging_wait.popleft()
+                continue
+            need = sum(len(g) for g in rd.spec.local_block_ids)
+            if need > staging.free:
+                return
+            self._staging_wait.popleft()
+            self._run(self._post(action, now, waited=True), now)
+
+    def _permute_in(self, rd: _Read, rid: str) -> None:
+        """Write the staged blocks of ``rid``, permuted into this engine's order, into its
+        destination blocks (every layer), on this thread."""
+        import torch
+
+        from kvframe.connectors.pd.permute import permute_blocks
+
+        assert self._staging is not None and self._kv_facts is not None
+        assert rd.permute_from is not None
+        slots = list(self._staging.slots(rid))
+        local = [b for g in rd.spec.local_block_ids for b in g]
+        for staged, cache in zip(self._staging_tensors, self._cache_bytes, strict=True):
+            src = staged.index_select(0, torch.tensor(slots, device=staged.device))
+            out = permute_blocks(
+                src,
+                rd.permute_from,
+                self._kv_facts.order,
+                block_size=self._engine.block_size,
+                heads=self._local_heads,
+            )
+            cache[torch.tensor(local, device=cache.device)] = out
+        self._count("loads_permuted")
+        self._count("blocks_permuted", len(local))
 
     def _head_units(
         self,
@@ -1576,6 +1722,24 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     self._engines.mark_failed(entry, now, str(err))
             self._run(actions, now)
             return
+        if rd.permute_from is not None:
+            # The READ landed in staging slots, all of it (DONE): permute it into the cache's
+            # destination blocks now, before the load can be reported; the slots are free
+            # again after (no byte of a DONE transfer lands later).
+            assert self._staging is not None
+            try:
+                self._permute_in(rd, rid)
+            except Exception as exc:  # the blocks are then invalid: the load fails
+                self._run(
+                    self._reader.transfer_failed(
+                        rid, f"permuting the blocks read failed: {type(exc).__name__}: {exc}", now
+                    ),
+                    now,
+                )
+                return
+            finally:
+                self._staging.give(rid)
+                rd.permute_from = None
         engine = rd.spec.remote.engine_id
         if rd.notice is not None:
             # notification_after_data is False: the done notice goes only now, after DONE
@@ -1598,6 +1762,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             # Stops the transfer: when this returns no byte of it lands any more.
             self._transport.release(rd.handle)
             rd.handle = None
+        if self._staging is not None:
+            self._staging.give(request_id)
 
     def _load_ended(self, action: LoadEnded, now: float) -> None:
         sub = action.request_id
@@ -1606,6 +1772,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if rd is not None and rd.handle is not None:
             self._transport.release(rd.handle)
             rd.handle = None
+        if self._staging is not None:
+            self._staging.give(sub)
         engine = self._engine_of(action.engine)
         rid = rd.parent if rd is not None and rd.parent else sub
         state, reason = action.state, action.reason
