@@ -241,9 +241,7 @@ class EngineInfo:
     does not say. Given, it lets the P/D connector move KV between engines of different
     tensor-parallel sizes (each rank's cache then must be ``[blocks, 2, block_size,
     heads of this rank, head_dim]``); ``None`` allows equal sizes only."""
-    kv_cache_order: str = attrs.field(
-        default="NHD", validator=attrs.validators.in_(("NHD", "HND"))
-    )
+    kv_cache_order: str = attrs.field(default="NHD", validator=attrs.validators.in_(("NHD", "HND")))
     """The dimension order of each rank's cache when :attr:`num_kv_heads` is given: ``"NHD"``
     ``[blocks, 2, block_size, heads, head_dim]`` (tokens, then heads) or ``"HND"`` ``[blocks,
     2, heads, block_size, head_dim]`` (heads, then tokens). The P/D connector moves KV between

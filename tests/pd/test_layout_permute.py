@@ -175,7 +175,8 @@ def test_staging_area_gives_slots_until_full_and_takes_them_back() -> None:
     area.give("a")  # nothing held any more: nothing happens
     assert area.free == 3
     assert sorted(area.take("b", 3) or []) == [0, 1, 2]
-    assert area.holds("b") and not area.holds("a")
+    assert area.holds("b")
+    assert not area.holds("a")
     with pytest.raises(ValueError, match="already holds"):
         area.take("b", 1)
     with pytest.raises(ValueError, match="6 blocks do not fit a staging area of 5"):
@@ -192,7 +193,8 @@ def test_options_default_off_and_are_validated() -> None:
     assert opts.allow_layout_permute is False
     assert opts.permute_staging_blocks == 64
     on = PDOptions.from_extra({"allow_layout_permute": True, "permute_staging_blocks": 8})
-    assert on.allow_layout_permute and on.permute_staging_blocks == 8
+    assert on.allow_layout_permute
+    assert on.permute_staging_blocks == 8
     with pytest.raises(ConfigError, match="allow_layout_permute = 'yes'; expected true or false"):
         PDOptions.from_extra({"allow_layout_permute": "yes"})
     for bad in (0, -1, True, 1.5, 65537):

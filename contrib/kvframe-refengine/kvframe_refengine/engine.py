@@ -129,9 +129,7 @@ class EngineConfig:
     processes, each holding its shard of the model, the KV cache of its KV heads and its own
     connector worker half (:mod:`kvframe_refengine.tp`). Must fit the model
     (:func:`~kvframe_refengine.model.check_tp_size`)."""
-    kv_cache_order: str = attrs.field(
-        default="NHD", validator=attrs.validators.in_(("NHD", "HND"))
-    )
+    kv_cache_order: str = attrs.field(default="NHD", validator=attrs.validators.in_(("NHD", "HND")))
     """The KV cache's dimension order, which the model reads and writes: ``"NHD"`` (default)
     ``[block, K/V, token, head, dim]``, or ``"HND"`` ``[block, K/V, head, token, dim]``. The
     engine tells its connector (``EngineInfo.kv_cache_order``): the P/D connector moves KV
@@ -500,8 +498,9 @@ class Engine:
         """A copy of the KV cache's blocks ``block_ids``, one tensor per rank (one with
         ``tp_size`` 1), each ``[layers, len(block_ids), 2, block_size, kv_heads, head_dim]``
         (``[layers, len(block_ids), 2, kv_heads, block_size, head_dim]`` with
-        :attr:`EngineConfig.kv_cache_order` ``"HND"``) with that rank's KV heads (:meth:`~kvframe_refengine.model.TPShard.kv_heads`). For
-        tests and diagnostics: it reads whatever the blocks hold, free or not.
+        :attr:`EngineConfig.kv_cache_order` ``"HND"``) with that rank's KV heads
+        (:meth:`~kvframe_refengine.model.TPShard.kv_heads`). For tests and diagnostics: it
+        reads whatever the blocks hold, free or not.
 
         Raises ``ValueError`` for a block id outside the cache and
         :class:`~kvframe_refengine.tp.WorkerFailed` when the workers are not serving.

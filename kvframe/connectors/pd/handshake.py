@@ -655,9 +655,9 @@ def handshake(
     must prove it holds the fleet key and, with ``expect_engine``, that it is that engine.
     With ``request.kv_layout``, P's answer must carry equal layout facts
     (:func:`check_kv_layout`), or with ``allow_permute`` facts that differ in the NHD/HND
-    order alone (the caller then permutes what it reads, :mod:`kvframe.connectors.pd.permute`). Raises :class:`HandshakeTimeoutError`,
-    :class:`IncompatiblePeerError` or :class:`HandshakeError`. Nothing is left open after it
-    returns or raises.
+    order alone (the caller then permutes what it reads, :mod:`kvframe.connectors.pd.permute`).
+    Raises :class:`HandshakeTimeoutError`, :class:`IncompatiblePeerError` or
+    :class:`HandshakeError`. Nothing is left open after it returns or raises.
     """
     d_nonce = secrets.token_bytes(NONCE_BYTES)
     try:
@@ -795,10 +795,10 @@ class HandshakeServer:
     With ``kv_layout``, a request (once authenticated, with ``keys``) whose
     :class:`KVLayoutFacts` differ is refused as ``"incompatible"``, naming every differing
     field (:func:`check_kv_layout`; a difference in the NHD/HND order alone passes: the
-    decoder decides whether it permutes on arrival), before ``respond`` is called, and so is a push request
-    (one with a ``layout``: P would write into it) without facts; a pull request without facts
-    is answered, its reader checks the answer's facts; an answer ``respond`` built without
-    layout facts gets ``kv_layout``.
+    decoder decides whether it permutes on arrival), before ``respond`` is called, and so is a
+    push request (one with a ``layout``: P would write into it) without facts; a pull request
+    without facts is answered, its reader checks the answer's facts; an answer ``respond``
+    built without layout facts gets ``kv_layout``.
     :meth:`close` stops the thread and releases the socket; safe twice.
     """
 

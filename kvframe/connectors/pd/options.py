@@ -173,9 +173,7 @@ class PDOptions:
             raise ConfigError(f"{_PATH}.optimistic_read = {optimistic!r}; expected true or false")
         permute = extra.get("allow_layout_permute", False)
         if not isinstance(permute, bool):
-            raise ConfigError(
-                f"{_PATH}.allow_layout_permute = {permute!r}; expected true or false"
-            )
+            raise ConfigError(f"{_PATH}.allow_layout_permute = {permute!r}; expected true or false")
         staging = extra.get("permute_staging_blocks", 64)
         if isinstance(staging, bool) or not isinstance(staging, int) or not 1 <= staging <= 65536:
             raise ConfigError(

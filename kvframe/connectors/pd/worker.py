@@ -539,7 +539,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 BlockLayout(
                     regions=staging_regions,
                     block_lens=block_lens,
-                    num_blocks=self._staging.size,
+                    num_blocks=self._options.permute_staging_blocks,
                 )
             )
         # Read on the engine thread, before the server thread that answers with it exists.
@@ -1654,7 +1654,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
 
         from kvframe.connectors.pd.permute import permute_blocks
 
-        assert self._staging is not None and self._kv_facts is not None
+        assert self._staging is not None
+        assert self._kv_facts is not None
         assert rd.permute_from is not None
         slots = list(self._staging.slots(rid))
         local = [b for g in rd.spec.local_block_ids for b in g]
