@@ -6,6 +6,7 @@ engine: ``tests/refengine/test_layout_permute_nixl.py``."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -14,8 +15,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvframe.config import KVTransferConfig
+from kvframe.connectors.pd import PDConnector
 from kvframe.connectors.pd.handshake import KVLayerFacts, KVLayoutFacts, check_kv_layout
 from kvframe.connectors.pd.options import PDOptions
+from kvframe.connectors.pd.peers import PeerState
 from kvframe.connectors.pd.permute import (
     StagingArea,
     as_order,
@@ -24,7 +28,8 @@ from kvframe.connectors.pd.permute import (
     permute_refusal,
 )
 from kvframe.errors import ConfigError, IncompatiblePeerError
-from kvframe.spi.connector import EngineInfo
+from kvframe.runtime.plugins import PluginHost
+from kvframe.spi.connector import BuildContext, EngineInfo
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float64]
 _AXES = {"NHD": "tokens heads", "HND": "heads tokens"}
@@ -207,3 +212,83 @@ def test_engine_info_names_its_cache_order() -> None:
     assert EngineInfo(block_size=16, kv_cache_order="HND").kv_cache_order == "HND"
     with pytest.raises(ValueError, match="kv_cache_order"):
         EngineInfo(block_size=16, kv_cache_order="block-major")
+
+
+# -- two real workers: the handshake between orders ------------------------------------------
+
+
+def _worker(role: str, order: str, engine_id: str = "", **extra: Any) -> Any:
+    config = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "PDConnector",
+            "kv_role": role,
+            "engine_id": engine_id or ("P" if role == "kv_producer" else "D"),
+            "kv_lease_duration": 6.0,
+            "kv_connector_extra_config": {"transport": "inprocess", **extra},
+        }
+    )
+    host = PluginHost()
+    host.load()
+    engine = EngineInfo(block_size=16, model="m", num_kv_heads=2, kv_cache_order=order)
+    worker = PDConnector.build_worker(config, engine, 0, BuildContext(host=host))
+    shape = (4, 2, 16, 2, 8) if order == "NHD" else (4, 2, 2, 16, 8)
+    worker.register_kv_caches({f"l{i}": torch.zeros(shape, dtype=torch.float16) for i in range(2)})
+    return worker
+
+
+def _connect(p: Any, d: Any) -> Any:
+    engines = d._engines
+    entry = engines.ensure("P", 0, "127.0.0.1", p._server.port, time.monotonic())
+    deadline = time.monotonic() + 10
+    while entry.state is PeerState.CONNECTING and time.monotonic() < deadline:
+        time.sleep(0.02)
+        engines.poll(time.monotonic(), lambda _e: True)
+    return entry
+
+
+def test_workers_of_two_orders_connect_only_with_the_option_and_p_never_pushes_into_d() -> None:
+    p = _worker("kv_producer", "NHD")
+    d = _worker("kv_consumer", "HND", allow_layout_permute=True, permute_staging_blocks=4)
+    plain = _worker("kv_consumer", "HND", engine_id="D2")
+    try:
+        assert d._kv_facts.order == "HND"
+        assert d._kv_facts.layers[0].shape == (2, 2, 16, 8)  # the whole model's, HND
+        assert d._staging is not None
+        assert d._staging.size == 4
+        assert plain._staging is None
+        entry = _connect(p, d)
+        assert entry.state is PeerState.READY, entry.error
+        assert entry.response.kv_layout.order == "NHD"
+        assert d._permute_order(entry) == "NHD"
+        p.progress()  # P adds the decoder's peer, without its layout: nothing is pushed into it
+        assert p._reader_layouts == {}
+        refused = _connect(p, plain)
+        assert refused.state is PeerState.FAILED
+        assert refused.remote is None
+        assert "cache order: this engine HND" in (refused.error or "")
+        assert "set allow_layout_permute on the decoder" in (refused.error or "")
+    finally:
+        plain.shutdown()
+        d.shutdown()
+        p.shutdown()
+
+
+def test_a_cache_not_in_the_engines_order_is_refused_at_registration() -> None:
+    host = PluginHost()
+    host.load()
+    config = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "PDConnector",
+            "kv_role": "kv_consumer",
+            "engine_id": "D",
+            "kv_connector_extra_config": {"transport": "inprocess"},
+        }
+    )
+    info = EngineInfo(block_size=16, model="m", num_kv_heads=2, kv_cache_order="HND")
+    worker = PDConnector.build_worker(config, info, 0, BuildContext(host=host))
+    nhd = {"l0": torch.zeros(4, 2, 16, 2, 8)}
+    try:
+        with pytest.raises(ValueError, match=r"needs a contiguous \[blocks, 2, 2, 16, head_dim\] "):
+            worker.register_kv_caches(nhd)
+    finally:
+        worker.shutdown()

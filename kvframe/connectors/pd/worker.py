@@ -1562,7 +1562,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             ) is None:
                 # Too few free slots (or loads waiting ahead): wait, in arrival order, for
                 # the loads ahead to end; the reader's deadline of a posted load bounds it.
-                if not waited:
+                if waited:  # cannot happen (_post_waiting saw the slots free): keep its turn
+                    self._staging_wait.appendleft(action)
+                else:
                     self._staging_wait.append(action)
                     self._count("permute_waits")
                 return []
