@@ -27,7 +27,9 @@ ended lease once in ``finished_sending``.
 **Consumer (D) rank.** Handshakes with prefill engines, heartbeats the leases the scheduler
 names, reads each load under a confirmed lease, and reports each load once in
 ``finished_recving`` — failed ones with every local block in ``invalid_block_ids`` and a
-reason, only after their transfers stopped.
+reason, only after their transfers stopped. With ``allow_layout_permute``, a load from an
+engine of the other NHD/HND order is read into a staging area and permuted into the cache
+before it is reported (:mod:`kvframe.connectors.pd.permute`).
 
 Threads
 -------
@@ -42,7 +44,8 @@ Two background threads exist, and each shares only queues with the engine thread
 - D's handshake client thread (:class:`~.peers.RemoteEngines`) takes jobs from one queue and
   puts results on another; results are applied to the transport on the engine thread.
 
-Everything else, the transport included, is used from the engine thread only.
+Everything else, the transport included, is used from the engine thread only (the staging
+area of ``allow_layout_permute`` and the permutation into the cache too).
 """
 
 from __future__ import annotations
