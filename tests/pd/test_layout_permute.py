@@ -130,7 +130,11 @@ def test_an_order_difference_alone_passes_only_with_the_option(mine: str, theirs
             "dtype: this engine torch.float16, the peer torch.bfloat16",
         ),
         (_facts("HND", head_size=16), "head size: this engine 8, the peer 16"),
-        (_facts("HND", block_size=32), "block size: this engine 16 tokens, the peer 32 tokens"),
+        (
+            _facts("HND", block_size=32),
+            "block size: this engine 16 tokens, the peer 32 tokens; allow_layout_permute "
+            "permutes blocks of one size only (no block-size conversion at the same time)",
+        ),
         (_facts("HND", heads=8), "KV heads: this engine 4, the peer 8"),
         (
             _facts("HND", tp_size=2, kv_heads_per_rank=2),

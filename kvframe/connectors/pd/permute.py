@@ -88,9 +88,10 @@ def as_order(facts: KVLayoutFacts, order: str) -> KVLayoutFacts:
 
 def permute_refusal(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
     """Why KV of ``theirs`` cannot be permuted on arrival into ``mine`` (one sentence per
-    reason, empty when it can): the orders are not NHD and HND, the tensor-parallel sizes
-    differ, or anything besides the order differs (:func:`layout_mismatches` of the permuted
-    facts)."""
+    reason, empty when it can): the orders are not NHD and HND, the tensor-parallel sizes or
+    the block sizes differ (never combined with heterogeneous tensor parallelism or a
+    block-size conversion), or anything else besides the order differs
+    (:func:`layout_mismatches` of the permuted facts)."""
     if mine.order == theirs.order:
         return ["the KV cache orders are equal; there is nothing to permute"]
     if not {mine.order, theirs.order} <= PERMUTABLE_ORDERS:
@@ -104,11 +105,20 @@ def permute_refusal(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
             "allow_layout_permute needs equal sizes (heterogeneous tensor parallelism reads "
             "head runs of NHD caches only): configure both engines' KV cache order alike"
         )
+    if mine.block_size != theirs.block_size:
+        # Said here, whatever layout_mismatches says of block sizes: a permutation is never
+        # combined with a block-size conversion.
+        out.append(
+            f"block size: this engine {mine.block_size} tokens, the peer {theirs.block_size} "
+            "tokens; allow_layout_permute permutes blocks of one size only (no block-size "
+            "conversion at the same time): run both engines at one block size or configure "
+            "both engines' KV cache order alike"
+        )
     try:
         seen = as_order(theirs, mine.order)
     except ValueError as exc:
         return [*out, str(exc)]
-    out.extend(layout_mismatches(mine, seen))
+    out.extend(x for x in layout_mismatches(mine, seen) if not x.startswith("block size:"))
     return out
 
 
