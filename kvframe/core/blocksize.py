@@ -71,8 +71,7 @@ def block_size_problem(mine: int, theirs: int, order_mine: str, order_theirs: st
     if max(mine, theirs) % min(mine, theirs):
         lcm = math.lcm(mine, theirs)
         return (
-            head
-            + f"KV moves between different block sizes only when one is a whole multiple of "
+            head + f"KV moves between different block sizes only when one is a whole multiple of "
             f"the other: {one}, or at sizes such as {mine} and {lcm}"
         )
     bad = [o for o in dict.fromkeys((order_mine, order_theirs)) if o not in CUTTABLE_ORDERS]
@@ -168,8 +167,7 @@ def chunk_of(local_bs: int, remote_bs: int, start: int, local_first: int, remote
 def _order_units(order: str) -> None:
     if order not in CUTTABLE_ORDERS:
         raise ValueError(
-            f"order = {order!r}; only {sorted(CUTTABLE_ORDERS)} blocks can be cut into token "
-            "ranges"
+            f"order = {order!r}; only {sorted(CUTTABLE_ORDERS)} blocks can be cut into token ranges"
         )
 
 
@@ -197,8 +195,7 @@ def chunk_units(
     _check_nat("heads", heads, 1)
     if local_bs % chunk or remote_bs % chunk:
         raise ValueError(
-            f"chunk = {chunk} tokens does not divide both block sizes ({local_bs} and "
-            f"{remote_bs})"
+            f"chunk = {chunk} tokens does not divide both block sizes ({local_bs} and {remote_bs})"
         )
     lper, rper = local_bs // chunk, remote_bs // chunk
     local: list[int] = []

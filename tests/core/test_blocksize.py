@@ -46,10 +46,12 @@ def _copy_units(
     src: np.ndarray, dst: np.ndarray, src_units: list[int], dst_units: list[int], ulen: int
 ) -> None:
     s, d = src.reshape(-1), dst.reshape(-1)
-    assert s.size % ulen == 0 and d.size % ulen == 0
+    assert s.size % ulen == 0
+    assert d.size % ulen == 0
     assert len(src_units) == len(dst_units)
     for r, loc in zip(src_units, dst_units, strict=True):
-        assert 0 <= r < s.size // ulen and 0 <= loc < d.size // ulen
+        assert 0 <= r < s.size // ulen
+        assert 0 <= loc < d.size // ulen
         d[loc * ulen : (loc + 1) * ulen] = s[r * ulen : (r + 1) * ulen]
 
 
@@ -222,11 +224,16 @@ def test_block_size_problem_names_both_sizes_and_what_would_work() -> None:
     ratio = block_size_problem(16, 24, "NHD", "NHD")
     assert ratio is not None
     assert "this engine 16 tokens, the peer 24 tokens" in ratio
-    assert "whole multiple" in ratio and "(16 or 24)" in ratio and "16 and 48" in ratio
+    assert "whole multiple" in ratio
+    assert "(16 or 24)" in ratio
+    assert "16 and 48" in ratio
     opaque = block_size_problem(16, 32, "block-major", "block-major")
     assert opaque is not None
-    assert "cannot be cut into token ranges" in opaque and "EngineInfo.num_kv_heads" in opaque
-    assert token_axis("NHD") == 1 and token_axis("HND") == 2 and token_axis("block-major") is None
+    assert "cannot be cut into token ranges" in opaque
+    assert "EngineInfo.num_kv_heads" in opaque
+    assert token_axis("NHD") == 1
+    assert token_axis("HND") == 2
+    assert token_axis("block-major") is None
 
 
 def test_chunk_units_refuse_what_cannot_be_cut() -> None:

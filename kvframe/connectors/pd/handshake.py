@@ -82,6 +82,7 @@ import attrs
 import zmq
 
 from kvframe.connectors.pd.auth import NONCE_BYTES, KeyRing
+from kvframe.core.blocksize import block_size_problem, token_axis
 from kvframe.errors import (
     CodecError,
     HandshakeError,
@@ -306,7 +307,12 @@ def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
 
     The per-rank head count is compared only at equal tensor-parallel sizes (at different
     sizes each rank holds its own share, :mod:`kvframe.core.tp`); layer shapes only where the
-    fields above do not already explain them (the ``block-major`` order, or equal facts)."""
+    fields above do not already explain them (the ``block-major`` order, or equal facts), and
+    without their token dimension. Block sizes may differ when one is a whole multiple of the
+    other and both caches can be cut into token ranges (NHD or HND): D then regroups the blocks
+    as it reads (:mod:`kvframe.core.blocksize`, pull mode only; a push between different block
+    sizes is refused when it starts); any other pair of sizes is refused naming both and what
+    would work (:func:`kvframe.core.blocksize.block_size_problem`)."""
     out: list[str] = []
 
     def differ(field: str, a: object, b: object, fix: str) -> None:
@@ -320,13 +326,9 @@ def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
         "configure both engines' KV cache layout alike (the P/D connector does not permute "
         "a layout on arrival)",
     )
-    differ(
-        "block size",
-        f"{mine.block_size} tokens",
-        f"{theirs.block_size} tokens",
-        f"run both engines at one block size ({mine.block_size} or {theirs.block_size}); "
-        "engines of different block sizes cannot exchange KV",
-    )
+    sizes = block_size_problem(mine.block_size, theirs.block_size, mine.order, theirs.order)
+    if sizes is not None:
+        out.append(sizes)
     differ(
         "dtype",
         "/".join(mine.dtypes),
@@ -362,7 +364,7 @@ def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
         )
     elif not out and mine.layers != theirs.layers:
         for a, b in zip(mine.layers, theirs.layers, strict=True):
-            if a != b:
+            if _per_token(a, mine.order) != _per_token(b, theirs.order):
                 differ(
                     f"layer {a.name!r}",
                     f"{list(a.shape)} {a.dtype}",
@@ -371,6 +373,15 @@ def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
                 )
                 break
     return out
+
+
+def _per_token(layer: KVLayerFacts, order: str) -> KVLayerFacts:
+    # A layer's facts without its token dimension: blocks of different sizes (refused above
+    # unless they can be regrouped, kvframe.core.blocksize) differ there and nowhere else.
+    axis = token_axis(order)
+    if axis is None or axis >= len(layer.shape):
+        return layer
+    return attrs.evolve(layer, shape=(*layer.shape[:axis], 1, *layer.shape[axis + 1 :]))
 
 
 def _names(names: list[str]) -> str:
