@@ -329,6 +329,22 @@ def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
     sizes = block_size_problem(mine.block_size, theirs.block_size, mine.order, theirs.order)
     if sizes is not None:
         out.append(sizes)
+    elif mine.block_size != theirs.block_size:
+        # Blocks will be regrouped by the token dimension: it must say what block_size says.
+        for facts, whose in ((mine, "this engine's"), (theirs, "the peer's")):
+            axis = token_axis(facts.order)
+            bad = [x for x in facts.layers if axis is None or len(x.shape) <= axis]
+            bad += [
+                x
+                for x in facts.layers
+                if axis is not None and x not in bad and x.shape[axis] != facts.block_size
+            ]
+            if bad:
+                out.append(
+                    f"layer {bad[0].name[:40]!r}: {whose} shape {list(bad[0].shape)[:8]} does "
+                    f"not hold blocks of {facts.block_size} tokens in the {facts.order} order; "
+                    "serve the same model with a consistent KV cache on both engines"
+                )
     differ(
         "dtype",
         "/".join(mine.dtypes),
