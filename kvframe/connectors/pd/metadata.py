@@ -140,9 +140,10 @@ class PDLoad:
     expiry on the *decoder's* clock. The worker maps it through its clock-offset estimate of
     that engine and reads only before the result (``None``: an ordinary lease)."""
     remote_block_size: int = 0
-    """Pull mode between engines of different block sizes: tokens per block of the remote
-    engine (``0``: its blocks are as large as this engine's and pair up one to one with
-    ``local_block_ids``). Then ``remote_block_ids`` are the remote blocks holding tokens
+    """Pull mode: tokens per block of the remote engine as its ticket says (``0``: not said,
+    as large as this engine's); the worker reads only when the remote engine's handshake says
+    the same. Equal to this engine's (or ``0``): the blocks pair up one to one with
+    ``local_block_ids``. Different: ``remote_block_ids`` are the remote blocks holding tokens
     ``load_start .. load_stop - 1`` (the first holding token ``load_start``), and the worker
     regroups them into ``local_block_ids`` (the first holding token ``load_start``) token
     range by token range (:mod:`kvframe.core.blocksize`), zeroing the last local block after

@@ -339,6 +339,19 @@ class PDConnectorScheduler(KVConnectorScheduler):
         theirs = params.remote_block_size or mine
         order = "NHD" if self._engine.num_kv_heads is not None else "block-major"
         why = block_size_problem(mine, theirs, order, order)
+        if why is None and theirs != mine:
+            if where != "kv_transfer_params.":
+                why = (
+                    f"this engine's blocks hold {mine} tokens; blocks of another size are "
+                    "regrouped in pull mode only, not for a kv_history: run both engines at one "
+                    "block size"
+                )
+            elif self._engine.num_kv_groups != 1:
+                why = (
+                    f"this engine's blocks hold {mine} tokens; blocks of another size are "
+                    f"regrouped for one KV group only, this engine has "
+                    f"{self._engine.num_kv_groups}: run both engines at one block size"
+                )
         if why is not None:
             raise ConfigError(f"{where}remote_block_size = {theirs}: {why}")
         need = math.ceil(loadable / theirs)
@@ -568,7 +581,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 f"{[len(g) for g in blocks]} blocks for {num_external_tokens} external tokens "
                 f"after {request.num_computed_tokens} computed; blocks {first}..{last} are needed"
             )
-        self._add_pull_load(request, inc, local, remote)
+        self._add_pull_load(
+            request, inc, local, remote, remote_block_size=inc.params.remote_block_size
+        )
 
     def _add_pull_load(
         self,

@@ -2186,6 +2186,16 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         try:
             if entry is None or entry.peer is None or entry.state is not PeerState.READY:
                 raise TransportError("no connection to the prefill engine")
+            facts = entry.response.kv_layout if entry.response is not None else None
+            if facts is not None and facts.block_size != self._engine.block_size:
+                # P writes whole blocks into ours: only blocks of one size (pull regroups).
+                return self._receiver.send_failed(
+                    rid,
+                    f"push mode needs one block size: the prefill engine's blocks hold "
+                    f"{facts.block_size} tokens, this engine's {self._engine.block_size}; run "
+                    "both engines at one block size, or pull (which regroups them)",
+                    now,
+                )
             sealed = self._seal(entry.session_key, push.registration)
             if sealed is None:
                 raise TransportError("the connection is not authenticated")
