@@ -4,8 +4,9 @@ P at block size 16 → D at 32 (two P blocks fill one D block), P at 32 → D at
 split over two D blocks), and P 16 at TP 2 → D 32 at TP 1 (the conversion composed with
 heterogeneous tensor parallelism: head runs per token). Checked per pairing: D's outputs
 equal a one-process engine's; D computed only each prompt's last token (the KV came from P);
-D's KV of every transferred token is byte-equal, token by token, to P's KV of that token (what
-a same-block-size transfer delivers); the tail of D's last loaded block after the tokens D
+D's KV of every transferred token is byte-equal, token by token, to P's KV of that token and
+to what a same-block-size transfer from the same P delivered (a second decoder at P's block
+size, fed tickets of the same prompts); the tail of D's last loaded block after the tokens D
 holds was zeroed (D's and P's caches are filled with marker values before the transfer, so a
 tail not zeroed would still hold D's, or P's where a whole chunk was read); the leak oracle is
 clean on both engines. Then a pair of sizes that cannot be regrouped (16 and 24) is refused
@@ -81,10 +82,10 @@ def _whole(ranks: list[torch.Tensor], heads: int) -> torch.Tensor:
     return torch.stack([parts[h] for h in range(heads)], dim=3)
 
 
-def _prefill(p: Engine, prompts: list[list[int]]) -> dict[str, dict[str, Any]]:
+def _prefill(p: Engine, prompts: list[list[int]], tag: str = "r") -> dict[str, dict[str, Any]]:
     params: dict[str, dict[str, Any]] = {}
     for i, prompt in enumerate(prompts):
-        p.add_request(f"r{i}", prompt, 1, {"do_remote_decode": True})
+        p.add_request(f"{tag}{i}", prompt, 1, {"do_remote_decode": True})
     deadline = time.monotonic() + 30
     while len(params) < len(prompts):
         assert time.monotonic() < deadline, "prefill did not finish"
@@ -96,19 +97,21 @@ def _prefill(p: Engine, prompts: list[list[int]]) -> dict[str, dict[str, Any]]:
     return params
 
 
-def _run(p: Engine, d: Engine, blocks: dict[str, list[int]] | None = None) -> dict[str, Any]:
+def _run(p: Engine, *ds: Engine, blocks: dict[str, list[int]] | None = None) -> dict[str, Any]:
     finals = {}
+    engines = [p, *ds]
     deadline = time.monotonic() + 60
-    while p.has_unfinished_work() or d.has_unfinished_work():
-        assert time.monotonic() < deadline, (p.describe(), d.describe())
-        for out in p.step() + d.step():
+    while any(e.has_unfinished_work() for e in engines):
+        assert time.monotonic() < deadline, [e.describe() for e in engines]
+        for out in [o for e in engines for o in e.step()]:
             if out.finished:
                 finals[out.request_id] = out
         if blocks is not None:
-            for rid, req in d.scheduler.requests.items():
-                if req.block_ids:
-                    blocks[rid] = list(req.block_ids)
-        if not (p.last_step_ran_tokens or d.last_step_ran_tokens):
+            for d in ds:
+                for rid, req in d.scheduler.requests.items():
+                    if req.block_ids:
+                        blocks[rid] = list(req.block_ids)
+        if not any(e.last_step_ran_tokens for e in engines):
             time.sleep(0.001)
     return finals
 
@@ -125,6 +128,8 @@ def test_pull_between_block_sizes_over_nixl(
     n = next(_ids)
     p = _engine("kv_producer", f"bsP{n}", p_bs, p_tp)
     d = _engine("kv_consumer", f"bsD{n}", d_bs)
+    # The same transfer at one block size (P's), from the same P: what D must hold too.
+    same = _engine("kv_consumer", f"bsS{n}", p_bs)
     try:
         for cache in d.runner.kv_caches:
             cache.fill_(MARK)
@@ -134,14 +139,16 @@ def test_pull_between_block_sizes_over_nixl(
             for cache in p.runner.kv_caches:
                 cache.fill_(P_MARK)
         params = _prefill(p, PROMPTS)
+        params.update(_prefill(p, PROMPTS, tag="s"))
         assert all(pp["remote_block_size"] == p_bs for pp in params.values())
         sent = {
             rid: _whole(p.read_kv(pp["remote_block_ids"][0]), heads) for rid, pp in params.items()
         }
         for i, prompt in enumerate(PROMPTS):
             d.add_request(f"d{i}", prompt, MAX_TOKENS, params[f"r{i}"])
+            same.add_request(f"s{i}", prompt, MAX_TOKENS, params[f"s{i}"])
         d_blocks: dict[str, list[int]] = {}
-        finals = _run(p, d, d_blocks)
+        finals = _run(p, d, same, blocks=d_blocks)
         tails = 0
         for i, prompt in enumerate(PROMPTS):
             out = finals[f"d{i}"]
@@ -149,13 +156,15 @@ def test_pull_between_block_sizes_over_nixl(
             assert list(out.token_ids) == want[i]
             loaded = len(prompt) - 1
             assert out.num_external_tokens == loaded
+            assert list(finals[f"s{i}"].token_ids) == want[i]
             got = _tokens(d.read_kv(d_blocks[f"d{i}"])[0])
-            # Token by token: D's KV of each loaded token is P's KV of it.
+            ref = _tokens(same.read_kv(d_blocks[f"s{i}"])[0])
+            # Token by token: D's KV of each loaded token is P's KV of it, and what the
+            # same-block-size transfer put there.
             for t in range(loaded):
-                assert got[:, :, t].numpy().tobytes() == sent[f"r{i}"][:, :, t].numpy().tobytes(), (
-                    i,
-                    t,
-                )
+                mine = got[:, :, t].numpy().tobytes()
+                assert mine == sent[f"r{i}"][:, :, t].numpy().tobytes(), (i, t)
+                assert mine == ref[:, :, t].numpy().tobytes(), (i, t)
             # D computed the positions loaded .. loaded + MAX_TOKENS - 1 itself; the rest of
             # the last loaded block was zeroed (it held MARK, or P's over-read chunk).
             end = math.ceil(loaded / d_bs) * d_bs
@@ -171,10 +180,12 @@ def test_pull_between_block_sizes_over_nixl(
         assert ds.get("stale_tails_zeroed", 0) == tails
         assert ds.get("loads_done", 0) == len(PROMPTS)
         assert ps.get("leases_expired", 0) == 0
-        assert ps.get("leases_consumed", 0) == p_tp * len(PROMPTS)
+        assert ps.get("leases_consumed", 0) == 2 * p_tp * len(PROMPTS)
         p.check_no_leaks()
         d.check_no_leaks()
+        same.check_no_leaks()
     finally:
+        same.shutdown()
         d.shutdown()
         p.shutdown()
 
