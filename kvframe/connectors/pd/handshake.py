@@ -283,7 +283,9 @@ class KVLayoutFacts:
     order: str = attrs.field(validator=_order)
     """The cache's dimension order, one of :data:`LAYOUT_ORDERS`."""
     block_size: int = attrs.field(validator=_small(1))
-    """Tokens per block."""
+    """Tokens per block. The peer's may differ when one is a whole multiple of the other and
+    both orders are NHD or HND (D regroups the blocks in pull mode,
+    :mod:`kvframe.core.blocksize`); the layers' token dimension must then say the same."""
     head_size: int = attrs.field(default=0, validator=_small(0))
     """Elements per head (``0``: not interpreted, the ``block-major`` order)."""
     num_kv_heads: int = attrs.field(default=0, validator=_small(0))
