@@ -94,6 +94,9 @@ class _Load(msgspec.Struct, frozen=True):
     num_tokens: int = 0
     prompt_digest: str = ""
     kept_until: float | None = None
+    remote_block_size: int = 0
+    load_start: int = 0
+    load_stop: int = 0
 
 
 class _Step(msgspec.Struct, frozen=True):

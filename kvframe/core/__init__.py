@@ -16,6 +16,8 @@ a clock, sleeps, starts a thread, opens a socket or logs.
 - :mod:`kvframe.core.requests` — the P/D scheduler's request states.
 - :mod:`kvframe.core.tp` — heterogeneous tensor parallelism: which prefill rank holds which
   KV heads of a decode rank, and the transfer units of a head slice.
+- :mod:`kvframe.core.blocksize` — block-size conversion: which token ranges of one engine's
+  blocks fill which of another's, as transfer units, and the stale tail to zero.
 - :mod:`kvframe.core.machine` — transition tables as data, shared by the machines above.
 """
 

@@ -16,6 +16,7 @@ MODULES = [
     "kvframe.core.clock",
     "kvframe.core.wire",
     "kvframe.core.tp",
+    "kvframe.core.blocksize",
     "kvframe.core._checks",
     "kvframe.bench.lease",
 ]

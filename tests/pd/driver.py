@@ -34,6 +34,8 @@ class Driver:
         extra: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         ttl: float | None = None,
+        block_size: int = BLOCK,
+        num_kv_heads: int | None = None,
     ) -> None:
         self.config = KVTransferConfig.from_dict(
             {
@@ -45,7 +47,9 @@ class Driver:
                 "kv_connector_extra_config": {"transport": transport, **(extra or {})},
             }
         )
-        self.info = EngineInfo(block_size=BLOCK, model="test-model")
+        # With num_kv_heads the caches are NHD of that many heads (2 by default's shape).
+        self.info = EngineInfo(block_size=block_size, model="test-model", num_kv_heads=num_kv_heads)
+        self.shape = (2, block_size, num_kv_heads or SHAPE[2], SHAPE[3])
         self.clock = clock
         host = PluginHost()
         host.load()
@@ -53,7 +57,7 @@ class Driver:
         self.sched = PDConnector.build_scheduler(self.config, self.info, ctx)
         self.worker = PDConnector.build_worker(self.config, self.info, 0, ctx)
         self.codec = codec_for(PDConnector, self.config)
-        self.kv = {f"layer{i}": torch.zeros((num_blocks, *SHAPE)) for i in range(LAYERS)}
+        self.kv = {f"layer{i}": torch.zeros((num_blocks, *self.shape)) for i in range(LAYERS)}
         self.worker.register_kv_caches(self.kv)
         meta = self.worker.get_handshake_metadata()
         if meta is not None:
@@ -79,7 +83,7 @@ class Driver:
         g = torch.Generator().manual_seed(seed)
         for t in self.kv.values():
             for b in blocks:
-                t[b] = torch.rand(SHAPE, generator=g)
+                t[b] = torch.rand(self.shape, generator=g)
 
     def blocks(self, blocks: list[int]) -> list[torch.Tensor]:
         return [t[blocks].clone() for t in self.kv.values()]

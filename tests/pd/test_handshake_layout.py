@@ -83,6 +83,42 @@ def test_equal_layouts_match() -> None:
     check_kv_layout(None, None, "the peer")  # a side without facts checks nothing
 
 
+def test_block_sizes_one_a_multiple_of_the_other_match_in_nhd_and_hnd() -> None:
+    # D regroups P's blocks as it reads (kvframe.core.blocksize): both directions.
+    for size in (32, 64, 8, 4):
+        assert (
+            layout_mismatches(_facts(), _facts(block_size=size, layers=_layers((2, size, 4, 8))))
+            == []
+        )
+    hnd = _facts(order="HND", layers=_layers((2, 4, 16, 8)))
+    assert (
+        layout_mismatches(hnd, _facts(order="HND", block_size=32, layers=_layers((2, 4, 32, 8))))
+        == []
+    )
+    # Another difference behind the block size is still named.
+    wrong = layout_mismatches(_facts(), _facts(block_size=32, layers=_layers((2, 32, 4, 8), n=3)))
+    assert [w.split(":")[0] for w in wrong] == ["layers"]
+
+
+def test_block_sizes_that_cannot_be_regrouped_are_refused_naming_both() -> None:
+    opaque = _facts(order="block-major", head_size=0, num_kv_heads=0, kv_heads_per_rank=0)
+    big = attrs.evolve(opaque, block_size=32, layers=_layers((2, 32, 4, 8)))
+    with pytest.raises(
+        IncompatiblePeerError,
+        match=r"block size: this engine 16 tokens, the peer 32 tokens; a block-major cache "
+        r"cannot be cut into token ranges: run both engines at one block size \(16 or 32\), or "
+        r"describe both caches as NHD \(give both connectors EngineInfo.num_kv_heads\)",
+    ):
+        check_kv_layout(opaque, big, "the peer")
+    # Facts whose layers do not hold the block size they name (a hostile or broken peer).
+    liar = _facts(block_size=32)  # layers of 16 tokens
+    with pytest.raises(
+        IncompatiblePeerError,
+        match=r"layer 'l0': the peer's shape \[2, 16, 4, 8\] does not hold blocks of 32 tokens",
+    ):
+        check_kv_layout(_facts(), liar, "the peer")
+
+
 def test_heterogeneous_tp_shares_differ_per_rank_but_match() -> None:
     # P at TP 1 holds 4 heads a rank, D at TP 2 two: the model's shape is what is compared.
     d = _facts(tp_size=2, kv_heads_per_rank=2)
@@ -99,9 +135,10 @@ def test_heterogeneous_tp_shares_differ_per_rank_but_match() -> None:
             r"layout alike",
         ),
         (
-            _facts(block_size=32, layers=_layers((2, 32, 4, 8))),
-            r"block size: this engine 16 tokens, the peer 32 tokens; run both engines at one "
-            r"block size \(16 or 32\)",
+            _facts(block_size=24, layers=_layers((2, 24, 4, 8))),
+            r"block size: this engine 16 tokens, the peer 24 tokens; KV moves between different "
+            r"block sizes only when one is a whole multiple of the other: run both engines at one "
+            r"block size \(16 or 24\), or at sizes such as 16 and 48",
         ),
         (
             _facts(layers=_layers((2, 16, 4, 8), "torch.bfloat16")),
@@ -263,7 +300,7 @@ def test_d_checks_the_answer_itself() -> None:
         engine_id="D", rank=0, transport="inprocess", transport_metadata=b"m", kv_layout=_facts()
     )
     for answer, fragment in [
-        (_facts(block_size=32), "block size: this engine 16 tokens, the peer 32 tokens"),
+        (_facts(block_size=24), "block size: this engine 16 tokens, the peer 24 tokens"),
         (None, "the prefill engine sent no KV layout"),
     ]:
         srv = _server(None, answer)
@@ -317,11 +354,14 @@ _CASES: list[tuple[str, dict[str, Any], str]] = [
         {"caches": _nhd(head=16), "num_kv_heads": 2},
         r"head size: this engine 8, the peer 16",
     ),
+    ("block_size_x2", {"caches": _nhd(block=32), "num_kv_heads": 2, "block_size": 32}, ""),
+    ("block_size_half", {"caches": _nhd(block=8), "num_kv_heads": 2, "block_size": 8}, ""),
     (
         "block_size",
-        {"caches": _nhd(block=32), "num_kv_heads": 2, "block_size": 32},
-        r"block size: this engine 16 tokens, the peer 32 tokens; run both engines at one block "
-        r"size \(16 or 32\)",
+        {"caches": _nhd(block=24), "num_kv_heads": 2, "block_size": 24},
+        r"block size: this engine 16 tokens, the peer 24 tokens; KV moves between different "
+        r"block sizes only when one is a whole multiple of the other: run both engines at one "
+        r"block size \(16 or 24\)",
     ),
     (
         "num_kv_heads",
@@ -391,10 +431,47 @@ def test_d_scheduler_names_its_block_size_when_a_ticket_has_too_many_blocks() ->
     with pytest.raises(
         ConfigError,
         match=r"has 4 blocks; 2 to 3 are expected for 64 tokens at "
-        r"this engine's block size of 32 tokens .*run both engines at one block",
+        r"this engine's block size of 32 tokens \(the ticket names no remote_block_size",
     ):
         sched.check_request(view("r", 65, ticket))
     sched.check_request(view("r", 65, _ticket(1, remote_block_ids=[[1, 2]], remote_num_tokens=64)))
+    # A ticket naming P's block size of 16: this engine's cache is block-major (no
+    # num_kv_heads), which cannot be regrouped; refused before anything is allocated.
+    with pytest.raises(
+        ConfigError,
+        match=r"remote_block_size = 16: block size: this engine 32 tokens, the peer 16 tokens; "
+        r"a block-major cache cannot be cut",
+    ):
+        sched.check_request(view("r", 65, {**ticket, "remote_block_size": 16}))
+
+
+def test_d_scheduler_counts_the_ticket_blocks_at_the_prefill_engines_block_size() -> None:
+    from kvframe.errors import ConfigError
+    from tests.pd.driver import view
+    from tests.pd.test_hetero_tp_checks import _config as _sched_config
+    from tests.pd.test_hetero_tp_checks import _ticket
+
+    host = PluginHost()
+    host.load()
+    info = EngineInfo(block_size=32, model="m", num_kv_heads=2)
+    sched = PDConnector.build_scheduler(_sched_config("kv_consumer"), info, BuildContext(host=host))
+    p16 = _ticket(1, remote_block_ids=[[1, 2, 3, 4]], remote_num_tokens=64, remote_block_size=16)
+    sched.check_request(view("r", 65, p16))  # 4 blocks of 16 for 64 tokens
+    sched.check_request(view("r", 65, {**p16, "remote_block_ids": [[1, 2, 3, 4, 5]]}))  # +1
+    for hostile in ([[1, 2]], [[1, 2, 3]], [[1, 2, 3, 4, 5, 6]]):
+        with pytest.raises(
+            ConfigError,
+            match=rf"remote_block_ids\[0\] has {len(hostile[0])} blocks; 4 to 5 are expected "
+            r"for 64 tokens at the prefill engine's block size of 16 tokens",
+        ):
+            sched.check_request(view("r", 65, {**p16, "remote_block_ids": hostile}))
+    p64 = _ticket(1, remote_block_ids=[[7]], remote_num_tokens=64, remote_block_size=64)
+    sched.check_request(view("r", 65, p64))
+    with pytest.raises(ConfigError, match=r"this engine 32 tokens, the peer 48 tokens"):
+        sched.check_request(view("r", 65, {**p64, "remote_block_size": 48}))
+    for bad in (0, -16, True, "16", 1 << 21):
+        with pytest.raises(ConfigError, match=r"kv_transfer_params.remote_block_size"):
+            sched.check_request(view("r", 65, {**p64, "remote_block_size": bad}))
 
 
 def test_p_refuses_a_push_request_without_facts_and_answers_a_pull_one() -> None:

@@ -85,6 +85,7 @@ import attrs
 import zmq
 
 from kvframe.connectors.pd.auth import NONCE_BYTES, KeyRing
+from kvframe.core.blocksize import block_size_problem, token_axis
 from kvframe.errors import (
     CodecError,
     HandshakeError,
@@ -285,7 +286,9 @@ class KVLayoutFacts:
     order: str = attrs.field(validator=_order)
     """The cache's dimension order, one of :data:`LAYOUT_ORDERS`."""
     block_size: int = attrs.field(validator=_small(1))
-    """Tokens per block."""
+    """Tokens per block. The peer's may differ when one is a whole multiple of the other and
+    both orders are NHD or HND (D regroups the blocks in pull mode,
+    :mod:`kvframe.core.blocksize`); the layers' token dimension must then say the same."""
     head_size: int = attrs.field(default=0, validator=_small(0))
     """Elements per head (``0``: not interpreted, the ``block-major`` order)."""
     num_kv_heads: int = attrs.field(default=0, validator=_small(0))
@@ -309,7 +312,12 @@ def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
 
     The per-rank head count is compared only at equal tensor-parallel sizes (at different
     sizes each rank holds its own share, :mod:`kvframe.core.tp`); layer shapes only where the
-    fields above do not already explain them (the ``block-major`` order, or equal facts)."""
+    fields above do not already explain them (the ``block-major`` order, or equal facts), and
+    without their token dimension. Block sizes may differ when one is a whole multiple of the
+    other and both caches can be cut into token ranges (NHD or HND): D then regroups the blocks
+    as it reads (:mod:`kvframe.core.blocksize`, pull mode only; a push between different block
+    sizes is refused when it starts); any other pair of sizes is refused naming both and what
+    would work (:func:`kvframe.core.blocksize.block_size_problem`)."""
     out: list[str] = []
 
     def differ(field: str, a: object, b: object, fix: str) -> None:
@@ -323,13 +331,25 @@ def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
         "configure both engines' KV cache layout alike, or (NHD and HND only) set "
         "allow_layout_permute on the decoder to permute blocks on arrival",
     )
-    differ(
-        "block size",
-        f"{mine.block_size} tokens",
-        f"{theirs.block_size} tokens",
-        f"run both engines at one block size ({mine.block_size} or {theirs.block_size}); "
-        "engines of different block sizes cannot exchange KV",
-    )
+    sizes = block_size_problem(mine.block_size, theirs.block_size, mine.order, theirs.order)
+    if sizes is not None:
+        out.append(sizes)
+    elif mine.block_size != theirs.block_size:
+        # Blocks will be regrouped by the token dimension: it must say what block_size says.
+        for facts, whose in ((mine, "this engine's"), (theirs, "the peer's")):
+            axis = token_axis(facts.order)
+            bad = [x for x in facts.layers if axis is None or len(x.shape) <= axis]
+            bad += [
+                x
+                for x in facts.layers
+                if axis is not None and x not in bad and x.shape[axis] != facts.block_size
+            ]
+            if bad:
+                out.append(
+                    f"layer {bad[0].name[:40]!r}: {whose} shape {list(bad[0].shape)[:8]} does "
+                    f"not hold blocks of {facts.block_size} tokens in the {facts.order} order; "
+                    "serve the same model with a consistent KV cache on both engines"
+                )
     differ(
         "dtype",
         "/".join(mine.dtypes),
@@ -365,7 +385,7 @@ def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
         )
     elif not out and mine.layers != theirs.layers:
         for a, b in zip(mine.layers, theirs.layers, strict=True):
-            if a != b:
+            if _per_token(a, mine.order) != _per_token(b, theirs.order):
                 differ(
                     f"layer {a.name!r}",
                     f"{list(a.shape)} {a.dtype}",
@@ -374,6 +394,15 @@ def layout_mismatches(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
                 )
                 break
     return out
+
+
+def _per_token(layer: KVLayerFacts, order: str) -> KVLayerFacts:
+    # A layer's facts without its token dimension: blocks of different sizes (refused above
+    # unless they can be regrouped, kvframe.core.blocksize) differ there and nowhere else.
+    axis = token_axis(order)
+    if axis is None or axis >= len(layer.shape):
+        return layer
+    return attrs.evolve(layer, shape=(*layer.shape[:axis], 1, *layer.shape[axis + 1 :]))
 
 
 def _names(names: list[str]) -> str:

@@ -139,6 +139,19 @@ class PDLoad:
     """Bidirectional mode (P pulling a conversation's history): the decoder's kept-blocks
     expiry on the *decoder's* clock. The worker maps it through its clock-offset estimate of
     that engine and reads only before the result (``None``: an ordinary lease)."""
+    remote_block_size: int = 0
+    """Pull mode: tokens per block of the remote engine as its ticket says (``0``: not said,
+    as large as this engine's); the worker reads only when the remote engine's handshake says
+    the same. Equal to this engine's (or ``0``): the blocks pair up one to one with
+    ``local_block_ids``. Different: ``remote_block_ids`` are the remote blocks holding tokens
+    ``load_start .. load_stop - 1`` (the first holding token ``load_start``), and the worker
+    regroups them into ``local_block_ids`` (the first holding token ``load_start``) token
+    range by token range (:mod:`kvframe.core.blocksize`), zeroing the last local block after
+    ``load_stop``."""
+    load_start: int = 0
+    """With ``remote_block_size``: the first token loaded."""
+    load_stop: int = 0
+    """With ``remote_block_size``: the token after the last one loaded."""
 
 
 @attrs.frozen(kw_only=True)

@@ -29,6 +29,7 @@ from kvframe.errors import ConfigError
 
 __all__ = [
     "MAX_BLOCKS_PER_GROUP",
+    "MAX_BLOCK_SIZE",
     "MAX_GROUPS",
     "MAX_LEASE_ID_BYTES",
     "MAX_NAME_CHARS",
@@ -60,6 +61,8 @@ MAX_GROUPS = 64
 MAX_BLOCKS_PER_GROUP = 1 << 17
 #: The largest ``remote_num_tokens`` D accepts.
 MAX_TOKENS = 1 << 24
+#: The largest ``remote_block_size`` (tokens per block of P's engine) D accepts.
+MAX_BLOCK_SIZE = 1 << 20
 #: The longest engine id, host or transport name D accepts.
 MAX_NAME_CHARS = 255
 
@@ -182,6 +185,10 @@ class RemotePrefillParams:
     remote_incarnations: tuple[str, ...] = ()
     """Per rank, a random token naming the P worker instance that granted the lease (empty
     when P's workers did not report theirs). D reconnects to a restarted P before reading."""
+    remote_block_size: int = 0
+    """Tokens per block of P's engine (``0``: not said, P's blocks are as large as D's). D
+    regroups P's blocks into its own when they differ (:mod:`kvframe.core.blocksize`), and
+    reads only when P's handshake names the same size."""
     remote_prompt_digest: str = ""
     """:func:`prompt_digest` of the prompt tokens P computed (empty when P's engine gives no
     token ids); D loads only for a prompt with the same digest."""
@@ -212,6 +219,7 @@ class RemotePrefillParams:
             "remote_port": self.remote_port,
             "remote_block_ids": [list(g) for g in self.remote_block_ids],
             "remote_num_tokens": self.remote_num_tokens,
+            **({"remote_block_size": self.remote_block_size} if self.remote_block_size else {}),
             "tp_size": self.tp_size,
             "transport": self.transport,
             "lease_duration": self.lease_duration,
@@ -349,6 +357,9 @@ class RemotePrefillParams:
                 f"kv_transfer_params.remote_incarnations = {_short(inc_raw)}; expected a list "
                 f"of at most {MAX_RANKS} non-empty strings of at most {MAX_TOKEN_CHARS} characters"
             )
+        block_size = (
+            count("remote_block_size", 1, MAX_BLOCK_SIZE) if "remote_block_size" in params else 0
+        )
         kept: dict[str, float] = {}
         for key in ("kept_until", "kept_ttl"):
             if key in params:
@@ -370,6 +381,7 @@ class RemotePrefillParams:
             remote_port=port,
             remote_block_ids=tuple(groups),
             remote_num_tokens=count("remote_num_tokens", 0, MAX_TOKENS),
+            remote_block_size=block_size,
             tp_size=count("tp_size", 1, MAX_RANKS),
             transport=non_empty("transport", 64),
             lease_duration=duration,

@@ -43,6 +43,7 @@ from kvframe.connectors.pd.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from kvframe.core.blocksize import block_size_problem
 from kvframe.core.heartbeat import HeartbeatTracker, StopReason
 from kvframe.core.lease import LeasePolicy
 from kvframe.core.requests import (
@@ -332,15 +333,41 @@ class PDConnectorScheduler(KVConnectorScheduler):
             )
 
     def _check_blocks(self, params: RemotePrefillParams, loadable: int, where: str) -> None:
-        need = math.ceil(loadable / self._engine.block_size)
-        most = math.ceil(params.remote_num_tokens / self._engine.block_size) + 1
+        # The ticket's blocks are of P's block size (remote_block_size; absent: this engine's).
+        # Sizes that cannot be regrouped are refused here, before anything is allocated.
+        mine = self._engine.block_size
+        theirs = params.remote_block_size or mine
+        order = "NHD" if self._engine.num_kv_heads is not None else "block-major"
+        why = block_size_problem(mine, theirs, order, order)
+        if why is None and theirs != mine:
+            if where != "kv_transfer_params.":
+                why = (
+                    f"this engine's blocks hold {mine} tokens; blocks of another size are "
+                    "regrouped in pull mode only, not for a kv_history: run both engines at one "
+                    "block size"
+                )
+            elif self._engine.num_kv_groups != 1:
+                why = (
+                    f"this engine's blocks hold {mine} tokens; blocks of another size are "
+                    f"regrouped for one KV group only, this engine has "
+                    f"{self._engine.num_kv_groups}: run both engines at one block size"
+                )
+        if why is not None:
+            raise ConfigError(f"{where}remote_block_size = {theirs}: {why}")
+        need = math.ceil(loadable / theirs)
+        most = math.ceil(params.remote_num_tokens / theirs) + 1
+        said = (
+            f"the prefill engine's block size of {theirs} tokens ({where}remote_block_size)"
+            if params.remote_block_size
+            else f"this engine's block size of {mine} tokens (the ticket names no "
+            "remote_block_size: the prefill engine's blocks must be as large; pass P's "
+            "kv_transfer_params through unchanged)"
+        )
         for g, group in enumerate(params.remote_block_ids):
             if not need <= len(group) <= most:
                 raise ConfigError(
                     f"{where}remote_block_ids[{g}] has {len(group)} blocks; {need} to {most} "
-                    f"are expected for {params.remote_num_tokens} tokens at this engine's "
-                    f"block size of {self._engine.block_size} tokens (a prefill engine of "
-                    "another block size cannot pass its KV: run both engines at one block size)"
+                    f"are expected for {params.remote_num_tokens} tokens at {said}"
                 )
 
     def _check_prompt(self, request: RequestView, params: RemotePrefillParams) -> None:
@@ -521,6 +548,32 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 )
             )
             return
+        theirs = inc.params.remote_block_size
+        if theirs and theirs != bs:
+            # Blocks of another size (checked to regroup, _check_blocks): P's blocks that hold
+            # the loaded tokens, which the worker regroups into these (kvframe.core.blocksize).
+            start = request.num_computed_tokens
+            stop = start + num_external_tokens
+            rfirst, rlast = start // theirs, math.ceil(stop / theirs)
+            remote = tuple(tuple(g[rfirst:rlast]) for g in inc.params.remote_block_ids)
+            if any(len(g) != last - first for g in local) or any(
+                len(g) != rlast - rfirst for g in remote
+            ):
+                raise ValueError(
+                    f"request {request.request_id!r}: the engine allocated "
+                    f"{[len(g) for g in blocks]} blocks for {num_external_tokens} external "
+                    f"tokens after {request.num_computed_tokens} computed; blocks "
+                    f"{first}..{last} are needed"
+                )
+            self._add_pull_load(
+                request,
+                inc,
+                local,
+                remote,
+                remote_block_size=theirs,
+                token_range=(start, stop),
+            )
+            return
         remote = tuple(tuple(group[first:last]) for group in inc.params.remote_block_ids)
         if any(len(lg) != len(rg) for lg, rg in zip(local, remote, strict=True)):
             raise ValueError(
@@ -528,6 +581,21 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 f"{[len(g) for g in blocks]} blocks for {num_external_tokens} external tokens "
                 f"after {request.num_computed_tokens} computed; blocks {first}..{last} are needed"
             )
+        self._add_pull_load(
+            request, inc, local, remote, remote_block_size=inc.params.remote_block_size
+        )
+
+    def _add_pull_load(
+        self,
+        request: RequestView,
+        inc: _Incoming,
+        local: BlockIds,
+        remote: BlockIds,
+        *,
+        remote_block_size: int = 0,
+        token_range: tuple[int, int] = (0, 0),
+    ) -> None:
+        assert isinstance(inc.params, RemotePrefillParams)
         inc.move(DecodeRequestEvent.ALLOCATED, request.request_id)
         if not self._tracker.tracked(request.request_id):
             self._start_tracking(request, inc)  # heartbeats from now, the first at once
@@ -542,6 +610,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
                 remote_block_ids=remote,
                 remote_incarnations=inc.params.remote_incarnations,
                 kept_until=inc.params.kept_until,
+                remote_block_size=remote_block_size,
+                load_start=token_range[0],
+                load_stop=token_range[1],
             )
         )
 
@@ -860,6 +931,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             else (),
             remote_block_ids=block_ids,
             remote_num_tokens=n,
+            remote_block_size=self._engine.block_size,
             remote_prompt_digest=digest,
             tp_size=self._engine.world_size,
             transport=self._options.transport,

@@ -85,6 +85,14 @@ from kvframe.connectors.pd.peers import PeerState, RemoteEngine, RemoteEngines
 from kvframe.connectors.pd.permute import StagingArea
 from kvframe.core import push as pushwire
 from kvframe.core import wire
+from kvframe.core.blocksize import (
+    chunk_of,
+    chunk_units,
+    head_units,
+    stale_tail,
+    token_axis,
+    token_runs,
+)
 from kvframe.core.holder import HolderOutput, LeaseHolder
 from kvframe.core.lease import Lease, LeasePolicy, LeaseState, lease_handle
 from kvframe.core.push import (
@@ -189,6 +197,21 @@ def _unit_layout(
         regions=layout.regions,
         block_lens=lens,
         num_blocks=layout.num_blocks * rows // unit,
+    )
+
+
+def _cut_layout(layout: BlockLayout, parts: int, whose: str) -> BlockLayout:
+    """``layout`` with each block cut into ``parts`` equal units (token chunks of one K or V,
+    :func:`kvframe.core.blocksize.chunk_units` numbers them)."""
+    lens: list[int] = []
+    for blen in layout.block_lens:
+        if blen % parts:
+            raise ValueError(
+                f"{whose} blocks of {blen} bytes do not split into {parts} equal token chunks"
+            )
+        lens.append(blen // parts)
+    return BlockLayout(
+        regions=layout.regions, block_lens=lens, num_blocks=layout.num_blocks * parts
     )
 
 
@@ -343,6 +366,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._tag_bytes = TAG_BYTES if options.keys is not None else 0
         self._local: LayoutHandle | None = None
         self._local_heads = 0  # KV heads of this rank (num_kv_heads given)
+        self._kv_tensors: list[torch.Tensor] = []  # to zero a regrouped load's stale tail
         self._layout: BlockLayout | None = None
         self._kv_facts: KVLayoutFacts | None = None
         # allow_layout_permute (D): the staging area, its prepared layout, its tensors and
@@ -505,6 +529,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             facts.append((name, tuple(t.shape[1:]), str(t.dtype)))
         assert num_blocks is not None
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._kv_tensors = list(kv_caches.values())
         self._layout = BlockLayout(regions=regions, block_lens=block_lens, num_blocks=num_blocks)
         heads = self._engine.num_kv_heads
         order = self._engine.kv_cache_order if heads is not None else "block-major"
@@ -734,12 +759,15 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     request.rank,
                     request.transport_metadata,
                     session,
-                    # Push mode writes into the decoder's blocks: never into a layout of
-                    # another order (a permuting decoder pulls only).
+                    # Push mode writes whole blocks in the decoder's order: never into a
+                    # layout of another order (a permuting decoder pulls only) or block size.
                     request.layout
                     if request.kv_layout is None
                     or self._kv_facts is None
-                    or request.kv_layout.order == self._kv_facts.order
+                    or (
+                        request.kv_layout.order == self._kv_facts.order
+                        and request.kv_layout.block_size == self._engine.block_size
+                    )
                     else None,
                     request.tp_size,
                 )
@@ -1539,17 +1567,36 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if not local:
             return self._reader.transfer_done(action.request_id, now)
         local_handle, remote_handle = self._local, entry.remote
+        mine_bs = self._engine.block_size
+        theirs_bs = spec.remote_block_size or mine_bs
+        facts = entry.response.kv_layout if entry.response is not None else None
+        said = facts.block_size if facts is not None else mine_bs
+        if said != theirs_bs:
+            # The ticket (hostile until proven otherwise) and the handshake disagree: reading
+            # with either size could put tokens in the wrong places.
+            named = "remote_block_size" if spec.remote_block_size else "no remote_block_size"
+            return self._reader.transfer_failed(
+                action.request_id,
+                f"the ticket's blocks are of {theirs_bs} tokens ({named}) but the prefill "
+                f"engine's handshake says {said}; pass P's kv_transfer_params through unchanged",
+                now,
+            )
         permute = self._permute_order(entry)
         if permute is not None:
             # allow_layout_permute: P's blocks land in staging slots, permuted into this
             # engine's order once DONE (_transfer_state); nothing lands in the cache as read.
             staging = self._staging
-            if staging is None or self._staging_handle is None or rd.heads is not None:
+            if (
+                staging is None
+                or self._staging_handle is None
+                or rd.heads is not None
+                or theirs_bs != mine_bs
+            ):
                 return self._reader.transfer_failed(
                     action.request_id,
                     "the prefill engine's KV cache order differs and this engine has no "
                     "staging area to permute it in (allow_layout_permute with "
-                    "EngineInfo.num_kv_heads, equal tensor-parallel sizes)",
+                    "EngineInfo.num_kv_heads, equal tensor-parallel and block sizes)",
                     now,
                 )
             if len(local) > staging.size:
@@ -1573,7 +1620,18 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 return []
             rd.permute_from = permute
             local_handle, local = self._staging_handle, list(staging.slots(action.request_id))
-        if rd.heads is not None:
+        if theirs_bs != mine_bs:
+            # Blocks of another size: regrouped token range by token range.
+            try:
+                local_handle, remote_handle, local, remote = self._regrouped(spec, rd.heads, entry)
+            except (TransportError, ValueError) as exc:
+                return self._reader.transfer_failed(
+                    action.request_id,
+                    f"regrouping blocks of {theirs_bs} tokens into blocks of {mine_bs} "
+                    f"failed: {exc}",
+                    now,
+                )
+        elif rd.heads is not None:
             # Heterogeneous tensor parallelism: this rank's heads of each block, from the
             # source rank's share, as units of a layout cut into head runs.
             try:
@@ -1713,6 +1771,95 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             slice_units(remote, bs, theirs, heads.p_offset, n, unit),
         )
 
+    def _regrouped(
+        self, spec: PDLoad, heads: HeadSlice | None, entry: RemoteEngine
+    ) -> tuple[LayoutHandle, LayoutHandle, list[int], list[int]]:
+        """The handles and units that move ``spec``'s tokens from the remote engine's blocks
+        of ``spec.remote_block_size`` tokens into this engine's (:mod:`kvframe.core.blocksize`):
+        chunks of ``min`` of both sizes of one K or V (all this rank's heads), or, with a head
+        slice of heterogeneous tensor parallelism, runs of ``unit`` heads of one token."""
+        assert self._local is not None
+        assert entry.remote is not None
+        assert entry.peer is not None
+        bd, bp = self._engine.block_size, spec.remote_block_size
+        order = self._kv_facts.order
+        start, stop = spec.load_start, spec.load_stop
+        lfirst, rfirst = start // bd * bd, start // bp * bp
+        if len(spec.local_block_ids) != 1 or len(spec.remote_block_ids) != 1:
+            raise ValueError(
+                f"{len(spec.local_block_ids)} local and {len(spec.remote_block_ids)} remote KV "
+                "groups; blocks of different sizes are regrouped for one KV group only"
+            )
+        runs = token_runs(
+            start,
+            stop,
+            spec.local_block_ids[0],
+            bd,
+            lfirst,
+            spec.remote_block_ids[0],
+            bp,
+            rfirst,
+        )
+        if heads is None:
+            if token_axis(order) is None:
+                raise ValueError(f"a {order} cache cannot be cut into token ranges")
+            chunk = chunk_of(bd, bp, start, lfirst, rfirst)
+            rows = 2 if order == "NHD" else 2 * self._local_heads
+            key = f"tokens/{rows * bd // chunk}"
+            lh = self._unit_handles.get((key, 0))
+            if lh is None:
+                layout = _cut_layout(self._local.layout, rows * bd // chunk, "this engine's")
+                lh = self._unit_handles[(key, 0)] = self._transport.prepare_local(layout)
+            rlayout = _cut_layout(entry.remote.layout, rows * bp // chunk, "the prefill engine's")
+            local, remote = chunk_units(runs, order, bd, bp, chunk, self._local_heads)
+        else:
+            num_kv_heads = self._engine.num_kv_heads
+            assert num_kv_heads is not None
+            tp = spec.remote.tp_size
+            unit = unit_heads(self._rank, self._engine.world_size, tp, num_kv_heads)
+            theirs = len(kv_heads_of(heads.p_rank, tp, num_kv_heads))
+            key = f"heads/{bd}"
+            lh = self._unit_handles.get((key, unit))
+            if lh is None:
+                layout = _unit_layout(
+                    self._local.layout, bd, self._local_heads, unit, "this rank's"
+                )
+                lh = self._unit_handles[(key, unit)] = self._transport.prepare_local(layout)
+            rlayout = _unit_layout(entry.remote.layout, bp, theirs, unit, "the prefill rank's")
+            local, remote = head_units(
+                runs,
+                bd,
+                bp,
+                self._local_heads,
+                theirs,
+                heads.d_offset,
+                heads.p_offset,
+                len(heads),
+                unit,
+            )
+        if rlayout.block_lens != lh.layout.block_lens:
+            raise ValueError(
+                f"a unit of the prefill engine's blocks is {rlayout.block_lens[0]} bytes, here "
+                f"{lh.layout.block_lens[0]}: the engines' KV dtypes, head sizes or heads differ"
+            )
+        return lh, self._transport.prepare_remote(entry.peer, rlayout), local, remote
+
+    def _zero_stale_tail(self, spec: PDLoad) -> None:
+        """After a regrouped load is done: zero what the last local block holds after the
+        loaded tokens (an earlier request's KV, or a chunk's over-read), every layer."""
+        bd = self._engine.block_size
+        axis = token_axis(self._kv_facts.order)
+        if axis is None:
+            return
+        tail = stale_tail(spec.load_stop, spec.local_block_ids[0], bd, spec.load_start // bd * bd)
+        if tail is None:
+            return
+        block, offset = tail
+        for t in self._kv_tensors:
+            # NHD [blocks, 2, tokens, ...] or HND [blocks, 2, heads, tokens, ...]
+            t[block].narrow(axis, offset, t.shape[axis + 1] - offset).zero_()
+        self._count("stale_tails_zeroed")
+
     def _transfer_state(self, rid: str, status: XferStatus, handle: XferHandle, now: float) -> None:
         rd = self._reads.get(rid)
         if rd is None or rd.handle is not handle or status.state is XferState.PENDING:
@@ -1806,6 +1953,13 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 state, reason = ReadState.FAILED, split.failure
             elif any(st is ReadState.ABORTED for st in split.ended.values()):
                 state = ReadState.ABORTED
+        if (
+            state is ReadState.DONE
+            and rd is not None
+            and rd.spec.remote_block_size not in (0, self._engine.block_size)
+        ):
+            # Every per-source transfer has stopped: nothing lands in the tail after this.
+            self._zero_stale_tail(rd.spec)
         self._finished_recving.add(rid)
         if state is ReadState.DONE:
             self._count("loads_done", engine=engine)
@@ -1951,7 +2105,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if handle is None:
             layout = self._reader_layouts.get(peer)
             if layout is None:
-                raise TransportError("the decoder sent no KV layout in its handshake")
+                raise TransportError(
+                    "the decoder sent no KV layout in its handshake, or one of another block "
+                    "size (push mode writes whole blocks: run both engines at one block size, "
+                    "or use pull mode, which regroups blocks of different sizes)"
+                )
             handle = self._reader_handles[peer] = self._transport.prepare_remote(peer, layout)
         return handle
 
@@ -2206,6 +2364,16 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         try:
             if entry is None or entry.peer is None or entry.state is not PeerState.READY:
                 raise TransportError("no connection to the prefill engine")
+            facts = entry.response.kv_layout if entry.response is not None else None
+            if facts is not None and facts.block_size != self._engine.block_size:
+                # P writes whole blocks into ours: only blocks of one size (pull regroups).
+                return self._receiver.send_failed(
+                    rid,
+                    f"push mode needs one block size: the prefill engine's blocks hold "
+                    f"{facts.block_size} tokens, this engine's {self._engine.block_size}; run "
+                    "both engines at one block size, or pull (which regroups them)",
+                    now,
+                )
             sealed = self._seal(entry.session_key, push.registration)
             if sealed is None:
                 raise TransportError("the connection is not authenticated")
