@@ -1781,6 +1781,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         assert self._local is not None
         assert entry.remote is not None
         assert entry.peer is not None
+        assert self._kv_facts is not None
         bd, bp = self._engine.block_size, spec.remote_block_size
         order = self._kv_facts.order
         start, stop = spec.load_start, spec.load_stop
@@ -1848,6 +1849,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         """After a regrouped load is done: zero what the last local block holds after the
         loaded tokens (an earlier request's KV, or a chunk's over-read), every layer."""
         bd = self._engine.block_size
+        assert self._kv_facts is not None
         axis = token_axis(self._kv_facts.order)
         if axis is None:
             return
