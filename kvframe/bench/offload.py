@@ -395,12 +395,48 @@ def _cpu_slots(blocks: int, block_bytes: int) -> Any:
     return tier.contiguous_array()
 
 
+def _interleaved(
+    sides: dict[str, Callable[[int], None]],
+    blocks: int,
+    runs: int,
+    before: Callable[[], None] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds of each side per run: in each run, block by block, every side's call for that
+    block, each timed alone, the order flipping block by block and run by run; a side's time
+    for the run is the sum of its calls. ``before()`` runs untimed before every run. Both
+    sides see the machine in the same state within microseconds of each other, so a load
+    that comes and goes during a run moves both alike (alternating whole runs let one side
+    take a busy stretch alone)."""
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    fns = [sides[n] for n in names]
+    clock = time.perf_counter
+    for r in range(runs):
+        if before is not None:
+            before()
+        total = [0.0] * len(names)
+        for i in range(blocks):
+            order = range(len(names)) if (i + r) % 2 == 0 else range(len(names) - 1, -1, -1)
+            for j in order:
+                t0 = clock()
+                fns[j](i)
+                total[j] += clock() - t0
+        for j, name in enumerate(names):
+            times[name].append(total[j])
+    return times
+
+
 def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, Any]:
-    # Written from the slots of one CPU tier and read into the slots of another (page-aligned,
-    # as the kernel copies fastest: the module docstring of the tiers says why).
-    data, out = _cpu_slots(blocks, block_bytes), _cpu_slots(blocks, block_bytes)
+    # Written from the slots of CPU tiers and read into the slots of others (page-aligned, as
+    # the kernel copies fastest: the module docstring of the tiers says why). Each side has
+    # its own source and destination holding the same bytes, so that with the calls
+    # interleaved block by block neither side finds the other's bytes in the CPU's cache.
+    data, ref_data = _cpu_slots(blocks, block_bytes), _cpu_slots(blocks, block_bytes)
     data[:] = np.random.default_rng(1).integers(0, 255, data.shape, dtype=np.uint8)
+    ref_data[:] = data
+    out, ref_out = _cpu_slots(blocks, block_bytes), _cpu_slots(blocks, block_bytes)
     out[:] = 0
+    ref_out[:] = 0
     total = blocks * block_bytes
     keys = _keys(blocks)
     with tempfile.TemporaryDirectory(prefix="kvframe-bench-offload-", dir=args.dir) as tmp:
@@ -418,55 +454,47 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
         paths = _layout(root / "tier", blocks, ".pwrite")
         pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvframe-bench")
 
-        def forget(side: str) -> None:
-            # Untimed, before every write: each side writes new files, no dirty data pending.
+        def forget() -> None:
+            # Untimed, before every run of writes: both sides write new files, no dirty data
+            # pending.
             for i, k in enumerate(keys):
-                if side == "tier":
-                    tier.remove(k, i)
-                else:
-                    Path(paths[i]).unlink(missing_ok=True)
+                tier.remove(k, i)
+                Path(paths[i]).unlink(missing_ok=True)
             os.sync()
 
-        def tier_write() -> None:
-            for i, k in enumerate(keys):
-                tier.write(k, i, data[i])
+        def write_tier(i: int) -> None:
+            tier.write(keys[i], i, data[i])
 
-        def pwrite() -> None:
-            for i, p in enumerate(paths):
-                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.pwrite(fd, memoryview(data[i].data), 0)
-                os.close(fd)
+        def write_plain(i: int) -> None:
+            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwrite(fd, memoryview(ref_data[i].data), 0)
+            os.close(fd)
 
         def read_tier(i: int) -> None:
             tier.read(keys[i], i, out[i])
 
         def read_plain(i: int) -> None:
             fd = os.open(paths[i], os.O_RDONLY)
-            os.preadv(fd, [memoryview(out[i].data)], 0)
+            os.preadv(fd, [memoryview(ref_out[i].data)], 0)
             os.close(fd)
 
-        def loop(fn: Callable[[int], None]) -> Callable[[], None]:
-            def each() -> None:
-                for i in range(blocks):
-                    fn(i)
-
-            return each
-
         try:
-            writes = _paired(
-                {"tier": _timed(tier_write), "pwrite": _timed(pwrite)}, args.repeat, forget
+            writes = _interleaved(
+                {"tier": write_tier, "pwrite": write_plain}, blocks, args.repeat, forget
             )
-            reads = _paired(
+            reads = _interleaved(
+                {"tier": read_tier, "pread": read_plain}, blocks, args.repeat * _READ_RUNS
+            )
+            # Two threads: whole runs alternate (the calls of one side overlap each other).
+            reads |= _paired(
                 {
-                    "tier": _timed(loop(read_tier)),
-                    "pread": _timed(loop(read_plain)),
                     "tier_2t": _timed(lambda: _parallel(pool, 2, read_tier, blocks)),
                     "pread_2t": _timed(lambda: _parallel(pool, 2, read_plain, blocks)),
                 },
                 args.repeat * _READ_RUNS,
             )
-            if not np.array_equal(out, data):
-                raise RuntimeError("the disk tier read back other bytes than it wrote")
+            if not (np.array_equal(out, data) and np.array_equal(ref_out, data)):
+                raise RuntimeError("a disk side read back other bytes than it wrote")
             direct = _o_direct(args, root / "tier", blocks, block_bytes)
         finally:
             pool.shutdown()

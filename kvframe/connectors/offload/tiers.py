@@ -92,6 +92,9 @@ _VERSION = 2
 # the payload, reserved (0). Version 1 (older releases) had a 64-byte header in front instead:
 # magic, version 1, reserved, key, length, CRC-32, padding.
 _TRAILER = struct.Struct("<4sHH32sQQ8s")
+# What a read of a block file finds in the trailer and the one byte it asks for past the end
+# (none there: the byte stays zero).
+_EXPECTED = struct.Struct("<4sHH32sQQ8sx")
 _ZEROS = bytes(8)
 DISK_TRAILER_BYTES = _TRAILER.size
 """Bytes each block file holds besides the payload (its trailer)."""
@@ -257,7 +260,11 @@ class DiskTier(OffloadTier):
 
     def write(self, key: bytes, slot: int, data: ByteArray) -> None:
         path = self._path(key)
-        payload = memoryview(np.ascontiguousarray(data).data).cast("B")
+        payload = data.data
+        if not payload.c_contiguous:
+            payload = memoryview(np.ascontiguousarray(data).data)
+        if payload.ndim != 1 or payload.format != "B":
+            payload = payload.cast("B")
         try:
             self._sub_dir(key)
             # In place, the trailer last: until the trailer lands, a reader finds the file
@@ -319,15 +326,6 @@ class DiskTier(OffloadTier):
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
-    def _open_for_read(self, key: bytes, path: str) -> int:
-        """A descriptor of ``key``'s file for one read: a dup of the kept one (no path lookup,
-        no open), else a new one. Raises :class:`FileNotFoundError` when there is no file."""
-        with self._fds_lock:
-            kept = self._fds.get(key)
-            if kept is not None:
-                return os.dup(kept)
-        return os.open(path, os.O_RDONLY)
-
     def _pwrite(self, fd: int, data: Any, offset: int) -> int:
         """One of the two system calls that write a block file (the payload alone, then the
         trailer: the page cache takes a lone 256 KiB payload 1.3–2× faster than the same bytes
@@ -337,30 +335,42 @@ class DiskTier(OffloadTier):
         return os.pwrite(fd, data, offset)
 
     def read(self, key: bytes, slot: int, out: ByteArray) -> None:
-        path = self._path(key)
-        trailer = bytearray(_TRAILER.size)
-        past_end = bytearray(1)
         dst = out.data
         if dst.ndim != 1 or dst.format != "B":
             dst = dst.cast("B")
+        # The trailer and one byte past the end in one buffer: a file of the right length
+        # leaves that byte zero, as the expected trailer packed by _EXPECTED ends.
+        tail = bytearray(_EXPECTED.size)
+        path = ""
         try:
-            fd = self._open_for_read(key, path)
+            # A dup of the kept descriptor (no path lookup, no open), taken under the lock so
+            # that an eviction never closes it mid-read; else the file opened by name.
+            with self._fds_lock:
+                kept = self._fds.get(key)
+                fd = os.dup(kept) if kept is not None else -1
+            if fd < 0:
+                path = self._path(key)
+                fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as exc:
             raise CorruptEntryError(f"{path} is gone") from exc
         except OSError as exc:
-            raise OffloadError(f"opening {path}: {exc}") from exc
+            raise OffloadError(f"opening {path or self._path(key)}: {exc}") from exc
         try:
-            got = os.preadv(fd, [dst, trailer, past_end], 0)
+            got = os.preadv(fd, [dst, tail], 0)
         except OSError as exc:
-            raise OffloadError(f"reading {path}: {exc}") from exc
+            raise OffloadError(f"reading {path or self._path(key)}: {exc}") from exc
         finally:
             os.close(fd)
-        want = _TRAILER.pack(_MAGIC, _VERSION, 0, key, len(dst), _checksum(dst), _ZEROS)
-        if got == len(dst) + _TRAILER.size and trailer == want:
-            return  # the one comparison of the common case; _check says what is wrong
-        problem = self._check(key, dst, trailer, got)
+        n = len(dst)
+        # The one comparison of the common case; _check says what is wrong.
+        if got == n + _TRAILER.size and tail == _EXPECTED.pack(
+            _MAGIC, _VERSION, 0, key, n, _checksum(dst), _ZEROS
+        ):
+            return
+        path = path or self._path(key)
+        problem = self._check(key, dst, tail[: _TRAILER.size], got)
         if problem:
-            if got < len(dst) + _TRAILER.size and _young(path):
+            if got < n + _TRAILER.size and _young(path):
                 # Perhaps being written right now (by another engine sharing the directory):
                 # a miss, but the file stays; a crash's leftover goes once it is old.
                 raise CorruptEntryError(

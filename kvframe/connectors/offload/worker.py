@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import msgpack
+import numpy as np
 
 from kvframe.config import KVTransferConfig
 from kvframe.connectors._reports import WorkerReports
@@ -56,6 +57,7 @@ from kvframe.connectors.offload.scheduler import build_tiers, check_components
 from kvframe.protocol.messages import ConnectorMetadata, Stats
 from kvframe.spi.connector import EngineInfo, KVConnectorWorker, PluginLookup
 from kvframe.spi.offload import (
+    ByteArray,
     CorruptEntryError,
     MemoryTier,
     OffloadTier,
@@ -127,6 +129,11 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
         self._memory: MemoryTier | None = None
         self._contiguous: torch.Tensor | None = None
         self._layers: dict[str, torch.Tensor] = {}
+        # Numpy views of the layers in host memory and of the memory tier's slots: their
+        # copies run in numpy (which releases the GIL), one thread per copy; torch would split
+        # each copy over its own intra-op threads as well, more threads than cores.
+        self._host_layers: dict[str, ByteArray] = {}
+        self._host_slots: ByteArray | None = None
         self._offsets: dict[str, tuple[int, int]] = {}
         self.block_bytes = 0
         self._layout = ""
@@ -168,6 +175,8 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
                 )
             per_block = t[0].numel() * t.element_size()
             self._layers[name] = t.view(torch.uint8).reshape(t.shape[0], per_block)
+            if t.device.type == "cpu":
+                self._host_layers[name] = self._layers[name].numpy()
             self._offsets[name] = (offset, per_block)
             offset += per_block
             parts.append(f"{name}:{t.dtype}:{tuple(t.shape[1:])}")
@@ -190,6 +199,7 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
             import torch
 
             self._contiguous = torch.from_numpy(whole)
+            self._host_slots = whole
 
     def get_handshake_metadata(self) -> bytes | None:
         """The bytes per block and the layout, for the scheduler's manager."""
@@ -234,6 +244,12 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
         if runs is None:  # two layers may both get here first: they make equal lists
             runs = [r for j in loads.loads for r in self._runs(j.block_ids, j.slots)]
             loads.runs = runs
+        host = self._host_layers.get(name)
+        if host is not None and self._host_slots is not None:
+            slots = self._host_slots
+            for b, s, n in runs:
+                np.copyto(host[b : b + n], slots[s : s + n, off : off + size])
+            return
         for b, s, n in runs:
             layer[b : b + n].copy_(self._slots(s, n)[:, off : off + size])
 
@@ -243,8 +259,14 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
         runs = store.runs
         if runs is None:
             runs = store.runs = self._runs(store.job.block_ids, store.job.slots)
+        host = self._host_layers.get(name)
+        if host is not None and self._host_slots is not None:
+            slots = self._host_slots
+            for b, s, n in runs:
+                # One copy straight from the KV cache into the slots (views, no staging).
+                np.copyto(slots[s : s + n, off : off + size], host[b : b + n])
+            return
         for b, s, n in runs:
-            # One copy straight from the KV cache into the slots (views, no staging).
             self._slots(s, n)[:, off : off + size].copy_(layer[b : b + n])
 
     def _copy(self, job: CopyJob) -> dict[bytes, tuple[str, str]]:
@@ -264,8 +286,6 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
                 elif job.dst_tier == 0:
                     src.read(key, s, self._memory.slot_array(d))
                 else:
-                    import numpy as np
-
                     buf = np.empty(self.block_bytes, dtype=np.uint8)
                     src.read(key, s, buf)
                     dst.write(key, d, buf)
