@@ -399,11 +399,11 @@ def _interleaved(
     sides: dict[str, Callable[[int], None]],
     blocks: int,
     runs: int,
-    before: Callable[[], None] | None = None,
+    before: Callable[[int], None] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds of each side per run: in each run, block by block, every side's call for that
     block, each timed alone, the order flipping block by block and run by run; a side's time
-    for the run is the sum of its calls. ``before()`` runs untimed before every run. Both
+    for the run is the sum of its calls. ``before(run)`` runs untimed before every run. Both
     sides see the machine in the same state within microseconds of each other, so a load
     that comes and goes during a run moves both alike (alternating whole runs let one side
     take a busy stretch alone)."""
@@ -413,7 +413,7 @@ def _interleaved(
     clock = time.perf_counter
     for r in range(runs):
         if before is not None:
-            before()
+            before(r)
         total = [0.0] * len(names)
         for i in range(blocks):
             order = range(len(names)) if (i + r) % 2 == 0 else range(len(names) - 1, -1, -1)
@@ -428,15 +428,18 @@ def _interleaved(
 
 def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, Any]:
     # Written from the slots of CPU tiers and read into the slots of others (page-aligned, as
-    # the kernel copies fastest: the module docstring of the tiers says why). Each side has
-    # its own source and destination holding the same bytes, so that with the calls
-    # interleaved block by block neither side finds the other's bytes in the CPU's cache.
-    data, ref_data = _cpu_slots(blocks, block_bytes), _cpu_slots(blocks, block_bytes)
+    # the kernel copies fastest: the module docstring of the tiers says why). Two sources
+    # holding the same bytes and two destinations, one of each per side, so that with the
+    # calls interleaved block by block neither side finds the other's bytes in the CPU's
+    # cache; the sides swap them run by run, so neither keeps the better-placed memory.
+    data = _cpu_slots(blocks, block_bytes)
     data[:] = np.random.default_rng(1).integers(0, 255, data.shape, dtype=np.uint8)
-    ref_data[:] = data
-    out, ref_out = _cpu_slots(blocks, block_bytes), _cpu_slots(blocks, block_bytes)
-    out[:] = 0
-    ref_out[:] = 0
+    copy = _cpu_slots(blocks, block_bytes)
+    copy[:] = data
+    sources = [data, copy]
+    outs = [_cpu_slots(blocks, block_bytes), _cpu_slots(blocks, block_bytes)]
+    for out in outs:
+        out[:] = 0
     total = blocks * block_bytes
     keys = _keys(blocks)
     with tempfile.TemporaryDirectory(prefix="kvframe-bench-offload-", dir=args.dir) as tmp:
@@ -454,28 +457,33 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
         paths = _layout(root / "tier", blocks, ".pwrite")
         pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvframe-bench")
 
-        def forget() -> None:
+        def swap(run: int) -> None:
+            sources.reverse()
+            outs.reverse()
+
+        def forget(run: int) -> None:
             # Untimed, before every run of writes: both sides write new files, no dirty data
             # pending.
+            swap(run)
             for i, k in enumerate(keys):
                 tier.remove(k, i)
                 Path(paths[i]).unlink(missing_ok=True)
             os.sync()
 
         def write_tier(i: int) -> None:
-            tier.write(keys[i], i, data[i])
+            tier.write(keys[i], i, sources[0][i])
 
         def write_plain(i: int) -> None:
             fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.pwrite(fd, memoryview(ref_data[i].data), 0)
+            os.pwrite(fd, memoryview(sources[1][i].data), 0)
             os.close(fd)
 
         def read_tier(i: int) -> None:
-            tier.read(keys[i], i, out[i])
+            tier.read(keys[i], i, outs[0][i])
 
         def read_plain(i: int) -> None:
             fd = os.open(paths[i], os.O_RDONLY)
-            os.preadv(fd, [memoryview(ref_out[i].data)], 0)
+            os.preadv(fd, [memoryview(outs[1][i].data)], 0)
             os.close(fd)
 
         try:
@@ -483,7 +491,10 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
                 {"tier": write_tier, "pwrite": write_plain}, blocks, args.repeat, forget
             )
             reads = _interleaved(
-                {"tier": read_tier, "pread": read_plain}, blocks, args.repeat * _READ_RUNS
+                {"tier": read_tier, "pread": read_plain},
+                blocks,
+                args.repeat * _READ_RUNS,
+                swap,
             )
             # Two threads: whole runs alternate (the calls of one side overlap each other).
             reads |= _paired(
@@ -493,7 +504,7 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
                 },
                 args.repeat * _READ_RUNS,
             )
-            if not (np.array_equal(out, data) and np.array_equal(ref_out, data)):
+            if not all(np.array_equal(out, data) for out in outs):
                 raise RuntimeError("a disk side read back other bytes than it wrote")
             direct = _o_direct(args, root / "tier", blocks, block_bytes)
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from kvframe.config import KVTransferConfig
@@ -13,7 +14,10 @@ from kvframe.spi.connector import EngineInfo
 from tests.contexts import build_context
 
 
-def test_scattered_and_consecutive_blocks_round_trip_exactly() -> None:
+@pytest.mark.parametrize("host_copies", [True, False], ids=["numpy", "torch"])
+def test_scattered_and_consecutive_blocks_round_trip_exactly(host_copies: bool) -> None:
+    """Both copy paths: numpy's for a KV cache in host memory (the worker's choice here) and
+    torch's, which a KV cache on a device takes (forced by dropping the host views)."""
     kv_cfg = KVTransferConfig.from_dict(
         {
             "kv_connector": "OffloadingConnector",
@@ -26,6 +30,9 @@ def test_scattered_and_consecutive_blocks_round_trip_exactly() -> None:
     worker = OffloadingConnector.build_worker(kv_cfg, EngineInfo(block_size=16), 0, build_context())
     kv = {f"l{i}": torch.rand((40, 2, 4, 16)) for i in range(3)}  # 512 bytes per block per layer
     worker.register_kv_caches(kv)
+    assert set(worker._host_layers) == set(kv)  # host memory: the numpy copies
+    if not host_copies:
+        worker._host_layers.clear()
     try:
         rng = random.Random(3)
         blocks = (*range(4, 12), *rng.sample(range(12, 40), 10))  # a run, then scattered
