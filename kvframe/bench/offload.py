@@ -1,9 +1,14 @@
 """``kvframe bench offload``: the offload tiers against memcpy and plain file I/O, lookup cost,
 and LRU versus ARC on a synthetic multi-turn trace.
 
-Measured, in one run, each tier beside its reference (the two sides alternate run by run, in
-an order that flips every run, over the same bytes, so that a machine that gets busier or
-quieter mid-run moves both):
+Measured, in one run, each tier beside its reference over the same bytes. The CPU tier's
+sides and the two-thread reads alternate run by run, in an order that flips every run, so
+that a machine that gets busier or quieter mid-run moves both. The disk tier's one-thread
+writes and reads are **interleaved block by block**: in each run, for every block, the tier's
+call and the reference's call, each timed alone, the order flipping block by block and run by
+run; a side's run time is the sum of its calls. On a shared machine whose load comes and goes
+within a run, whole runs let one side take a busy stretch alone (``docs/offloading.md`` gives
+the spread of both ways on the same code).
 
 - **cpu tier**: a store (KV cache → CPU tier, through the worker's per-layer copy path in its
   thread pool, from ``save_kv_layer`` to the job's completion) and a load (CPU tier → KV cache,
@@ -18,14 +23,15 @@ quieter mid-run moves both):
   the tier's files (the reference's files are the tier's file names with another suffix):
   where a directory lies on the disk changed the time of the same writes by up to 1.45x on our
   virtual disk, so sides in separate directory trees measured the directories more than the
-  tier. Blocks are written
-  from the slots of one CPU tier and read into those of another (page-aligned, the fastest
-  case for the kernel's copies: the references get it too). **Page cache state**: before each
-  timed write, that side's files are deleted and ``os.sync()`` runs (untimed), so every write
-  creates new files with no dirty data pending; reads find the files just written, so they
-  come from the page cache (a warm read, as a promotion soon after a write-through is). The
-  reads are measured on one thread and again split over two threads (the connector's
-  ``io_threads`` default), both sides alike;
+  tier. Blocks are written from the slots of CPU tiers and read into those of others
+  (page-aligned, the fastest case for the kernel's copies: the references get it too); each
+  side has its own source and destination holding the same bytes (so that, interleaved,
+  neither finds the other's bytes in the CPU's cache), and the two swap them run by run.
+  **Page cache state**: before each run of writes, both sides' files are deleted and
+  ``os.sync()`` runs (untimed), so every write creates a new file with no dirty data pending;
+  reads find the files just written, so they come from the page cache (a warm read, as a
+  promotion soon after a write-through is). The reads are measured on one thread and again
+  split over two threads (the connector's ``io_threads`` default), both sides alike;
 - **O_DIRECT references**: ``os.pwrite`` / ``os.pread`` with ``O_DIRECT`` (page-aligned
   buffers; the read is cold by construction), to show what bypassing the page cache costs or
   gains on this filesystem; reported as unsupported when the filesystem refuses ``O_DIRECT``
@@ -666,7 +672,8 @@ def _human(report: dict[str, Any]) -> str:
     p, r = report["params"], report["results"]
     lines = [
         f"kvframe bench offload: {p['blocks']} blocks of {p['block_bytes']} bytes "
-        f"({p['layers']} layers), {p['repeat']} runs per side, the sides alternating",
+        f"({p['layers']} layers), {p['repeat']} runs per side, the sides alternating "
+        "(one-thread disk rows: interleaved block by block)",
         f"disk files in {p['dir']} ({p['filesystem']}): writes create new files after an "
         "untimed os.sync(); reads are warm (page cache, the files just written)",
         "GB/s: median time (p90 time, the slow tail); ratio = median / reference median",
