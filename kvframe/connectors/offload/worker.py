@@ -28,9 +28,8 @@ A copy between the KV cache and the memory tier is one strided copy per layer an
 consecutive blocks and slots, straight between the two (no staging). When the KV cache is in
 host memory, it is ``np.copyto`` on numpy views of both (numpy releases the GIL), one thread
 per copy; torch's ``copy_`` would also split each copy over its own intra-op threads, so two
-pool threads ran four copy threads on two cores (a store of 64 MiB went from 0.87 to 0.94 of
-one ``np.copyto`` on a loaded 2-core machine, ``kvframe bench offload``). A KV cache on a
-device is copied with torch's ``copy_``.
+pool threads ran four copy threads on two cores (figures in ``docs/offloading.md``). A KV
+cache on a device is copied with torch's ``copy_``.
 
 Copies between the KV cache and the memory tier (loads, stores: on the step's critical path)
 run in their own pool, apart from tier-to-tier copies and removals (disk I/O), so a slow disk
