@@ -294,3 +294,24 @@ def test_the_checksum_releases_the_gil() -> None:
     view = memoryview(np.ones(64 << 20, dtype=np.uint8).data).cast("B")
     tries = [_stall_beside_a_hash(view) for _ in range(5)]
     assert any(stall < took / 2 for stall, took in tries), tries
+
+
+@pytest.mark.parametrize("shape", ["strided", "2d", "float32"])
+def test_any_array_layout_is_written_as_its_bytes_and_read_back(tmp_path: Path, shape: str) -> None:
+    """``write`` takes the slot's memory as it is when it is contiguous bytes, and copies or
+    reinterprets anything else: the file holds the array's bytes in C order either way."""
+    base = _data(2 * BLOCK)
+    data = {
+        "strided": base[::2],  # not contiguous: copied first
+        "2d": base[:BLOCK].reshape(64, BLOCK // 64),
+        "float32": base[:BLOCK].view(np.float32),
+    }[shape]
+    tier = _tier(tmp_path)
+    tier.write(KEY, 0, data)
+    assert tier.file_of(KEY).read_bytes()[:BLOCK] == np.ascontiguousarray(data).tobytes()
+    for open_files in (True, False):
+        if not open_files:
+            tier.close()  # the kept descriptor gone: the read opens the file by name
+        out = np.zeros(BLOCK, dtype=np.uint8)
+        tier.read(KEY, 0, out)
+        assert out.tobytes() == np.ascontiguousarray(data).tobytes()
