@@ -183,7 +183,7 @@ class OffloadingWorker(WorkerReports, KVConnectorWorker):
             per_block = t[0].numel() * t.element_size()
             self._layers[name] = t.view(torch.uint8).reshape(t.shape[0], per_block)
             if t.device.type == "cpu":
-                self._host_layers[name] = self._layers[name].numpy()
+                self._host_layers[name] = self._layers[name].detach().numpy()
             self._offsets[name] = (offset, per_block)
             offset += per_block
             parts.append(f"{name}:{t.dtype}:{tuple(t.shape[1:])}")
