@@ -134,6 +134,8 @@ __all__ = [
     "CAPABILITIES",
     "MAX_NOTIFICATION_BYTES",
     "METADATA_VERSION",
+    "WARMUP_BUFFER_BYTES",
+    "WARMUP_BYTES",
     "NixlOptions",
     "NixlTransport",
     "create",
@@ -156,8 +158,18 @@ CAPABILITIES: Final = TransportCapabilities(
     cross_process=True,
     ordered_notifications=True,
     notification_after_data=True,
+    warm_up=True,
 )
 """What :class:`NixlTransport` supports (registered with the plugin host)."""
+
+WARMUP_BYTES: Final = 64
+"""Bytes a warm-up READ moves (:meth:`NixlTransport.warm_up`): between two buffers of
+:data:`WARMUP_BUFFER_BYTES` each transport registers for warm-ups alone."""
+WARMUP_BUFFER_BYTES: Final = 4096
+"""The size of the buffer each transport registers for warm-ups (one page)."""
+WARMUP_ROUNDS: Final = 3
+"""At most this many warm-up READs, one after the other, per :meth:`NixlTransport.warm_up`
+(it stops earlier at one that completes inside its post)."""
 
 _NIXL_MEM: Final = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
 _NIXL_OP: Final = {Op.READ: "READ", Op.WRITE: "WRITE"}
@@ -272,6 +284,7 @@ class _Peer:
     name: str
     prepared: dict[BlockLayout, LayoutHandle] = attrs.field(factory=dict)
     inflight: set[kit.Transfer[_Xfer]] = attrs.field(factory=set)
+    warm: Any = None  # NIXL's prepared list of the peer's warm-up buffer (None: it has none)
 
 
 @attrs.define(eq=False)
@@ -288,6 +301,9 @@ class _Xfer:
     cancelled: bool = False
     telemetry: tuple[float, float] | None = None  # NIXL's (post µs, transfer µs)
     empty_notification: bool = False  # NIXL treats b"" as "no notification": send on DONE
+    sync: bool = False  # transfer() itself answered DONE (the copy happened in the post)
+    warm_job: tuple[Any, ...] | None = None  # a warm-up's job, posted again until warm
+    rounds: int = 0  # warm-up READs completed so far
 
 
 class _PostWorker:
@@ -435,6 +451,24 @@ class NixlTransport(Transport):
             ),
             0.0,
         )
+        self._stats["warmups"] = 0.0
+        # The warm-up buffer: registered for warm-up READs alone (peers read its first
+        # WARMUP_BYTES, and this side's warm-ups land there); its bytes are never used.
+        self._warm_buf = np.zeros(WARMUP_BUFFER_BYTES, dtype=np.uint8)
+        addr = int(self._warm_buf.ctypes.data)
+        reg = None
+        try:
+            with _translate("registering the warm-up buffer"):
+                reg = agent.register_memory(_warm_row(addr, WARMUP_BUFFER_BYTES), "DRAM")
+                self._warm_local = agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", _warm_row(addr, WARMUP_BYTES), "DRAM"
+                )
+        except TransportError:
+            if reg is not None:
+                with contextlib.suppress(Exception):
+                    agent.deregister_memory(reg)
+            raise
+        self._warm_reg = reg
         self._worker = _PostWorker(self._run_job) if self._opts.post_thread else None
 
     @classmethod
@@ -504,13 +538,20 @@ class NixlTransport(Transport):
         with self._lock, _translate("exporting agent metadata"):
             md = self._agent.get_agent_metadata()
         packed: bytes = msgpack.packb(
-            {"kvframe": "nixl", "v": METADATA_VERSION, "name": self._name, "agent": bytes(md)},
+            {
+                "kvframe": "nixl",
+                "v": METADATA_VERSION,
+                "name": self._name,
+                "agent": bytes(md),
+                # Where peers' warm-up READs read (an optional key: older peers ignore it).
+                "warm": int(self._warm_buf.ctypes.data),
+            },
             use_bin_type=True,
         )
         return packed
 
     @staticmethod
-    def _unpack_metadata(metadata: bytes) -> tuple[str, bytes]:
+    def _unpack_metadata(metadata: bytes) -> tuple[str, bytes, int | None]:
         try:
             env = msgpack.unpackb(metadata, raw=False)
         except Exception as exc:
@@ -531,7 +572,13 @@ class NixlTransport(Transport):
         name, agent = env.get("name"), env.get("agent")
         if not isinstance(name, str) or not name or not isinstance(agent, bytes):
             raise PeerUnreachableError("peer metadata lacks a name or agent blob")
-        return name, agent
+        warm = env.get("warm")
+        if warm is not None and (type(warm) is not int or not 0 < warm < 2**64 - WARMUP_BYTES):
+            raise PeerUnreachableError(
+                f"peer metadata has a warm-up buffer address of {str(warm)[:40]!r}; expected an "
+                "address (a positive int): pass the peer's local_metadata() unchanged"
+            )
+        return name, agent, warm
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's metadata and connect afresh; returns its name.
@@ -559,7 +606,7 @@ class NixlTransport(Transport):
         if not isinstance(metadata, bytes | bytearray | memoryview):
             raise ValueError(f"add_peer takes the peer's metadata bytes, got {type(metadata)}")
         metadata = bytes(metadata)
-        name, agent_md = self._unpack_metadata(metadata)
+        name, agent_md, warm = self._unpack_metadata(metadata)
         if name == self._name:
             raise PeerUnreachableError(
                 f"peer metadata names this endpoint itself ({name!r}); give every endpoint a "
@@ -583,7 +630,15 @@ class NixlTransport(Transport):
                 raise PeerUnreachableError(
                     f"peer metadata is inconsistent: envelope names {name!r}, agent blob {loaded!r}"
                 )
-            return _Peer(name=name)
+            conn = _Peer(name=name)
+            if warm is not None:
+                # The peer's warm-up buffer, prepared now so a warm-up costs one post. NIXL
+                # refuses an address outside the peer's registered memory: no warm-ups then.
+                with contextlib.suppress(Exception), self._lock:
+                    conn.warm = self._agent.prep_xfer_dlist(
+                        name, _warm_row(warm, WARMUP_BYTES), "DRAM"
+                    )
+            return conn
 
         # A rebuild, even with equal metadata: the old connection may be one that failed.
         added = self._peers.add(name, metadata, connect)
@@ -625,6 +680,10 @@ class NixlTransport(Transport):
         with self._lock:
             for lh in peer.prepared.values():
                 self._release_prepared(lh)
+            if peer.warm is not None:
+                with contextlib.suppress(Exception):
+                    peer.warm.release()
+                peer.warm = None
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(peer.name)
 
@@ -745,7 +804,18 @@ class NixlTransport(Transport):
             if notification is not None:
                 self.send_notification(peer, notif)
             rec.posted, rec.status, rec.empty_notification = True, "DONE", False
-        elif not self._post_inline(nbytes):
+        else:
+            self._dispatch(rec, job, nbytes, peer)
+        conn.inflight.add(tr)
+        self._stats["transfers_posted"] += 1
+        self._stats["descriptors"] += ndesc
+        self._stats["descriptors_merged"] += len(lids) - ndesc
+        self._stats["post_time_us"] += (time.perf_counter() - t0) * 1e6
+        return handle
+
+    def _dispatch(self, rec: _Xfer, job: tuple[Any, ...], nbytes: int, peer: str) -> None:
+        """Post ``job`` inline or through the worker; raises what an inline post raised."""
+        if not self._post_inline(nbytes):
             assert self._worker is not None
             self._worker.submit(("xfer", job))
         else:
@@ -765,11 +835,33 @@ class NixlTransport(Transport):
                     peer=peer,
                     default=TransferFailedError,
                 ) from rec.native_error
+
+    def warm_up(self, peer: str) -> XferHandle:
+        """READ :data:`WARMUP_BYTES` of ``peer``'s warm-up buffer into this side's (see
+        :meth:`Transport.warm_up`): the first READ on a new connection waits for UCX to wire
+        the endpoint up, which needs the peer's progress (two of its progress points here),
+        and this pays that before any real transfer. Neither buffer holds anyone's data.
+
+        Raises :class:`~kvframe.errors.PeerUnreachableError` for an unknown peer,
+        :class:`~kvframe.errors.CapabilityError` when the peer's metadata named no warm-up
+        buffer (a kvframe-nixl before warm-ups) or NIXL refused it. Poll and release the
+        handle as any transfer's; a failure arrives as from :meth:`post`.
+        """
+        self._guard.check()
+        conn = self._peers.get(peer).conn  # PeerUnreachableError for an unknown peer
+        if conn.warm is None:
+            raise CapabilityError(
+                f"nixl: peer {peer!r} advertised no warm-up buffer (an older kvframe-nixl); "
+                "its first transfer sets the connection up"
+            )
+        pairs = kit.DescriptorPairs(local=[0], remote=[0], nbytes=WARMUP_BYTES, regions=(0,))
+        rec = _Xfer(peer=conn)
+        handle, tr = kit.Transfer.post(self, rec, op=Op.READ, peer=peer, pairs=pairs)
+        job = (rec, "READ", self._warm_local, [0], conn.warm, [0], b"")
+        rec.warm_job = job
+        self._dispatch(rec, job, WARMUP_BYTES, peer)
         conn.inflight.add(tr)
-        self._stats["transfers_posted"] += 1
-        self._stats["descriptors"] += ndesc
-        self._stats["descriptors_merged"] += len(lids) - ndesc
-        self._stats["post_time_us"] += (time.perf_counter() - t0) * 1e6
+        self._stats["warmups"] += 1
         return handle
 
     def _post_inline(self, nbytes: int) -> bool:
@@ -802,7 +894,8 @@ class NixlTransport(Transport):
                     notif,
                 )
             rec.status = self._agent.transfer(rec.handle)
-            if rec.status == "DONE":
+            rec.sync = rec.status == "DONE"
+            if rec.sync:
                 self._read_telemetry(rec)
         except Exception as exc:
             rec.native_error = exc
@@ -863,11 +956,39 @@ class NixlTransport(Transport):
             if rec.native_error is not None:
                 self._fail(tr, rec.native_error, "checking a transfer")
                 return tr.status
+        if rec.status == "DONE" and rec.warm_job is not None and self._warm_again(tr):
+            return tr.status
         if rec.status == "DONE":
             self._finish(tr)
         elif rec.status != "PROC":
             self._fail(tr, None, "checking a transfer")
         return tr.status
+
+    def _warm_again(self, tr: kit.Transfer[_Xfer]) -> bool:
+        """A warm-up READ completed: post another one (and answer ``True``: still pending)
+        unless this one completed inside its post, which under UCX ``cma`` means the
+        endpoint is wired and READs no longer wait for the peer, or :data:`WARMUP_ROUNDS`
+        completed (a backend whose READs always complete later: RDMA, ``tcp``). Measured
+        with the peer's progress every 20-200 ms: the first READ on a new connection
+        completes after one or two of the peer's progress points, and the endpoint is
+        fully wired only after two."""
+        rec = tr.record
+        rec.rounds += 1
+        if rec.sync or rec.rounds >= WARMUP_ROUNDS:
+            return False
+        job = rec.warm_job
+        assert job is not None
+        with self._lock:
+            if rec.handle is not None:
+                with contextlib.suppress(Exception):
+                    rec.handle.release()
+            rec.handle, rec.posted, rec.status, rec.sync = None, False, "", False
+        try:
+            self._dispatch(rec, job, WARMUP_BYTES, rec.peer.name)
+        except TransportError as exc:  # counted as a failed transfer by _dispatch
+            tr.fail(exc)
+            rec.peer.inflight.discard(tr)
+        return True
 
     def _read_telemetry(self, rec: _Xfer) -> None:
         """Keep NIXL's timing of a completed transfer; the caller holds ``self._lock``."""
@@ -1016,6 +1137,10 @@ class NixlTransport(Transport):
                     with contextlib.suppress(Exception):
                         self._agent.deregister_memory(reg)
             self._registered.clear()
+            with contextlib.suppress(Exception):
+                self._warm_local.release()
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(self._warm_reg)
         self._agent = None
 
     def __repr__(self) -> str:
@@ -1049,6 +1174,11 @@ def _run_descs(
     lrows = np.stack([runs.local, runs.lengths, ldev], axis=1).astype(np.uint64)
     rrows = np.stack([runs.remote, runs.lengths, rdev], axis=1).astype(np.uint64)
     return (lrows, _NIXL_MEM[local.regions[0].kind]), rrows
+
+
+def _warm_row(addr: int, length: int) -> npt.NDArray[np.uint64]:
+    """One (address, length, device) row of host memory: a warm-up buffer's descriptor."""
+    return np.array([[addr, length, 0]], dtype=np.uint64)
 
 
 def create(params: TransportParams) -> NixlTransport:
