@@ -55,7 +55,9 @@ def test_warm_up_reads_only_the_warm_up_buffers(fresh: tuple[Local, Peer]) -> No
     remote = end.connect(peer)
     mine = [b.copy() for b in end.bufs]
     h = end.t.warm_up(peer.name)
-    assert h.nbytes == WARMUP_BYTES and h.num_descriptors == 1 and h.op is Op.READ
+    assert h.nbytes == WARMUP_BYTES
+    assert h.num_descriptors == 1
+    assert h.op is Op.READ
     assert _wait(end.t, h) is XferState.DONE
     end.t.release(h)
     assert end.t.stats()["warmups"] == 1
@@ -91,7 +93,8 @@ def test_after_a_warm_up_the_first_read_does_not_wait_for_the_peer(
     end.t.release(h)
     # A statement of what happened, not a timing bar: the warm-up waited for the peer's
     # progress (tens of ms at least), the READ after it did not wait for another step.
-    assert time.monotonic() - posted < SLOW / 2 <= waited + SLOW, (waited, time.monotonic())
+    read_took = time.monotonic() - posted
+    assert read_took < SLOW / 2, (waited, read_took)
 
 
 def test_unknown_peer_and_closed_transport() -> None:
