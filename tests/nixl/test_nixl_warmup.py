@@ -61,6 +61,12 @@ def test_warm_up_reads_only_the_warm_up_buffers(fresh: tuple[Local, Peer]) -> No
     assert _wait(end.t, h) is XferState.DONE
     end.t.release(h)
     assert end.t.stats()["warmups"] == 1
+    # The warm-up ended with the peer's warm-up token as a notification: the peer dropped it
+    # (its caller never sees it).
+    deadline = time.monotonic() + 5
+    while peer.call("stats", drive=end.t)["warmup_notifications_dropped"] < 1:
+        assert time.monotonic() < deadline, "the peer never got the warm-up notification"
+    assert peer.call("drain", drive=end.t) == []
     for region, before in enumerate(mine):
         np.testing.assert_array_equal(end.bufs[region], before)
         np.testing.assert_array_equal(
@@ -117,15 +123,24 @@ def _envelope(meta: bytes, **change: Any) -> bytes:
     return packed
 
 
-@pytest.mark.parametrize("warm", [-1, 0, "0x1000", 2**64 - 1, 1.5, [1, 2], True])
-def test_hostile_warm_up_address_is_refused(warm: Any) -> None:
-    """A warm-up address that is not a plausible address refuses the metadata (nothing is
-    added); the transport stays usable."""
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        *(("warm", v, "warm-up buffer address") for v in (-1, 0, "0x1000", 2**64 - 1, 1.5, True)),
+        ("warm", [1, 2], "warm-up buffer address"),
+        ("warm_token", b"short", "warm-up token"),
+        ("warm_token", "a" * 16, "warm-up token"),
+        ("warm_token", 7, "warm-up token"),
+    ],
+)
+def test_hostile_warm_up_fields_are_refused(key: str, value: Any, match: str) -> None:
+    """A warm-up address that is not a plausible address, or a token that is not 16 bytes,
+    refuses the metadata (nothing is added); the transport stays usable."""
     t = NixlTransport.create(TransportParams(name=f"W-host-{os.getpid()}"))
     other = NixlTransport.create(TransportParams(name=f"W-other-{os.getpid()}"))
     try:
-        with pytest.raises(PeerUnreachableError, match="warm-up buffer address"):
-            t.add_peer(_envelope(other.local_metadata(), warm=warm))
+        with pytest.raises(PeerUnreachableError, match=match):
+            t.add_peer(_envelope(other.local_metadata(), **{key: value}))
         assert t.stats()["peers"] == 0
         assert t.add_peer(other.local_metadata()) == other.name
     finally:

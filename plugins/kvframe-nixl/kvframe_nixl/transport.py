@@ -76,7 +76,17 @@
   descriptors `merge_runs` saved), `post_time_us` (caller time
   spent in `post`), `nixl_post_us` and `nixl_xfer_us` (NIXL's own telemetry of completed
   transfers), `notifications_sent`, `notifications_received`, `peers_rebuilt` (`add_peer`
-  calls that replaced a known peer), `peers`.
+  calls that replaced a known peer), `peers`, `warmups` (`warm_up` calls),
+  `warmup_notifications_dropped` (peers' warm-up notifications received and dropped).
+- **Warm-up** (`warm_up=True`): each transport registers a one-page buffer of its own
+  (`WARMUP_BUFFER_BYTES`) and names it, with a random 16-byte token, in its metadata
+  envelope (optional keys, validated: a bad value refuses the metadata). `warm_up(peer)`
+  sends the peer's token as a notification (the peer's transport drops it: its caller never
+  sees it), then READs `WARMUP_BYTES` of the peer's buffer into this side's, again until one
+  READ completes inside its post (at most `WARMUP_ROUNDS`). Measured (docs/nixl.md): the
+  first READ on a new connection waits for the peer's progress, once or twice, while UCX
+  wires the endpoint up, and the first notification costs about 0.8 ms more than later ones;
+  a warm-up pays both before any real transfer. No caller memory is read or written.
 
 **Threads.** Like every transport, one caller thread at a time. With `post_thread` on, a
 private worker thread makes the NIXL calls of posting; the caller's `poll`, `progress` and
@@ -98,6 +108,7 @@ import contextlib
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -285,6 +296,7 @@ class _Peer:
     prepared: dict[BlockLayout, LayoutHandle] = attrs.field(factory=dict)
     inflight: set[kit.Transfer[_Xfer]] = attrs.field(factory=set)
     warm: Any = None  # NIXL's prepared list of the peer's warm-up buffer (None: it has none)
+    warm_token: bytes | None = None  # the peer's warm-up notification (it drops it unread)
 
 
 @attrs.define(eq=False)
@@ -452,6 +464,10 @@ class NixlTransport(Transport):
             0.0,
         )
         self._stats["warmups"] = 0.0
+        self._warm_dropped = 0  # peers' warm-up notifications dropped (under self._lock)
+        # A warm-up ends with this notification from the peer, which warms the notification
+        # path too; dropped on arrival. Random per transport, and only in this side's metadata.
+        self._warm_token = secrets.token_bytes(16)
         # The warm-up buffer: registered for warm-up READs alone (peers read its first
         # WARMUP_BYTES, and this side's warm-ups land there); its bytes are never used.
         self._warm_buf = np.zeros(WARMUP_BUFFER_BYTES, dtype=np.uint8)
@@ -543,15 +559,17 @@ class NixlTransport(Transport):
                 "v": METADATA_VERSION,
                 "name": self._name,
                 "agent": bytes(md),
-                # Where peers' warm-up READs read (an optional key: older peers ignore it).
+                # Where peers' warm-up READs read, and the notification that ends a warm-up
+                # (optional keys: older peers ignore them).
                 "warm": int(self._warm_buf.ctypes.data),
+                "warm_token": self._warm_token,
             },
             use_bin_type=True,
         )
         return packed
 
     @staticmethod
-    def _unpack_metadata(metadata: bytes) -> tuple[str, bytes, int | None]:
+    def _unpack_metadata(metadata: bytes) -> tuple[str, bytes, int | None, bytes | None]:
         try:
             env = msgpack.unpackb(metadata, raw=False)
         except Exception as exc:
@@ -578,7 +596,13 @@ class NixlTransport(Transport):
                 f"peer metadata has a warm-up buffer address of {str(warm)[:40]!r}; expected an "
                 "address (a positive int): pass the peer's local_metadata() unchanged"
             )
-        return name, agent, warm
+        token = env.get("warm_token")
+        if token is not None and (not isinstance(token, bytes) or len(token) != 16):
+            raise PeerUnreachableError(
+                "peer metadata has a malformed warm-up token (expected 16 bytes): pass the "
+                "peer's local_metadata() unchanged"
+            )
+        return name, agent, warm, token
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's metadata and connect afresh; returns its name.
@@ -606,7 +630,7 @@ class NixlTransport(Transport):
         if not isinstance(metadata, bytes | bytearray | memoryview):
             raise ValueError(f"add_peer takes the peer's metadata bytes, got {type(metadata)}")
         metadata = bytes(metadata)
-        name, agent_md, warm = self._unpack_metadata(metadata)
+        name, agent_md, warm, token = self._unpack_metadata(metadata)
         if name == self._name:
             raise PeerUnreachableError(
                 f"peer metadata names this endpoint itself ({name!r}); give every endpoint a "
@@ -630,7 +654,7 @@ class NixlTransport(Transport):
                 raise PeerUnreachableError(
                     f"peer metadata is inconsistent: envelope names {name!r}, agent blob {loaded!r}"
                 )
-            conn = _Peer(name=name)
+            conn = _Peer(name=name, warm_token=token)
             if warm is not None:
                 # The peer's warm-up buffer, prepared now so a warm-up costs one post. NIXL
                 # refuses an address outside the peer's registered memory: no warm-ups then.
@@ -837,12 +861,15 @@ class NixlTransport(Transport):
                 ) from rec.native_error
 
     def warm_up(self, peer: str) -> XferHandle:
-        """READ :data:`WARMUP_BYTES` of ``peer``'s warm-up buffer into this side's (see
-        :meth:`Transport.warm_up`): the first READ on a new connection waits for UCX to wire
-        the endpoint up, which needs the peer's progress (two of its progress points here),
-        and this pays that before any real transfer. Neither buffer holds anyone's data.
+        """Send ``peer``'s warm-up token as a notification (dropped by the peer's transport),
+        then READ :data:`WARMUP_BYTES` of ``peer``'s warm-up buffer into this side's until a
+        READ completes inside its post (see :meth:`Transport.warm_up` and the capability
+        card): the first READ on a new connection waits for UCX to wire the endpoint up, which
+        needs the peer's progress (one or two of its progress points measured), and this pays
+        that before any real transfer. Neither buffer holds anyone's data.
 
-        Raises :class:`~kvframe.errors.PeerUnreachableError` for an unknown peer,
+        Raises :class:`~kvframe.errors.PeerUnreachableError` for an unknown peer (or one the
+        notification finds disconnected),
         :class:`~kvframe.errors.CapabilityError` when the peer's metadata named no warm-up
         buffer (a kvframe-nixl before warm-ups) or NIXL refused it. Poll and release the
         handle as any transfer's; a failure arrives as from :meth:`post`.
@@ -854,6 +881,12 @@ class NixlTransport(Transport):
                 f"nixl: peer {peer!r} advertised no warm-up buffer (an older kvframe-nixl); "
                 "its first transfer sets the connection up"
             )
+        if conn.warm_token is not None:
+            # The first notification on a connection sets its path up too (about 0.8 ms
+            # measured): pay it here, first, since a READ posted after a notification waits
+            # for the peer's progress and the READs below end with one that did not. The
+            # peer drops it on arrival.
+            self.send_notification(peer, conn.warm_token)
         pairs = kit.DescriptorPairs(local=[0], remote=[0], nbytes=WARMUP_BYTES, regions=(0,))
         rec = _Xfer(peer=conn)
         handle, tr = kit.Transfer.post(self, rec, op=Op.READ, peer=peer, pairs=pairs)
@@ -1082,7 +1115,11 @@ class NixlTransport(Transport):
             for sender, msgs in self._agent.get_new_notifs().items():
                 who = _as_str(sender)
                 for m in msgs:
-                    self._inbox.append(Notification(sender=who, payload=bytes(m)))
+                    payload = bytes(m)
+                    if payload == self._warm_token:  # a peer's warm-up ended: not for callers
+                        self._warm_dropped += 1
+                        continue
+                    self._inbox.append(Notification(sender=who, payload=payload))
 
     def progress(self) -> None:
         """Drive NIXL (``get_new_notifs``), keeping received notifications for
@@ -1110,6 +1147,7 @@ class NixlTransport(Transport):
         """Counters (keys listed in the capability card); a snapshot copy."""
         out = dict(self._stats)
         out["peers"] = float(len(self._peers))
+        out["warmup_notifications_dropped"] = float(self._warm_dropped)
         return out
 
     def close(self) -> None:
