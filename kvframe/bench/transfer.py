@@ -674,6 +674,8 @@ class _PDEngine:
         self.n = 0
         self.finished_recving: set[str] = set()
         self.failures: dict[str, str] = {}
+        self.counters: dict[str, float] = {}  # the worker's counters, summed over steps
+        self.events: list[Any] = []  # the worker's events (KVEvent), in order
 
     def step(self, timed: bool = False) -> float:
         """One engine step; returns the seconds ``start_load_kv`` took (the launch cost)."""
@@ -694,6 +696,9 @@ class _PDEngine:
         self.sched.update_connector_output(out)
         self.finished_recving |= out.finished_recving
         self.failures.update(out.failures)
+        for name, value in out.stats.counters.items():
+            self.counters[name] = self.counters.get(name, 0) + value
+        self.events.extend(out.events)
         return launch
 
     def grant(self, rid: str, blocks: list[int]) -> dict[str, Any]:
