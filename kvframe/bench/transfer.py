@@ -1301,6 +1301,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated blocks per request, e.g. 1,64 (default: 1,4,16,64,256)",
     )
     parser.add_argument(
+        "--cold-trials",
+        type=int,
+        default=None,
+        help="new decoders per method in the cold-path table (default 3; 1 with --quick)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=None,
@@ -1337,17 +1343,21 @@ def _size_list(text: str) -> tuple[int, ...]:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """``--quick`` or the full sweep, with ``--block-sizes``, ``--blocks`` and ``--repeats``
-    replacing the throughput table's sweep (the post-cost and overlap parts keep theirs).
+    replacing the throughput table's sweep (the post-cost and overlap parts keep theirs) and
+    ``--cold-trials`` the cold-path table's number of new decoders per method.
 
-    :raises ValueError: ``--repeats`` below 1.
+    :raises ValueError: ``--repeats`` or ``--cold-trials`` below 1.
     """
     base = QUICK if getattr(args, "quick", False) else FULL
     sizes = getattr(args, "block_sizes", None)
     blocks = getattr(args, "blocks", None)
     repeats = getattr(args, "repeats", None)
+    cold = getattr(args, "cold_trials", None)
     if repeats is not None and repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
-    if sizes is None and blocks is None and repeats is None:
+    if cold is not None and cold < 1:
+        raise ValueError(f"--cold-trials must be at least 1, got {cold}")
+    if sizes is None and blocks is None and repeats is None and cold is None:
         return base
     return BenchConfig(
         block_sizes=sizes or base.block_sizes,
@@ -1357,7 +1367,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overlap_bytes=base.overlap_bytes,
         pool_bytes=base.pool_bytes,
         scrub_bytes=base.scrub_bytes,
-        cold_trials=base.cold_trials,
+        cold_trials=cold or base.cold_trials,
         cold_block_bytes=base.cold_block_bytes,
         cold_blocks=base.cold_blocks,
         cold_later=base.cold_later,

@@ -44,7 +44,8 @@ class PDOptions:
     """D: after a handshake, warm the new connection (a tiny READ between two buffers the
     transports registered for it, :meth:`~kvframe.spi.transport.Transport.warm_up`) before it
     counts as ready, for at most this many seconds; ``0`` turns warm-ups off. Transports
-    without ``capabilities.warm_up`` skip it. At most ``handshake_timeout``."""
+    without ``capabilities.warm_up`` skip it. At most ``handshake_timeout`` (the default is
+    1 s or ``handshake_timeout`` if that is shorter)."""
     optimistic_read: bool = True
     """Pull mode, D: post a load's READ in the same progress point as the heartbeat that asks
     P to confirm its lease, and keep the bytes only once P's acknowledgement confirms a bound
@@ -162,7 +163,7 @@ class PDOptions:
                 f"{_PATH}.ttl_safety_margin = {safety!r}; expected a finite number of seconds "
                 ">= 0, smaller than decoder_kv_blocks_ttl (leave it out for min(30, ttl / 4))"
             )
-        warmup = extra.get("warmup_timeout", 1.0)
+        warmup = extra.get("warmup_timeout", min(1.0, timeout))
         if (
             isinstance(warmup, bool)
             or not isinstance(warmup, int | float)
