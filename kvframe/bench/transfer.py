@@ -1063,12 +1063,14 @@ def _cold_pd(
     env: BenchEnv, trial: int, bs: int, n: int, later: int, *, warmup: bool
 ) -> dict[str, Any]:
     """The P/D connector's cold path: a new decode engine (its transport created outside the
-    timing); P grants the first request's lease (untimed, as when prefill ends), then D's
+    timing); P grants the first request's lease and steps once (untimed, as when prefill
+    ends some time before the request reaches D), then D's
     scheduler takes the request, which starts the handshake, and the first load runs to its
     report; ``handshake_s`` is the handshake's own part (from the request naming P to the
     connection READY, the warm-up included), read from D's connection entry. Then ``later``
     loads on the same connection."""
     pool_blocks = env.config.pool_bytes // bs
+    p_step = float(os.environ.get("KVFRAME_BENCH_P_STEP", STEP_POLL))
     extra = {} if warmup else {"warmup_timeout": 0}
     engine = _PDEngine(
         "kv_consumer",
@@ -1088,6 +1090,10 @@ def _cold_pd(
             params = env.child.call(
                 engine.step, "pd_grant", rid=f"c{trial}-{i}", blocks=src.tolist()
             )
+            # P's worker learns of a lease at its engine's next step: let one pass (untimed),
+            # as when a request reaches D some time after its prefill ended; else every load
+            # here would also wait for P's step, and the cold row would compare that.
+            time.sleep(p_step)
             rid = f"cd{trial}-{i}"
             t0 = time.perf_counter()
             engine.schedule(rid, params, dst.tolist())
