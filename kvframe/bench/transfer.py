@@ -28,6 +28,11 @@ the child also drives the worker's ``progress()`` every :data:`FAST_POLL` second
 steps, as a driver thread would (``KVFRAME_BENCH_P_FAST_POLL=0.0005`` turns that off). D's
 engine steps back to back until the load is reported.
 
+**The cold path** (``cold``): for each of ``cold_trials`` trials, a new decoder's first
+request to P (its handshake included, and measured apart) against the median of its later
+ones, for raw NIXL and the P/D connector with and without its warm-up
+(``warmup_timeout``); ``KVFRAME_BENCH_P_STEP`` sets P's step interval in the child.
+
 **Adding a column** (the lead's "through the P/D connector" column): implement a
 :class:`Method` (``name``, ``setup``, ``run_once``, ``close``) and append its factory to
 :data:`METHOD_FACTORIES`; the tables, ratios and JSON pick it up, and the JSON shape stays the
