@@ -212,7 +212,7 @@ def test_a_warm_up_failing_otherwise_is_skipped() -> None:
     [
         (CapabilityError("no warm-up buffer"), PeerState.READY, {"warmups_unsupported": 1}),
         (TransferFailedError("refused"), PeerState.READY, {"warmups_failed": 1}),
-        (PeerUnreachableError("gone"), PeerState.FAILED, {}),
+        (PeerUnreachableError("gone"), PeerState.FAILED, {"warmups_failed": 1}),
     ],
 )
 def test_warm_up_raising(error: Exception, state: PeerState, counts: dict[str, int]) -> None:

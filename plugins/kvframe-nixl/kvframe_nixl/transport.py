@@ -465,8 +465,8 @@ class NixlTransport(Transport):
         )
         self._stats["warmups"] = 0.0
         self._warm_dropped = 0  # peers' warm-up notifications dropped (under self._lock)
-        # A warm-up ends with this notification from the peer, which warms the notification
-        # path too; dropped on arrival. Random per transport, and only in this side's metadata.
+        # A peer's warm-up starts with this notification, which warms the notification path
+        # too; dropped on arrival. Random per transport, and only in this side's metadata.
         self._warm_token = secrets.token_bytes(16)
         # The warm-up buffer: registered for warm-up READs alone (peers read its first
         # WARMUP_BYTES, and this side's warm-ups land there); its bytes are never used.
@@ -559,7 +559,7 @@ class NixlTransport(Transport):
                 "v": METADATA_VERSION,
                 "name": self._name,
                 "agent": bytes(md),
-                # Where peers' warm-up READs read, and the notification that ends a warm-up
+                # Where peers' warm-up READs read, and the notification that starts a warm-up
                 # (optional keys: older peers ignore them).
                 "warm": int(self._warm_buf.ctypes.data),
                 "warm_token": self._warm_token,
@@ -1116,7 +1116,7 @@ class NixlTransport(Transport):
                 who = _as_str(sender)
                 for m in msgs:
                     payload = bytes(m)
-                    if payload == self._warm_token:  # a peer's warm-up ended: not for callers
+                    if payload == self._warm_token:  # a peer's warm-up: not for callers
                         self._warm_dropped += 1
                         continue
                     self._inbox.append(Notification(sender=who, payload=payload))
