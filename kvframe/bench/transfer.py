@@ -28,6 +28,11 @@ the child also drives the worker's ``progress()`` every :data:`FAST_POLL` second
 steps, as a driver thread would (``KVFRAME_BENCH_P_FAST_POLL=0.0005`` turns that off). D's
 engine steps back to back until the load is reported.
 
+**The cold path** (``cold``): for each of ``cold_trials`` trials, a new decoder's first
+request to P (its handshake included, and measured apart) against the median of its later
+ones, for raw NIXL and the P/D connector with and without its warm-up
+(``warmup_timeout``); ``KVFRAME_BENCH_P_STEP`` sets P's step interval in the child.
+
 **Adding a column** (the lead's "through the P/D connector" column): implement a
 :class:`Method` (``name``, ``setup``, ``run_once``, ``close``) and append its factory to
 :data:`METHOD_FACTORIES`; the tables, ratios and JSON pick it up, and the JSON shape stays the
@@ -113,6 +118,10 @@ class BenchConfig:
         scrub_bytes: int = 48 * MiB,
         tp_block_bytes: int = 64 * KiB,
         tp_blocks: Sequence[int] = (1, 16, 64),
+        cold_trials: int = 3,
+        cold_block_bytes: int = 64 * KiB,
+        cold_blocks: int = 16,
+        cold_later: int = 10,
     ) -> None:
         self.block_sizes = tuple(block_sizes)
         self.blocks = tuple(blocks)
@@ -122,6 +131,10 @@ class BenchConfig:
         self.scrub_bytes = scrub_bytes
         self.tp_block_bytes = tp_block_bytes
         self.tp_blocks = tuple(tp_blocks)
+        self.cold_trials = cold_trials
+        self.cold_block_bytes = cold_block_bytes
+        self.cold_blocks = cold_blocks
+        self.cold_later = cold_later
         # The pool must hold the largest request; smaller blocks are drawn from all of it, so
         # a request rarely reuses what the previous one left in the CPU caches.
         self.pool_bytes = max(
@@ -143,6 +156,10 @@ class BenchConfig:
             "scrub_bytes": self.scrub_bytes,
             "tp_block_bytes": self.tp_block_bytes,
             "tp_blocks": list(self.tp_blocks),
+            "cold_trials": self.cold_trials,
+            "cold_block_bytes": self.cold_block_bytes,
+            "cold_blocks": self.cold_blocks,
+            "cold_later": self.cold_later,
         }
 
 
@@ -166,6 +183,10 @@ QUICK = BenchConfig(
     scrub_bytes=1 * MiB,
     tp_block_bytes=16 * KiB,
     tp_blocks=(1, 4),
+    cold_trials=1,
+    cold_block_bytes=16 * KiB,
+    cold_blocks=4,
+    cold_later=3,
 )
 """``--quick``: a few seconds; for tests of the output's shape, not for figures."""
 
@@ -249,7 +270,9 @@ def _quiet_nixl() -> None:
 
 
 STEP_POLL = 0.0005
-"""P's step interval in the child (seconds): the pace of an idle engine loop."""
+"""P's step interval in the child (seconds): the pace of an idle engine loop;
+``KVFRAME_BENCH_P_STEP`` overrides it (a slower engine: the cold row's first READ waits for
+P's progress while UCX wires the connection up)."""
 FAST_POLL = 0.0001
 """How often the child drives P's P/D worker between steps while
 :meth:`~kvframe.connectors.pd.worker.PDConnectorWorker.progress_wanted` is true (seconds);
@@ -301,21 +324,22 @@ def serve(reply_fd: int, pool_bytes: int, device: str = "cpu") -> None:
     unpacker = msgpack.Unpacker(raw=False)
     pd: _PDEngine | None = None
     fast = float(os.environ.get("KVFRAME_BENCH_P_FAST_POLL", FAST_POLL))
+    step_poll = float(os.environ.get("KVFRAME_BENCH_P_STEP", STEP_POLL))
     next_step = 0.0
     try:
         while True:
             # P's engine steps every 0.5 ms; while its P/D worker says a decoder may be waiting
             # for it (a lease held, a read under way), the loop also drives the worker's
             # progress every ``fast`` seconds between steps, as a driver thread would.
-            busy = pd is not None and fast < STEP_POLL and pd.worker.progress_wanted()
-            ready, _, _ = select.select([0], [], [], fast if busy else STEP_POLL)
+            busy = pd is not None and fast < step_poll and pd.worker.progress_wanted()
+            ready, _, _ = select.select([0], [], [], fast if busy else step_poll)
             t.progress()
             raw.get_new_notifs()
             if pd is not None:
                 now = time.perf_counter()
                 if not busy or now >= next_step:
                     pd.step()
-                    next_step = now + STEP_POLL
+                    next_step = now + step_poll
                 else:
                     pd.worker.progress()
             if not ready:
@@ -610,8 +634,16 @@ class _PDEngine:
     blocks, one token per block. Metadata and outputs cross between its scheduler and worker
     halves as codec bytes, as in a real engine."""
 
-    def __init__(self, role: str, pool: Any, block_size: int, num_blocks: int) -> None:
-
+    def __init__(
+        self,
+        role: str,
+        pool: Any,
+        block_size: int,
+        num_blocks: int,
+        *,
+        name: str = "",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         from kvframe.config import KVTransferConfig
         from kvframe.connectors.pd import PDConnector
         from kvframe.runtime.plugins import PluginHost
@@ -621,13 +653,14 @@ class _PDEngine:
             {
                 "kv_connector": "PDConnector",
                 "kv_role": role,
-                "engine_id": f"bench-{role}-{os.getpid()}-{block_size}",
+                "engine_id": f"bench-{role}-{os.getpid()}-{block_size}{name}",
                 # Inline posting, as raw NIXL posts: this engine has no forward pass for a
                 # post worker to overlap, and a loop spinning beside the worker's copy on two
                 # cores made large loads 1.5x slower (docs/demo.md, fixed-cost section).
                 "kv_connector_extra_config": {
                     "transport": "nixl",
                     "transport_options": {"post_thread": False},
+                    **(extra or {}),
                 },
             }
         )
@@ -646,6 +679,8 @@ class _PDEngine:
         self.n = 0
         self.finished_recving: set[str] = set()
         self.failures: dict[str, str] = {}
+        self.counters: dict[str, float] = {}  # the worker's counters, summed over steps
+        self.events: list[Any] = []  # the worker's events (KVEvent), in order
 
     def step(self, timed: bool = False) -> float:
         """One engine step; returns the seconds ``start_load_kv`` took (the launch cost)."""
@@ -666,6 +701,9 @@ class _PDEngine:
         self.sched.update_connector_output(out)
         self.finished_recving |= out.finished_recving
         self.failures.update(out.failures)
+        for name, value in out.stats.counters.items():
+            self.counters[name] = self.counters.get(name, 0) + value
+        self.events.extend(out.events)
         return launch
 
     def grant(self, rid: str, blocks: list[int]) -> dict[str, Any]:
@@ -973,6 +1011,164 @@ def _post_cost(
     return rows
 
 
+def _cold_raw(env: BenchEnv, trial: int, bs: int, n: int, later: int) -> dict[str, Any]:
+    """Raw NIXL's cold path to P: a new agent (created outside the timing, as at start-up);
+    the "handshake" is the metadata exchange (P loads this agent's metadata, as NixlConnector's
+    side channel does), ``add_remote_agent`` and ``prep_xfer_dlist`` of P's blocks; then the
+    first READ, then ``later`` READs."""
+    import nixl_cu12
+
+    mem = env.memory
+    pool_blocks = env.config.pool_bytes // bs
+    agent: Any = nixl_cu12.nixl_agent(
+        f"bench-D-cold-{os.getpid()}-{trial}", nixl_cu12.nixl_agent_config(enable_prog_thread=False)
+    )
+    reg = agent.register_memory(
+        np.array([[env.addr, env.pool.nbytes, mem.device_id]], dtype=np.uint64), mem.nixl
+    )
+    local = agent.prep_xfer_dlist(
+        "NIXL_INIT_AGENT", _descs(env.addr, bs, pool_blocks, mem.device_id), mem.nixl
+    )
+    rng = np.random.default_rng(trial)
+    try:
+        t0 = time.perf_counter()
+        env.child.call(agent.get_new_notifs, "add_raw", meta=bytes(agent.get_agent_metadata()))
+        peer = _as_str(agent.add_remote_agent(env.child.hello["raw_meta"]))
+        remote = agent.prep_xfer_dlist(
+            peer, _descs(env.remote_addr, bs, pool_blocks, mem.device_id), mem.nixl
+        )
+        handshake = time.perf_counter() - t0
+        times = []
+        for _ in range(later + 1):
+            dst = rng.permutation(pool_blocks)[:n].astype(np.int32)
+            src = rng.permutation(pool_blocks)[:n].astype(np.int32)
+            t1 = time.perf_counter()
+            h = agent.make_prepped_xfer("READ", local, dst, remote, src)
+            state = agent.transfer(h)
+            while state == "PROC":
+                state = agent.check_xfer_state(h)
+            h.release()
+            times.append(time.perf_counter() - t1)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL READ ended in state {state}")
+        remote.release()
+        agent.remove_remote_agent(peer)
+    finally:
+        local.release()
+        agent.deregister_memory(reg)
+    return {
+        "handshake_s": handshake,
+        "first_s": handshake + times[0],
+        "later_median_s": statistics.median(times[1:]),
+        "warmup_s": None,
+    }
+
+
+def _cold_pd(
+    env: BenchEnv, trial: int, bs: int, n: int, later: int, *, warmup: bool
+) -> dict[str, Any]:
+    """The P/D connector's cold path: a new decode engine (its transport created outside the
+    timing); P grants the first request's lease and steps once (untimed, as when prefill
+    ends some time before the request reaches D), then D's
+    scheduler takes the request, which starts the handshake, and the first load runs to its
+    report; ``handshake_s`` is the handshake's own part (from the request naming P to the
+    connection READY, the warm-up included), read from D's connection entry. Then ``later``
+    loads on the same connection."""
+    pool_blocks = env.config.pool_bytes // bs
+    p_step = float(os.environ.get("KVFRAME_BENCH_P_STEP", STEP_POLL))
+    extra = {} if warmup else {"warmup_timeout": 0}
+    engine = _PDEngine(
+        "kv_consumer",
+        env.memory.tensor(env.pool),
+        bs,
+        pool_blocks,
+        name=f"-cold{trial}{'w' if warmup else 'n'}",
+        extra=extra,
+    )
+    rng = np.random.default_rng(trial)
+    times = []
+    handshake = warm_s = None
+    try:
+        for i in range(later + 1):
+            dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
+            src = rng.permutation(pool_blocks)[:n].astype(np.int64)
+            params = env.child.call(
+                engine.step, "pd_grant", rid=f"c{trial}-{i}", blocks=src.tolist()
+            )
+            # P's worker learns of a lease at its engine's next step: let one pass (untimed),
+            # as when a request reaches D some time after its prefill ended; else every load
+            # here would also wait for P's step, and the cold row would compare that.
+            time.sleep(p_step)
+            rid = f"cd{trial}-{i}"
+            t0 = time.perf_counter()
+            engine.schedule(rid, params, dst.tolist())
+            deadline = time.monotonic() + 30
+            while rid not in engine.finished_recving:
+                engine.step()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cold P/D load {rid} did not finish in 30 s")
+            times.append(time.perf_counter() - t0)
+            if rid in engine.failures:
+                raise RuntimeError(f"cold P/D load failed: {engine.failures[rid]}")
+            if i == 0:
+                entry = engine.worker.remote_engines[0]
+                assert entry.ready_at is not None
+                handshake = entry.ready_at - entry.started_at
+                warm_s = entry.warmup_seconds
+    finally:
+        engine.close()
+    return {
+        "handshake_s": handshake,
+        "first_s": times[0],
+        "later_median_s": statistics.median(times[1:]),
+        "warmup_s": warm_s,
+    }
+
+
+def _cold(env: BenchEnv, config: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """The cold row: the first request to a new peer (handshake included, and measured
+    apart) against the median of the later ones on the same connection, for raw NIXL and the
+    P/D connector with and without its warm-up, trial by trial in rotating order."""
+    bs, n, later = config.cold_block_bytes, config.cold_blocks, config.cold_later
+    env.child.call(None, "pd_setup", block_size=bs, num_blocks=config.pool_bytes // bs)
+    methods: dict[str, Callable[[int], dict[str, Any]]] = {
+        "raw_nixl": lambda t: _cold_raw(env, t, bs, n, later),
+        "pd_connector": lambda t: _cold_pd(env, t, bs, n, later, warmup=True),
+        "pd_connector_no_warmup": lambda t: _cold_pd(env, t, bs, n, later, warmup=False),
+    }
+    names = list(methods)
+    trials: dict[str, list[dict[str, Any]]] = {m: [] for m in names}
+    for t in range(config.cold_trials):
+        if progress is not None:
+            progress(f"cold first request, trial {t + 1} of {config.cold_trials}")
+        for j in range(len(names)):
+            name = names[(t + j) % len(names)]
+            trials[name].append(methods[name](t))
+    out: dict[str, Any] = {
+        "block_bytes": bs,
+        "blocks": n,
+        "later": later,
+        "p_step_s": float(os.environ.get("KVFRAME_BENCH_P_STEP", STEP_POLL)),
+        "results": {},
+    }
+    for name, rows in trials.items():
+        first = [r["first_s"] for r in rows]
+        hs = [r["handshake_s"] for r in rows]
+        lat = [r["later_median_s"] for r in rows]
+        excess = [r["first_s"] - r["handshake_s"] - r["later_median_s"] for r in rows]
+        warm = [r["warmup_s"] for r in rows if r["warmup_s"] is not None]
+        out["results"][name] = {
+            "trials": rows,
+            "first_median_s": statistics.median(first),
+            "handshake_median_s": statistics.median(hs),
+            "later_median_s": statistics.median(lat),
+            "excess_median_s": statistics.median(excess),
+            "excess_max_s": max(excess),
+            "warmup_median_s": statistics.median(warm) if warm else None,
+        }
+    return out
+
+
 def _busy_work(seconds: float) -> None:
     # Stands in for the engine's forward pass: numpy work that releases the GIL.
     a = np.ones((256, 256), dtype=np.float32)
@@ -1034,6 +1230,7 @@ def measure(
     pool = memory.place(host_pool)
     steps = len(config.block_sizes) * len(config.blocks) + len(config.descriptor_counts) + 1
     steps += 0 if memory.cuda else len(config.tp_blocks)
+    steps += config.cold_trials
     progress = Progress("transfer", total=steps)
     progress.note(f"starting P's process ({_fmt_size(config.pool_bytes)} pool, {device})")
     child = _Child(config.pool_bytes, device)
@@ -1059,6 +1256,7 @@ def measure(
             from kvframe.bench.transfer_tp import measure_tp
 
             tp = measure_tp(config.tp_block_bytes, config.tp_blocks, config.repeats, rng, progress)
+        cold = _cold(env, config, progress)
     finally:
         for m in methods:
             m.close()
@@ -1071,6 +1269,7 @@ def measure(
         "throughput": throughput,
         "post_cost": post_cost,
         "overlap": overlap,
+        "cold": cold,
     }
     if tp is not None:
         report["tp"] = tp
@@ -1113,6 +1312,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated blocks per request, e.g. 1,64 (default: 1,4,16,64,256)",
     )
     parser.add_argument(
+        "--cold-trials",
+        type=int,
+        default=None,
+        help="new decoders per method in the cold-path table (default 3; 1 with --quick)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=None,
@@ -1149,17 +1354,21 @@ def _size_list(text: str) -> tuple[int, ...]:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """``--quick`` or the full sweep, with ``--block-sizes``, ``--blocks`` and ``--repeats``
-    replacing the throughput table's sweep (the post-cost and overlap parts keep theirs).
+    replacing the throughput table's sweep (the post-cost and overlap parts keep theirs) and
+    ``--cold-trials`` the cold-path table's number of new decoders per method.
 
-    :raises ValueError: ``--repeats`` below 1.
+    :raises ValueError: ``--repeats`` or ``--cold-trials`` below 1.
     """
     base = QUICK if getattr(args, "quick", False) else FULL
     sizes = getattr(args, "block_sizes", None)
     blocks = getattr(args, "blocks", None)
     repeats = getattr(args, "repeats", None)
+    cold = getattr(args, "cold_trials", None)
     if repeats is not None and repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
-    if sizes is None and blocks is None and repeats is None:
+    if cold is not None and cold < 1:
+        raise ValueError(f"--cold-trials must be at least 1, got {cold}")
+    if sizes is None and blocks is None and repeats is None and cold is None:
         return base
     return BenchConfig(
         block_sizes=sizes or base.block_sizes,
@@ -1169,6 +1378,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         overlap_bytes=base.overlap_bytes,
         pool_bytes=base.pool_bytes,
         scrub_bytes=base.scrub_bytes,
+        cold_trials=cold or base.cold_trials,
+        cold_block_bytes=base.cold_block_bytes,
+        cold_blocks=base.cold_blocks,
+        cold_later=base.cold_later,
     )
 
 
@@ -1244,6 +1457,28 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for key in ("inline", "post_thread"):
         lines.append(f"| {key} | {ov[key]['post_s'] * 1e3:.2f} | {ov[key]['step_s'] * 1e3:.1f} |")
+    if "cold" in report:
+        cold = report["cold"]
+        lines += [
+            "",
+            f"Cold path: the first request to a new peer ({cold['blocks']} × "
+            f"{_fmt_size(cold['block_bytes'])}, P stepping every {cold['p_step_s'] * 1e3:g} ms), "
+            f"ms, medians over trials; excess = first - handshake - later (the first request's "
+            f"cost beyond a warm one's; max over trials in brackets)",
+            "",
+            "| method | handshake | first request (handshake included) | later requests "
+            "| excess | warm-up |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r in cold["results"].items():
+            warm = r["warmup_median_s"]
+            lines.append(
+                f"| {name} | {r['handshake_median_s'] * 1e3:.2f} | {r['first_median_s'] * 1e3:.2f} "
+                f"| {r['later_median_s'] * 1e3:.2f} | {r['excess_median_s'] * 1e3:.2f} "
+                f"({r['excess_max_s'] * 1e3:.2f}) | "
+                + (f"{warm * 1e3:.2f}" if warm is not None else "-")
+                + " |"
+            )
     if "tp" in report:
         tp = report["tp"]
         base = tp["pairings"][0]
@@ -1291,6 +1526,12 @@ def run(args: argparse.Namespace) -> int:
                         "pd_connector_launch_us"}],
          "overlap": {"bytes", "transfer_s", "work_s",
                      "inline": {"post_s", "step_s"}, "post_thread": {"post_s", "step_s"}},
+         "cold": {"block_bytes", "blocks", "later", "p_step_s",
+                  "results": {"raw_nixl" | "pd_connector" | "pd_connector_no_warmup":
+                              {"first_median_s", "handshake_median_s", "later_median_s",
+                               "excess_median_s", "excess_max_s", "warmup_median_s",
+                               "trials": [{"handshake_s", "first_s", "later_median_s",
+                                           "warmup_s"}]}}},
          "tp": {"heads", "head_dim", "block_tokens", "block_bytes",   # host memory only
                 "pairings": ["P2->D2", "P4->D2", "P2->D4"], "loads_checked",
                 "rows": [{"blocks", "bytes",

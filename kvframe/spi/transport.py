@@ -13,6 +13,7 @@ The life of a transport, in the order a connector calls it::
     blob = t.local_metadata()                    # ship to peers over the side channel
     peer = t.add_peer(remote_blob)               # once per remote engine (and after a restart)
     remote = t.prepare_remote(peer, remote_layout)   # once per peer and region set
+    w = t.warm_up(peer)                          # optional (capabilities.warm_up): poll, release
     h = t.post(READ, local, [3, 4], remote, [10, 11], notification=b"done")  # per request
     while not t.poll(h).stopped: ...             # or poll many handles once per engine step
     t.release(h)                                 # always, whatever the state
@@ -277,6 +278,13 @@ class TransportCapabilities:
     transfer when the check says no: no byte of it moves. Only a transport that serves peers'
     requests itself (two-sided) can; a one-sided transport (RDMA READ/WRITE: NIXL) cannot see
     a peer's access and declares ``False``."""
+    warm_up: bool = False
+    """:meth:`Transport.warm_up` is supported: a tiny READ between two buffers the transports
+    registered for that purpose alone (never a caller's memory), posted right after
+    :meth:`Transport.add_peer` so that the connection's first real transfer does not pay
+    the connection set-up (endpoint wire-up, remote keys) or wait for the peer's progress.
+    A transport whose first transfer costs no more than later ones, or that refuses reads
+    nobody claimed (``access_control``), declares ``False``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -550,6 +558,19 @@ class Transport(abc.ABC):
         raise CapabilityError(
             f"{self.name}: this transport cannot check a peer's access to its memory "
             "(capabilities.access_control is False)"
+        )
+
+    def warm_up(self, peer: str) -> XferHandle:
+        """Start warming the connection to ``peer``: READ a few bytes of the buffer the peer's
+        transport registered for warm-ups into this side's own (``capabilities.warm_up``).
+        Neither buffer is a caller's memory and the bytes are never used, so no lease or
+        claim is involved. Poll and release the handle like any transfer's; ``DONE`` means the
+        connection carried a READ. Raises :class:`~kvframe.errors.CapabilityError` unless
+        ``capabilities.warm_up``, or when the peer's metadata advertised no warm-up buffer
+        (an older peer), and :class:`~kvframe.errors.PeerUnreachableError` for an unknown or
+        failed peer."""
+        raise CapabilityError(
+            f"{self.name}: this transport does not warm connections (capabilities.warm_up is False)"
         )
 
     def progress(self) -> None:  # noqa: B027 - intentionally a no-op by default

@@ -122,7 +122,7 @@ class TransportConformance:
         assert all(isinstance(k, MemoryKind) for k in caps.memory_kinds), caps.memory_kinds
         assert MemoryKind.HOST in caps.memory_kinds, "the kit needs HOST memory support"
         flags = ("read", "write", "notifications", "cross_process", "ordered_notifications",
-                 "notification_after_data")  # fmt: skip
+                 "notification_after_data", "access_control", "warm_up")  # fmt: skip
         for flag in flags:
             value = getattr(caps, flag)
             assert isinstance(value, bool), f"capabilities.{flag} = {value!r}, not a bool"

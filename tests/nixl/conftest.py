@@ -49,9 +49,11 @@ class Peer:
         num_blocks: int = NUM_BLOCKS,
         options: dict[str, Any] | None = None,
         prefix: Sequence[str] = (),
+        pump_interval: float = 0.0005,
     ) -> None:
         """Start the child; ``prefix`` goes before the interpreter on its command line (for
-        example ``ip netns exec NAME`` to run it inside a network namespace)."""
+        example ``ip netns exec NAME`` to run it inside a network namespace); the child drives
+        its progress every ``pump_interval`` seconds between commands."""
         self.name = name
         self.seed = seed
         self.block_lens = block_lens
@@ -61,6 +63,7 @@ class Peer:
             "num_blocks": num_blocks,
             "seed": seed,
             "options": options or {},
+            "pump_interval": pump_interval,
         }
         r, w = os.pipe()
         self.proc = subprocess.Popen(

@@ -3,7 +3,8 @@
 Run as ``python nixl_peer.py REPLY_FD NAME SPEC_JSON``. It reads msgpack commands (maps with an
 ``"op"`` key) from stdin and writes one msgpack reply per command to ``REPLY_FD`` (not stdout:
 NIXL's logger may write there). Between commands it drives progress every 0.5 ms, as the
-transport's progress rule asks, and keeps received notifications until ``drain``.
+transport's progress rule asks (``pump_interval`` in the spec sets another pace), and keeps
+received notifications until ``drain``.
 
 The helpers :func:`encode_layout`, :func:`decode_layout` and :func:`region_bytes` are shared
 with the tests (imported from ``conftest.py``). Nothing here is pickled.
@@ -94,8 +95,9 @@ def _main() -> None:
         return b"".join(view[b].tobytes() for b in blocks)
 
     reply({"meta": t.local_metadata(), "layout": encode_layout(layout), "pid": os.getpid()})
+    interval = float(spec.get("pump_interval", 0.0005))  # a slow engine's step pace
     while True:
-        ready, _, _ = select.select([stdin], [], [], 0.0005)
+        ready, _, _ = select.select([stdin], [], [], interval)
         pump()
         if not ready:
             continue

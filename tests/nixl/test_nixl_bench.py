@@ -63,6 +63,33 @@ def test_quick_json_shape() -> None:
     assert overlap["bytes"] > 0
     for mode in ("inline", "post_thread"):
         assert overlap[mode]["step_s"] >= overlap[mode]["post_s"] > 0
+    cold = report["cold"]
+    assert cold["blocks"] == cfg["cold_blocks"]
+    assert cold["block_bytes"] == cfg["cold_block_bytes"]
+    assert set(cold["results"]) == {"raw_nixl", "pd_connector", "pd_connector_no_warmup"}
+    for name, r in cold["results"].items():
+        assert len(r["trials"]) == cfg["cold_trials"]
+        for trial in r["trials"]:
+            # The first request includes its handshake; the handshake is measured apart.
+            assert trial["first_s"] > trial["handshake_s"] > 0
+            assert trial["later_median_s"] > 0
+            assert (trial["warmup_s"] is not None) is (name == "pd_connector")
+        assert r["excess_max_s"] >= r["excess_median_s"]
+
+
+def test_cold_trials_option() -> None:
+    import argparse
+
+    from kvframe.bench.transfer import QUICK, add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--quick"])) is QUICK
+    cfg = config_from_args(parser.parse_args(["--quick", "--cold-trials", "4"]))
+    assert cfg.cold_trials == 4
+    assert cfg.cold_blocks == QUICK.cold_blocks
+    with pytest.raises(ValueError, match="--cold-trials"):
+        config_from_args(parser.parse_args(["--cold-trials", "0"]))
 
 
 def test_plugin_host_finds_nixl() -> None:

@@ -367,3 +367,27 @@ def test_the_pd_connector_refuses_a_read_margin_above_the_extension_at_build() -
         PDConnector.build_scheduler(cfg, info, ctx)
     with pytest.raises(ConfigError, match="read_margin = 4"):
         PDConnector.build_worker(cfg, info, 0, ctx)
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, 1.0),
+        ({"handshake_timeout": 0.3}, 0.3),  # the default never exceeds handshake_timeout
+        ({"warmup_timeout": 0}, 0.0),
+        ({"warmup_timeout": 2.5, "handshake_timeout": 3}, 2.5),
+    ],
+)
+def test_warmup_timeout(extra: dict[str, Any], expected: float) -> None:
+    from kvframe.connectors.pd.options import PDOptions
+
+    assert PDOptions.from_extra(extra).warmup_timeout == expected
+
+
+@pytest.mark.parametrize("value", [-0.1, 6.0, float("nan"), float("inf"), True, "1", None])
+def test_a_bad_warmup_timeout_is_refused(value: object) -> None:
+    from kvframe.connectors.pd.options import PDOptions
+
+    with pytest.raises(ConfigError, match="warmup_timeout") as info:
+        PDOptions.from_extra({"warmup_timeout": value})
+    assert "handshake_timeout (5)" in str(info.value)

@@ -40,6 +40,12 @@ class PDOptions:
     kv_recompute_threshold: int = 64
     """Bidirectional mode, P: pull a conversation's history from D only when the shared prefix
     is at least this many tokens (a shorter one is recomputed)."""
+    warmup_timeout: float = 1.0
+    """D: after a handshake, warm the new connection (a tiny READ between two buffers the
+    transports registered for it, :meth:`~kvframe.spi.transport.Transport.warm_up`) before it
+    counts as ready, for at most this many seconds; ``0`` turns warm-ups off. Transports
+    without ``capabilities.warm_up`` skip it. At most ``handshake_timeout`` (the default is
+    1 s or ``handshake_timeout`` if that is shorter)."""
     optimistic_read: bool = True
     """Pull mode, D: post a load's READ in the same progress point as the heartbeat that asks
     P to confirm its lease, and keep the bytes only once P's acknowledgement confirms a bound
@@ -168,6 +174,17 @@ class PDOptions:
                 f"{_PATH}.ttl_safety_margin = {safety!r}; expected a finite number of seconds "
                 ">= 0, smaller than decoder_kv_blocks_ttl (leave it out for min(30, ttl / 4))"
             )
+        warmup = extra.get("warmup_timeout", min(1.0, timeout))
+        if (
+            isinstance(warmup, bool)
+            or not isinstance(warmup, int | float)
+            or not math.isfinite(warmup)
+            or not 0 <= warmup <= timeout
+        ):
+            raise ConfigError(
+                f"{_PATH}.warmup_timeout = {warmup!r}; expected a number of seconds from 0 (no "
+                f"warm-ups) to handshake_timeout ({timeout:g})"
+            )
         optimistic = extra.get("optimistic_read", True)
         if not isinstance(optimistic, bool):
             raise ConfigError(f"{_PATH}.optimistic_read = {optimistic!r}; expected true or false")
@@ -192,6 +209,7 @@ class PDOptions:
             optimistic_read=optimistic,
             allow_layout_permute=permute,
             permute_staging_blocks=staging,
+            warmup_timeout=float(warmup),
             symmetric_leases=symmetric,
             kv_recompute_threshold=threshold,
             ttl_safety_margin=None if safety is None else float(safety),

@@ -11,6 +11,27 @@ doubles per consecutive failure (``retry_after`` × 2**n, at most ``max_retry_af
 ±50 % jitter, so a fleet of decoders does not hammer a restarting prefill engine in lockstep;
 a request naming a new instance of the engine (another incarnation) retries at once.
 
+**Warm-up.** Once a handshake's result is applied (the peer added, its layout prepared), the
+connection is warmed before it counts as ready, when the transport can
+(``capabilities.warm_up``) and ``warmup_timeout`` is above 0: one
+:meth:`~kvframe.spi.transport.Transport.warm_up` posted at once and polled at each
+:meth:`RemoteEngines.poll`, so a new connection's set-up (UCX wires an endpoint up with the
+peer's help, at the peer's progress pace) is paid here, during the handshake, and not by the
+first load's READ. A warm-up reads a buffer each transport registered for warm-ups alone
+into this side's own: never a KV block, so it needs no lease and its bytes are never used.
+The entry stays ``CONNECTING`` meanwhile (loads wait for it as for the handshake), and:
+
+- done → ``READY`` (counter ``warmups_done``);
+- not done after ``warmup_timeout`` → stopped, ``READY`` anyway (``warmups_timed_out``): the
+  first READ then finishes the set-up itself, as without a warm-up;
+- failed because the peer is unreachable → the handshake failed (``FAILED``, the usual
+  backoff): a READ over that connection would fail too;
+- any other failure, or a peer that advertised no warm-up buffer → ``READY``
+  (``warmups_failed`` / ``warmups_unsupported``).
+
+So a warm-up delays a connection by at most ``warmup_timeout`` and fails a load only where
+its READ could not have succeeded.
+
 Remote engines unused for ``idle_ttl`` seconds are forgotten (their transport peer removed)
 without waiting for a new handshake to the same engine, so a fleet whose prefill engines come
 and go does not accumulate dead peers (vLLM #58063).
@@ -23,6 +44,7 @@ import enum
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +60,14 @@ from kvframe.connectors.pd.handshake import (
     handshake,
 )
 from kvframe.core.clock import ClockOffsetEstimator
-from kvframe.errors import HandshakeError, KVFrameError, TransportError
-from kvframe.spi.transport import BlockLayout, LayoutHandle, Transport
+from kvframe.errors import (
+    CapabilityError,
+    HandshakeError,
+    KVFrameError,
+    PeerUnreachableError,
+    TransportError,
+)
+from kvframe.spi.transport import BlockLayout, LayoutHandle, Transport, XferHandle, XferState
 
 __all__ = ["PeerState", "RemoteEngine", "RemoteEngines"]
 
@@ -78,6 +106,18 @@ class RemoteEngine:
     session_key: bytes | None = attrs.field(default=None, repr=False)
     """The session key of the authenticated handshake (tags notifications); ``None`` when
     unauthenticated."""
+    started_at: float = 0.0
+    """When this entry's handshake started (the clock :meth:`RemoteEngines.ensure` got)."""
+    ready_at: float | None = None
+    """When it became ``READY`` (after its warm-up, if any); ``None`` before."""
+    warmup: XferHandle | None = attrs.field(default=None, repr=False)
+    """The warm-up under way (the entry is ``CONNECTING`` until it ends)."""
+    warmup_started: float = 0.0
+    warmup_outcome: str | None = None
+    """How the last warm-up ended: ``"done"``, ``"timed_out"``, ``"failed"``,
+    ``"unsupported"``; ``None`` when none was tried."""
+    warmup_seconds: float | None = None
+    """Seconds from posting the warm-up to the poll that saw it end (``None``: none)."""
 
 
 _Key = tuple[str, int]
@@ -88,8 +128,10 @@ class RemoteEngines:
 
     Call :meth:`ensure` as soon as a request names a remote engine (the handshake starts at
     once, proactively, so heartbeats can flow while the request still waits), :meth:`poll` once
-    per engine step (applies finished handshakes, evicts idle engines), :meth:`get` to find a
-    READY one. :meth:`close` stops the background thread; safe twice.
+    per engine step (applies finished handshakes, ends warm-ups, evicts idle engines),
+    :meth:`get` to find a READY one, :meth:`take_counts` for the warm-up counters since the
+    last call. :meth:`close` stops the background thread; safe twice. ``warmup_timeout`` 0
+    (the default) or a transport without ``capabilities.warm_up``: no warm-ups.
     """
 
     def __init__(
@@ -112,9 +154,13 @@ class RemoteEngines:
         tp_size: int = 1,
         kv_layout: KVLayoutFacts | None = None,
         allow_permute: bool = False,
+        warmup_timeout: float = 0.0,
     ) -> None:
         self._transport = transport
         self._allow_permute = allow_permute
+        self._warmup_timeout = warmup_timeout if transport.capabilities.warm_up else 0.0
+        self._counts: dict[str, int] = {}
+        self._in_flight = 0  # handshakes queued or running (engine thread only)
         self._keys = keys
         self._request = HandshakeRequest(
             engine_id=engine_id,
@@ -206,11 +252,12 @@ class RemoteEngines:
     def _start(self, key: _Key, host: str, port: int, now: float, old: RemoteEngine | None) -> None:
         if old is not None and old.peer is not None:
             self._forget(old)
-        entry = RemoteEngine(key[0], key[1], host, port, last_used=now)
+        entry = RemoteEngine(key[0], key[1], host, port, last_used=now, started_at=now)
         if old is not None and old.state is PeerState.FAILED:
             entry.failures = old.failures
             entry.incarnation = old.incarnation
         self._engines[key] = entry
+        self._in_flight += 1
         self._jobs.put(entry)
 
     def reconnect(self, entry: RemoteEngine, now: float, *, incarnation: str | None) -> None:
@@ -253,18 +300,30 @@ class RemoteEngines:
         """Apply finished handshakes; evict engines idle past the TTL for which ``busy(engine_id)``
         is false. Returns the entries whose state changed this call."""
         changed: list[RemoteEngine] = []
+        if self._in_flight:
+            # The handshake thread needs the GIL at each step of its exchange, and an engine
+            # thread that steps back to back would hold it for a whole switch interval (5 ms)
+            # each time: release it once per progress point while a handshake is under way
+            # (measured: from a request naming P to the connection ready took 7-9 ms, mostly
+            # such waits; 1.5-3 ms with this, when the transport adds the peer quickly).
+            time.sleep(0)
         while True:
             try:
                 entry, result = self._done.get_nowait()
             except queue.Empty:
                 break
+            self._in_flight -= 1
             if self._engines.get((entry.engine_id, entry.rank)) is not entry:
                 continue  # superseded by a newer handshake
             if isinstance(result, KVFrameError):
                 self._fail(entry, now, f"handshake with {entry.host}:{entry.port}: {result}")
             else:
                 self._apply(entry, result, now)
-            changed.append(entry)
+            if entry.warmup is None:
+                changed.append(entry)
+        for entry in list(self._engines.values()):
+            if entry.warmup is not None and self._warmed(entry, now):
+                changed.append(entry)
         for key, entry in list(self._engines.items()):
             if entry.state is PeerState.FAILED and now >= entry.retry_at and busy(entry.engine_id):
                 # Loads wait for this engine: handshake again once the backoff has passed.
@@ -300,10 +359,69 @@ class RemoteEngines:
         entry.response = resp
         entry.session_key = result.session_key
         entry.incarnation = resp.incarnation or None
+        if self._warmup_timeout > 0:
+            try:
+                entry.warmup = self._transport.warm_up(entry.peer)
+            except CapabilityError:
+                self._warm_end(entry, "unsupported", now)
+            except PeerUnreachableError as exc:
+                self._warm_end(entry, "failed", now)
+                self._fail(entry, now, f"warming the connection to {entry.engine_id!r}: {exc}")
+                return
+            except (TransportError, ValueError):
+                self._warm_end(entry, "failed", now)
+            else:
+                entry.warmup_started = now
+                return  # CONNECTING until the warm-up ends (poll)
+        self._ready(entry, now)
+
+    def _ready(self, entry: RemoteEngine, now: float) -> None:
         entry.state = PeerState.READY
+        entry.ready_at = now
         entry.error = None
         entry.failures = 0
         self.handshakes += 1
+
+    def _warm_end(self, entry: RemoteEngine, outcome: str, now: float) -> None:
+        """Release the warm-up (if any) and count how it ended."""
+        if entry.warmup is not None:
+            with contextlib.suppress(TransportError):
+                self._transport.release(entry.warmup)
+            entry.warmup = None
+            entry.warmup_seconds = now - entry.warmup_started
+        entry.warmup_outcome = outcome
+        name = f"warmups_{outcome}"
+        self._counts[name] = self._counts.get(name, 0) + 1
+
+    def _warmed(self, entry: RemoteEngine, now: float) -> bool:
+        """Poll ``entry``'s warm-up; ``True`` when it ended (the entry changed state)."""
+        assert entry.warmup is not None
+        try:
+            status = self._transport.poll(entry.warmup)
+        except TransportError as exc:  # the transport closed under us: nothing to warm
+            entry.warmup = None
+            self._fail(entry, now, f"warming the connection to {entry.engine_id!r}: {exc}")
+            return True
+        if status.state is XferState.PENDING:
+            if now - entry.warmup_started < self._warmup_timeout:
+                return False
+            self._warm_end(entry, "timed_out", now)
+        elif status.state is XferState.DONE:
+            self._warm_end(entry, "done", now)
+        elif isinstance(status.error, PeerUnreachableError):
+            self._warm_end(entry, "failed", now)
+            self._fail(entry, now, f"warming the connection to {entry.engine_id!r}: {status.error}")
+            return True
+        else:
+            self._warm_end(entry, "failed", now)
+        self._ready(entry, now)
+        return True
+
+    def take_counts(self) -> dict[str, int]:
+        """The warm-up counters since the last call (``warmups_done``, ``warmups_timed_out``,
+        ``warmups_failed``, ``warmups_unsupported``), then reset."""
+        out, self._counts = self._counts, {}
+        return out
 
     def _fail(self, entry: RemoteEngine, now: float, reason: str) -> None:
         entry.state = PeerState.FAILED
@@ -322,6 +440,10 @@ class RemoteEngines:
             self._fail(entry, now, reason)
 
     def _forget(self, entry: RemoteEngine) -> None:
+        if entry.warmup is not None:
+            with contextlib.suppress(TransportError):
+                self._transport.release(entry.warmup)
+            entry.warmup = None
         if entry.peer is not None:
             with contextlib.suppress(TransportError):
                 self._transport.remove_peer(entry.peer)

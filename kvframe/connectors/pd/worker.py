@@ -491,6 +491,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         return self._reader
 
     @property
+    def remote_engines(self) -> list[RemoteEngine]:
+        """D's connection entries, one per remote engine rank (read-only use: diagnostics,
+        benchmarks); empty on a producer-only worker."""
+        return self._engines.entries() if self._engines is not None else []
+
+    @property
     def push_source(self) -> PushSource:
         """P's push matcher (read-only use: tests and diagnostics)."""
         return self._push
@@ -609,6 +615,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 tp_size=self._engine.world_size,
                 kv_layout=self._kv_facts,
                 allow_permute=self._options.allow_layout_permute,
+                warmup_timeout=self._options.warmup_timeout,
             )
 
     def _head_facts(
@@ -856,6 +863,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._count(name, n)
         for name, n in self._writer.take_counts().items():
             self._count(f"push_writer_{name}", n)
+        if self._engines is not None:
+            for name, n in self._engines.take_counts().items():
+                self._count(name, n)
         if self._server is not None:
             # The server thread's totals, as counts since the last report.
             srv = self._server
@@ -1479,6 +1489,13 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._holder.connected(entry.peer)
             if self._pushes:
                 self._push_peer(entry, now)
+            if entry.warmup_outcome is not None:
+                self._event(
+                    "pd.warmup",
+                    engine=entry.engine_id,
+                    outcome=entry.warmup_outcome,
+                    seconds=entry.warmup_seconds,
+                )
             if entry.state is PeerState.READY:
                 if self._uncapped:
                     self._cap_loads(entry, now)
