@@ -280,8 +280,10 @@ class _Read:
     handle: XferHandle | None = None
     posted_at: float = 0.0
     notice: bytes | None = None
-    """The encoded done notice, when the transport does not promise a post's notification
-    only after the data (``notification_after_data`` False): sent once the READ is DONE."""
+    """The encoded done notice, sent once the READ is DONE: for an optimistic READ (posted
+    before the heartbeat that asks P to claim its lease, ``PostRead.notify_when_done``), or
+    when the transport does not promise a post's notification only after the data
+    (``notification_after_data`` False)."""
     post_perf: float = 0.0
     """``time.perf_counter()`` when the READ was posted (timing statistics only)."""
     done_perf: float = 0.0
@@ -1454,8 +1456,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _post(self, action: PostRead, now: float) -> list[Action]:
         rd = self._reads.get(action.request_id)
         if rd is None or self._reader.state(action.request_id) is not ReadState.POSTED:
-            # Ended since the reader asked for the post: an optimistic READ queued behind the
-            # heartbeat whose send found the prefill engine unreachable. The reader already
+            # Ended since the reader asked for the post, by an action before it in the same
+            # list (a send that found the prefill engine unreachable). The reader already
             # reported the end (its LoadEnded follows); posting or failing it again would
             # report it twice.
             self._count("posts_skipped_ended")
@@ -1494,9 +1496,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             return self._reader.transfer_failed(
                 action.request_id, "the connection to the prefill engine is not authenticated", now
             )
-        if not self._transport.capabilities.notification_after_data:
-            # The transport may deliver a post's notification before the bytes land, and the
-            # prefill engine reuses the blocks on receipt: send it ourselves once DONE.
+        if action.notify_when_done or not self._transport.capabilities.notification_after_data:
+            # An optimistic READ, posted before the heartbeat asking P to claim its lease: the
+            # done notice must follow the heartbeat, or P consumes the unclaimed lease and
+            # answers the heartbeat with a loss. Or the transport may deliver a post's
+            # notification before the bytes land, and the prefill engine reuses the blocks on
+            # receipt. Either way: send it ourselves once DONE.
             rd.notice, notice = notice, None
         try:
             rd.handle = self._transport.post(
@@ -1509,6 +1514,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             )
         except (TransportError, ValueError) as exc:
             broken = isinstance(exc, PeerUnreachableError)
+            if broken and action.notify_when_done:
+                # An optimistic READ goes first in its progress point: its post is where D
+                # learns the prefill engine is gone (the heartbeat behind it would have). Loads
+                # waiting on that engine fail now, as when a send finds it unreachable, rather
+                # than waiting for a new connection that nothing would ask for.
+                return self._peer_broke(entry, f"unreachable: {exc}", now)
             out = self._reader.transfer_failed(
                 action.request_id, f"posting the read failed: {exc}", now, peer_broken=broken
             )
@@ -1578,7 +1589,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             return
         engine = rd.spec.remote.engine_id
         if rd.notice is not None:
-            # notification_after_data is False: the done notice goes only now, after DONE
+            # An optimistic READ, or notification_after_data is False: the done notice goes
+            # only now, after DONE (and after the heartbeat that followed the post)
             notice, rd.notice = rd.notice, None
             try:
                 self._transport.send_notification(handle.peer, notice)

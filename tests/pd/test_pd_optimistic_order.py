@@ -1,0 +1,134 @@
+"""The order in which D's worker sends an optimistic load's messages and posts its READ.
+
+An optimistic READ is posted *before* the heartbeat that asks P to confirm (and claim) its
+lease, without its lease-done notification; that notification goes on its own once the READ
+is seen done, after the heartbeat. Posted behind a notification, a NIXL READ completes only at
+P's next progress point instead of inside the post; a done notice ahead of the heartbeat would
+consume the lease before this reader claimed it, and P would answer the heartbeat with a loss.
+A recording wrapper around D's transport pins that order; the load must still end DONE with
+P's bytes and P's lease consumed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvframe.core import wire
+from kvframe.spi.transport import Transport
+from tests.pd.driver import Driver, run_until, view
+
+_ids = itertools.count()
+
+
+def record(transport: Transport, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """Wrap ``transport``'s ``post`` and ``send_notification``: each call appends
+    ``("post", notification bytes or None)`` or ``("notify", decoded message)`` in call order."""
+    log: list[tuple[Any, ...]] = []
+    post, send = transport.post, transport.send_notification
+
+    def posting(*args: Any, **kwargs: Any) -> Any:
+        log.append(("post", kwargs.get("notification")))
+        return post(*args, **kwargs)
+
+    def sending(peer: str, payload: bytes) -> None:
+        try:
+            msg: Any = wire.decode(payload)
+        except Exception:  # not a lease message (none expected here)
+            msg = payload
+        log.append(("notify", msg))
+        send(peer, payload)
+
+    monkeypatch.setattr(transport, "post", posting)
+    monkeypatch.setattr(transport, "send_notification", sending)
+    return log
+
+
+@pytest.fixture
+def pd() -> Iterator[tuple[Driver, Driver]]:
+    n = next(_ids)
+    p = Driver(f"Pord{n}", "kv_producer")
+    d = Driver(f"Dord{n}", "kv_consumer")
+    yield p, d
+    d.shutdown()
+    p.shutdown()
+
+
+def _counter(drv: Driver, name: str) -> float:
+    return sum(o.stats.counters.get(name, 0) for o in drv.outputs)
+
+
+def test_the_optimistic_read_goes_before_its_heartbeat_and_its_done_notice_after(
+    pd: tuple[Driver, Driver], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p, d = pd
+    log = record(d.worker.transport, monkeypatch)
+    for i, (src, dst) in enumerate((([3, 4], [10, 11]), ([5, 6], [12, 13]))):
+        p.fill(src, seed=i)
+        _, params = p.sched.request_finished(
+            view(f"r{i}", 32, {"do_remote_decode": True}, finish_reason="length"), (tuple(src),)
+        )
+        assert params is not None
+        p.step()
+        rid = f"d{i}"
+        req = view(rid, 32, params)
+        d.sched.on_new_request(req)
+        n, _ = d.sched.get_num_new_matched_tokens(req, 0)
+        d.sched.update_state_after_alloc(req, (tuple(dst),), n)
+        start = len(log)
+        run_until([p, d], lambda rid=rid: any(rid in o.finished_recving for o in d.outputs))
+        assert not any(o.failures for o in d.outputs)
+        for a, b in zip(p.blocks(src), d.blocks(dst), strict=True):
+            assert torch.equal(a, b)
+        mine = log[start:]
+        posts = [k for k, e in enumerate(mine) if e[0] == "post"]
+        assert len(posts) == 1, mine
+        assert mine[posts[0]][1] is None, "the READ must be posted without its done notice"
+        beats = [k for k, e in enumerate(mine) if isinstance(e[1], wire.Heartbeat)]
+        dones = [
+            k
+            for k, e in enumerate(mine)
+            if isinstance(e[1], wire.LeaseDone) and e[1].reason is wire.DoneReason.READ
+        ]
+        assert beats, mine
+        assert len(dones) == 1, mine
+        assert posts[0] < beats[0] < dones[0], mine
+    run_until([p, d], lambda: _counter(p, "leases_consumed") == 2)
+    assert _counter(d, "reads_posted_early") == 2
+    assert _counter(p, "leases_aborted") == 0
+    assert not d.sched.has_pending_work()
+
+
+def test_without_optimistic_reads_the_read_carries_its_notice_after_the_ack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    n = next(_ids)
+    p = Driver(f"Pord{n}", "kv_producer")
+    d = Driver(f"Dord{n}", "kv_consumer", extra={"optimistic_read": False})
+    try:
+        log = record(d.worker.transport, monkeypatch)
+        p.fill([3], seed=1)
+        _, params = p.sched.request_finished(
+            view("r", 16, {"do_remote_decode": True}, finish_reason="length"), ((3,),)
+        )
+        assert params is not None
+        p.step()
+        req = view("d", 16, params)
+        d.sched.on_new_request(req)
+        k, _ = d.sched.get_num_new_matched_tokens(req, 0)
+        d.sched.update_state_after_alloc(req, ((9,),), k)
+        run_until([p, d], lambda: any("d" in o.finished_recving for o in d.outputs))
+        posts = [k for k, e in enumerate(log) if e[0] == "post"]
+        beats = [k for k, e in enumerate(log) if isinstance(e[1], wire.Heartbeat)]
+        assert len(posts) == 1
+        assert beats
+        assert beats[0] < posts[0]
+        assert log[posts[0]][1] is not None  # the transport delivers it after the data
+        assert not any(isinstance(e[1], wire.LeaseDone) for e in log)
+    finally:
+        d.shutdown()
+        p.shutdown()
