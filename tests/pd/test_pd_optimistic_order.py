@@ -6,7 +6,8 @@ is seen done, after the heartbeat. Posted behind a notification, a NIXL READ com
 P's next progress point instead of inside the post; a done notice ahead of the heartbeat would
 consume the lease before this reader claimed it, and P would answer the heartbeat with a loss.
 A recording wrapper around D's transport pins that order; the load must still end DONE with
-P's bytes and P's lease consumed.
+P's bytes and P's lease consumed. After the notifications, D posts an endpoint flush READ (a
+few bytes into a scratch buffer), so that the next load's READ is not held behind them.
 """
 
 from __future__ import annotations
@@ -20,19 +21,27 @@ import torch
 
 from kvframe.core import wire
 from kvframe.spi.transport import Transport
+from kvframe.testing.faults import Faults
 from tests.pd.driver import Driver, run_until, view
 
 _ids = itertools.count()
 
 
+FLUSH_BYTES = 64  # an endpoint flush READ's one block (kvframe.connectors.pd.worker)
+
+
 def record(transport: Transport, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     """Wrap ``transport``'s ``post`` and ``send_notification``: each call appends
-    ``("post", notification bytes or None)`` or ``("notify", decoded message)`` in call order."""
+    ``("post", notification bytes or None)`` (a KV READ), ``("flush", None)`` (an endpoint
+    flush READ: one block of ``FLUSH_BYTES`` into the scratch layout) or ``("notify", decoded
+    message)``, in call order."""
     log: list[tuple[Any, ...]] = []
     post, send = transport.post, transport.send_notification
 
     def posting(*args: Any, **kwargs: Any) -> Any:
-        log.append(("post", kwargs.get("notification")))
+        local = args[1]
+        flush = local.layout.block_lens == (FLUSH_BYTES,) and local.layout.num_blocks == 1
+        log.append(("flush" if flush else "post", kwargs.get("notification")))
         return post(*args, **kwargs)
 
     def sending(peer: str, payload: bytes) -> None:
@@ -97,8 +106,16 @@ def test_the_optimistic_read_goes_before_its_heartbeat_and_its_done_notice_after
         assert beats, mine
         assert len(dones) == 1, mine
         assert posts[0] < beats[0] < dones[0], mine
+        # Then a flush READ (no notification), so that the next load's READ is not held
+        # behind those notifications.
+        flushes = [k for k, e in enumerate(mine) if e[0] == "flush"]
+        assert flushes, mine
+        assert flushes[-1] > dones[0], mine
+        assert all(mine[k][1] is None for k in flushes)
     run_until([p, d], lambda: _counter(p, "leases_consumed") == 2)
     assert _counter(d, "reads_posted_early") == 2
+    assert _counter(d, "endpoint_flushes") >= 2
+    assert _counter(d, "endpoint_flush_failures") == 0
     assert _counter(p, "leases_aborted") == 0
     assert not d.sched.has_pending_work()
 
@@ -108,7 +125,9 @@ def test_without_optimistic_reads_the_read_carries_its_notice_after_the_ack(
 ) -> None:
     n = next(_ids)
     p = Driver(f"Pord{n}", "kv_producer")
-    d = Driver(f"Dord{n}", "kv_consumer", extra={"optimistic_read": False})
+    d = Driver(
+        f"Dord{n}", "kv_consumer", extra={"optimistic_read": False, "flush_endpoints": False}
+    )
     try:
         log = record(d.worker.transport, monkeypatch)
         p.fill([3], seed=1)
@@ -129,6 +148,35 @@ def test_without_optimistic_reads_the_read_carries_its_notice_after_the_ack(
         assert beats[0] < posts[0]
         assert log[posts[0]][1] is not None  # the transport delivers it after the data
         assert not any(isinstance(e[1], wire.LeaseDone) for e in log)
+        assert not any(e[0] == "flush" for e in log)  # flush_endpoints off
     finally:
         d.shutdown()
         p.shutdown()
+
+
+def test_a_failed_flush_read_is_counted_and_harms_no_load(pd: tuple[Driver, Driver]) -> None:
+    # Every flush READ fails (it moves FLUSH_BYTES; the loads move whole blocks): each failure
+    # is counted, the connection is flushed again after its next notifications, and the loads
+    # are untouched.
+    p, d = pd
+    Faults.of(d.worker.transport.fabric).fail_transfers(
+        endpoint=d.worker.transport.name, when=lambda e: e.nbytes == FLUSH_BYTES
+    )
+    for i, (src, dst) in enumerate((([3], [10]), ([4], [11]), ([5], [12]))):
+        p.fill(src, seed=i)
+        _, params = p.sched.request_finished(
+            view(f"r{i}", 16, {"do_remote_decode": True}, finish_reason="length"), (tuple(src),)
+        )
+        assert params is not None
+        p.step()
+        rid = f"d{i}"
+        req = view(rid, 16, params)
+        d.sched.on_new_request(req)
+        n, _ = d.sched.get_num_new_matched_tokens(req, 0)
+        d.sched.update_state_after_alloc(req, (tuple(dst),), n)
+        run_until([p, d], lambda rid=rid: any(rid in o.finished_recving for o in d.outputs))
+        for a, b in zip(p.blocks(src), d.blocks(dst), strict=True):
+            assert torch.equal(a, b)
+    run_until([p, d], lambda: _counter(d, "endpoint_flush_failures") >= 3)
+    run_until([p, d], lambda: _counter(p, "leases_consumed") == 3)
+    assert not any(o.failures for o in d.outputs)

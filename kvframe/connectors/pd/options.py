@@ -45,6 +45,12 @@ class PDOptions:
     P to confirm its lease, and keep the bytes only once P's acknowledgement confirms a bound
     later than the READ's completion (``kvframe.core.reader``, "Optimistic reads"); ``false``
     posts only after the acknowledgement (one more round trip to P per load)."""
+    flush_endpoints: bool = True
+    """Pull mode, D: after notifications to a prefill engine, post a tiny READ from it (64
+    bytes of its first region into a scratch buffer; no lease involved) so that the next
+    load's READ is not held behind them: NIXL sees a READ posted after a notification complete
+    only at the peer's next progress point, one posted on a flushed endpoint inside the post.
+    Ignored on transports with ``access_control``; ``false``: no flush READs."""
     kept_poll_interval: float = 0.02
     """Bidirectional mode, D: while the only leases held are kept turns, step this often (a
     prefill engine's first heartbeat of a kept turn waits at most this long for its answer)
@@ -160,6 +166,9 @@ class PDOptions:
         optimistic = extra.get("optimistic_read", True)
         if not isinstance(optimistic, bool):
             raise ConfigError(f"{_PATH}.optimistic_read = {optimistic!r}; expected true or false")
+        flush = extra.get("flush_endpoints", True)
+        if not isinstance(flush, bool):
+            raise ConfigError(f"{_PATH}.flush_endpoints = {flush!r}; expected true or false")
         poll = seconds("kept_poll_interval", 0.02)
         assert poll is not None
         if poll > 1.0:
@@ -170,6 +179,7 @@ class PDOptions:
         return cls(
             kept_poll_interval=poll,
             optimistic_read=optimistic,
+            flush_endpoints=flush,
             symmetric_leases=symmetric,
             kv_recompute_threshold=threshold,
             ttl_safety_margin=None if safety is None else float(safety),

@@ -196,6 +196,10 @@ def observation_key(name: str, value: float) -> str:
     return f"{name}:le={bounds[i]!r}" if i < len(bounds) else f"{name}:le=+Inf"
 
 
+#: Bytes an endpoint flush READ moves: from the start of the prefill engine's first region
+#: into a scratch buffer of this worker's (nothing of value; one descriptor).
+_FLUSH_BYTES = 64
+
 #: Handshakes whose peers wait for the engine thread at most (more are refused as busy).
 _MAX_PENDING_PEERS = 256
 _SERVER_COUNTERS = ("handshakes_served", "handshakes_refused", "handshakes_rate_limited")
@@ -251,6 +255,21 @@ class _PushIn:
     sent_to: str | None = None
     """The prefill engine's transport peer the registration went to."""
     sent_at: float = 0.0
+
+
+@attrs.define(eq=False)
+class _Flush:
+    """D: the endpoint flush of one prefill engine rank's connection (see
+    ``PDConnectorWorker._flush_endpoints``)."""
+
+    entry: RemoteEngine
+    remote: LayoutHandle | None = None
+    """The flush READ's source (prepared once per connection)."""
+    handle: XferHandle | None = None
+    """The flush READ in flight."""
+    dirty: bool = True
+    """A notification went to the peer since the flush READ in flight (or the last one) was
+    posted."""
 
 
 @attrs.define(eq=False)
@@ -424,6 +443,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._liveness: collections.deque[tuple[str, str, str]] = collections.deque()
         self._fenced: str | None = None  # why this engine may not read now
         self._posted_now: list[str] = []  # READs posted in the current progress point
+        # D: a flush READ after notifications, per transport peer (see _flush_endpoints); its
+        # local side is a scratch buffer registered with the KV caches (None: off).
+        self._flushes: dict[str, _Flush] = {}
+        self._flush_local: LayoutHandle | None = None
+        self._scratch: Any = None
         # Loads that ended DONE and are not yet reported: request id -> (posted, done seen),
         # perf_counter readings for the per-request timing (statistics, not decisions).
         self._timing: dict[str, tuple[float, float]] = {}
@@ -516,8 +540,23 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             transport=self._options.transport,
             groups=self._engine.num_kv_groups,
         )
-        self._transport.register_memory(regions)
+        scratch = None
+        if (
+            self._config.is_consumer
+            and self._options.flush_endpoints
+            and not self._transport.capabilities.access_control
+        ):
+            # The flush READ's destination: a few bytes next to the KV caches (same device),
+            # registered with them, in no layout a peer sees.
+            first = next(iter(kv_caches.values()))
+            self._scratch = first.new_zeros(-(-_FLUSH_BYTES // first.element_size()))
+            scratch = MemoryRegion.from_tensor(self._scratch)
+        self._transport.register_memory(regions if scratch is None else [*regions, scratch])
         self._local = self._transport.prepare_local(self._layout)
+        if scratch is not None:
+            self._flush_local = self._transport.prepare_local(
+                BlockLayout(regions=[scratch], block_lens=[_FLUSH_BYTES], num_blocks=1)
+            )
         # Read on the engine thread, before the server thread that answers with it exists.
         self._local_meta = self._transport.local_metadata()
         if self._transport.capabilities.access_control:
@@ -739,6 +778,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 # An optimistic READ landed before P's acknowledgement (P answers just after
                 # its progress completed the READ): one more look for it.
                 self._progress()
+            else:
+                self._flush_endpoints()  # the settle may have sent done notices
         self._step_progress = []
         sending, recving = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
@@ -843,6 +884,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             notes = []
         states = self._poll(list(self._reads))
         wstates = self._poll_writes(list(self._writes))
+        if self._flushes:
+            self._poll_flushes()  # before this progress point posts any READ
         # The clock reading of this progress point: after every observation above, so that
         # no completion or receipt is stamped earlier than it happened.
         now = self._clock()
@@ -867,6 +910,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._settle_posted()
             if self._pushes:
                 self._push_tick(now)
+            self._flush_endpoints()
         if self._pre:
             self._poll_pre(now)
         if self._writes or len(self._push):
@@ -1441,6 +1485,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 return []
             try:
                 self._transport.send_notification(entry.peer, sealed)
+                self._sent_to(entry)
             except TransportError as exc:
                 self._count("notify_failures", engine=entry.engine_id)
                 self._event("pd.notify_failed", engine=entry.engine_id, error=str(exc))
@@ -1527,6 +1572,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 assert self._engines is not None
                 self._engines.mark_failed(entry, now, str(exc))
             return out
+        if notice is not None:
+            self._sent_to(entry)  # the READ's own notification, after its data
         rd.posted_at = now
         rd.post_perf = t0
         self._posted_now.append(action.request_id)
@@ -1535,6 +1582,81 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         assert self._engines is not None
         self._engines.touch(entry, now)
         return []
+
+    def _sent_to(self, entry: RemoteEngine) -> None:
+        # A notification went to this peer: the next READ to it completes only at the
+        # peer's next progress point unless a flush READ completes first.
+        if self._flush_local is None or entry.peer is None:
+            return
+        fl = self._flushes.get(entry.peer)
+        if fl is None or fl.entry is not entry:
+            self._flushes[entry.peer] = _Flush(entry=entry)
+        else:
+            fl.dirty = True
+
+    def _flush_endpoints(self) -> None:
+        """D: after notifications to a prefill engine, post a tiny READ from it (one at a time
+        per connection) and release it once done.
+
+        NIXL (UCX backend) ends every posted transfer with a flush of the endpoint, and a
+        flush waits for the notifications sent before it on that endpoint, which complete
+        only at the peer's next progress point: a READ posted after any notification (a
+        heartbeat, a lease-done notice, the previous READ's own notification) is seen done
+        only then, however long ago the notification went. A READ that flushed the endpoint
+        since clears that, so the next load's READ completes inside its post. This READ moves
+        ``_FLUSH_BYTES`` from the start of the engine's first registered region into a scratch
+        buffer: it reads nothing of value and touches no KV block, so no lease is involved.
+        Off with ``flush_endpoints`` false and on transports with ``access_control`` (the
+        holder would refuse a READ outside its leases)."""
+        if not self._flushes:
+            return
+        self._poll_flushes()
+        for peer, fl in list(self._flushes.items()):
+            if fl.handle is not None or not fl.dirty:
+                continue
+            entry = fl.entry
+            if (
+                entry.peer != peer
+                or entry.state is not PeerState.READY
+                or entry.remote is None
+                or self._flush_local is None
+            ):
+                del self._flushes[peer]  # the connection went; a new one starts clean
+                continue
+            try:
+                if fl.remote is None:
+                    region = entry.remote.layout.regions[0]
+                    fl.remote = self._transport.prepare_remote(
+                        peer,
+                        BlockLayout(
+                            regions=[region],
+                            block_lens=[_FLUSH_BYTES],
+                            num_blocks=1,
+                        ),
+                    )
+                fl.handle = self._transport.post(Op.READ, self._flush_local, [0], fl.remote, [0])
+            except (TransportError, ValueError):
+                self._count("endpoint_flush_failures")
+                del self._flushes[peer]
+                continue
+            fl.dirty = False
+            self._count("endpoint_flushes")
+
+    def _poll_flushes(self) -> None:
+        # Flush READs that completed are released (a READ posted after this completes inside
+        # its post, if no notification went since); a failed one drops its connection's
+        # record (a new one starts with the next notification).
+        for peer, fl in list(self._flushes.items()):
+            if fl.handle is None:
+                continue
+            st = self._transport.poll(fl.handle)
+            if st.state is XferState.PENDING:
+                continue
+            self._transport.release(fl.handle)
+            fl.handle = None
+            if st.state is XferState.FAILED:
+                self._count("endpoint_flush_failures")
+                del self._flushes[peer]
 
     def _head_units(
         self,
@@ -1597,6 +1719,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             except TransportError as exc:  # the lease then ends by expiry on the holder
                 self._count("notify_failures", engine=engine)
                 self._event("pd.notify_failed", engine=engine, error=str(exc))
+            else:
+                entry = self._entry(rd.key)
+                if entry is not None and entry.peer == handle.peer:
+                    self._sent_to(entry)
         self._observe("bytes_read", status.nbytes, engine=engine)
         moved = status.transfer_seconds
         self._observe("transfer_seconds", moved if moved is not None else now - rd.posted_at)
@@ -2138,6 +2264,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         handles += [x.handle for x in self._writes.values()]
         handles += [h for x in self._writes.values() for h in x.pre]
         handles += [h for x in self._pre.values() for h in x.handles]
+        handles += [x.handle for x in self._flushes.values()]
+        self._flushes.clear()
         for h in handles:
             if h is not None:
                 with contextlib.suppress(TransportError):
