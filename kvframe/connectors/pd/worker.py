@@ -1111,13 +1111,23 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 split = self._splits.get(rid)
                 for sub in split.subs if split is not None else [rid]:
                     self._run(self._reader.abort(sub, now), now)
+        reading = (
+            {rd.spec.remote_request_id for rd in self._reads.values()}
+            if self._flush_local is not None and meta.pd_heartbeats
+            else set()
+        )
         for engine_id, ids in meta.pd_heartbeats.items():
             if self._fenced is not None:
                 self._count("heartbeats_fenced", len(ids))
                 continue
+            # A batch naming a lease no load reads yet (a request waiting for its load) is
+            # followed by a flush READ: that load's READ then completes inside its post.
+            waiting = self._flush_local is not None and any(i not in reading for i in ids)
             # Every source rank of this rank hears each heartbeat batch.
             for key in self._keys_of(engine_id):
                 self._run(self._reader.heartbeat(key, ids, now), now)
+                if waiting:
+                    self._flush_after(key)
         releases: dict[str, list[str]] = {}
         for rel in meta.releases:
             self._ensure(rel.remote, now)
@@ -1485,7 +1495,6 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 return []
             try:
                 self._transport.send_notification(entry.peer, sealed)
-                self._sent_to(entry)
             except TransportError as exc:
                 self._count("notify_failures", engine=entry.engine_id)
                 self._event("pd.notify_failed", engine=entry.engine_id, error=str(exc))
@@ -1572,8 +1581,6 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 assert self._engines is not None
                 self._engines.mark_failed(entry, now, str(exc))
             return out
-        if notice is not None:
-            self._sent_to(entry)  # the READ's own notification, after its data
         rd.posted_at = now
         rd.post_perf = t0
         self._posted_now.append(action.request_id)
@@ -1583,10 +1590,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._engines.touch(entry, now)
         return []
 
-    def _sent_to(self, entry: RemoteEngine) -> None:
-        # A notification went to this peer: the next READ to it completes only at the
+    def _flush_after(self, key: str) -> None:
+        # Notifications went to this source's peer: the next READ to it completes only at the
         # peer's next progress point unless a flush READ completes first.
-        if self._flush_local is None or entry.peer is None:
+        entry = self._entry(key)
+        if entry is None or entry.peer is None or entry.state is not PeerState.READY:
             return
         fl = self._flushes.get(entry.peer)
         if fl is None or fl.entry is not entry:
@@ -1595,15 +1603,21 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             fl.dirty = True
 
     def _flush_endpoints(self) -> None:
-        """D: after notifications to a prefill engine, post a tiny READ from it (one at a time
-        per connection) and release it once done.
+        """D: after a heartbeat batch that names a lease no load reads yet (a request waiting
+        for its load), post a tiny READ from that prefill engine (one at a time per
+        connection) and release it once done.
 
         NIXL (UCX backend) ends every posted transfer with a flush of the endpoint, and a
         flush waits for the notifications sent before it on that endpoint, which complete
         only at the peer's next progress point: a READ posted after any notification (a
         heartbeat, a lease-done notice, the previous READ's own notification) is seen done
         only then, however long ago the notification went. A READ that flushed the endpoint
-        since clears that, so the next load's READ completes inside its post. This READ moves
+        since clears that, so the waiting request's READ (by then usually confirmed, so it is
+        posted with its notification and the load ends in that progress point) completes
+        inside its post. After a load's own notifications (its heartbeat, its done notice) no
+        flush is posted: an optimistic READ waits for P's acknowledgement anyway, which comes
+        at the same progress point of P as the flush would complete, and the flush's post
+        costs D about as much as it would save there. This READ moves
         ``_FLUSH_BYTES`` from the start of the engine's first registered region into a scratch
         buffer: it reads nothing of value and touches no KV block, so no lease is involved.
         Off with ``flush_endpoints`` false and on transports with ``access_control`` (the
@@ -1719,10 +1733,6 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             except TransportError as exc:  # the lease then ends by expiry on the holder
                 self._count("notify_failures", engine=engine)
                 self._event("pd.notify_failed", engine=engine, error=str(exc))
-            else:
-                entry = self._entry(rd.key)
-                if entry is not None and entry.peer == handle.peer:
-                    self._sent_to(entry)
         self._observe("bytes_read", status.nbytes, engine=engine)
         moved = status.transfer_seconds
         self._observe("transfer_seconds", moved if moved is not None else now - rd.posted_at)
