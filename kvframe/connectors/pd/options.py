@@ -46,11 +46,12 @@ class PDOptions:
     later than the READ's completion (``kvframe.core.reader``, "Optimistic reads"); ``false``
     posts only after the acknowledgement (one more round trip to P per load)."""
     flush_endpoints: bool = True
-    """Pull mode, D: after notifications to a prefill engine, post a tiny READ from it (64
-    bytes of its first region into a scratch buffer; no lease involved) so that the next
-    load's READ is not held behind them: NIXL sees a READ posted after a notification complete
-    only at the peer's next progress point, one posted on a flushed endpoint inside the post.
-    Ignored on transports with ``access_control``; ``false``: no flush READs."""
+    """Pull mode, D: after a heartbeat batch naming a request that waits for its load, post a
+    tiny READ from that prefill engine (64 bytes of its first region into a scratch buffer; no
+    lease involved) so that the load's READ, posted later, is not held behind the heartbeat:
+    NIXL sees a READ posted after a notification complete only at the peer's next progress
+    point, one posted on a flushed endpoint inside the post. Ignored on transports with
+    ``access_control``; ``false``: no flush READs."""
     kept_poll_interval: float = 0.02
     """Bidirectional mode, D: while the only leases held are kept turns, step this often (a
     prefill engine's first heartbeat of a kept turn waits at most this long for its answer)
