@@ -30,11 +30,17 @@ and, for a reader built with ``optimistic=True`` (see "Optimistic reads" below):
   (``peer_timeout + confirm_timeout + transfer_timeout`` from :meth:`LeaseReader.add`). At a
   deadline the load fails.
 - **Optimistic reads** (``optimistic=True``; READs only, never writes). A load whose lease is
-  not yet confirmed posts its READ at once, right *after* the heartbeat that asks for the
-  confirmation (one progress point of the holder then answers the heartbeat and lets the READ
-  complete, instead of one each), and its bytes count only under the keep rule above: the
+  not yet confirmed posts its READ at once, right *before* the heartbeat that asks for the
+  confirmation, and without its lease-done notification (``PostRead.notify_when_done``): the
+  notification goes as a message of its own once the READ is seen complete, so it follows the
+  heartbeat to the holder, which claims the lease for this reader before the notice consumes
+  it. Posted first, the READ does not queue behind the heartbeat (NIXL completes a READ
+  inside the post only when no notification went to that peer since the previous READ; after
+  one it completes at the holder's next progress point), and the holder's one progress point
+  then only has to answer the heartbeat. Its bytes count only under the keep rule above: the
   read completed (was seen complete, on this reader's clock) before a bound confirmed by an
-  acknowledgement. Why that is enough although the READ started before any confirmation:
+  acknowledgement. The order of the READ and the heartbeat plays no part in it. Why that is
+  enough although the READ started before any confirmation:
   the lease was granted before the ticket existed, so before the READ was posted; a lease is
   live from its grant until it ends, and an ended lease id is never live again (ids are
   random and single-use, :meth:`LeaseTable.grant <kvframe.core.lease.LeaseTable.grant>`); an
@@ -176,7 +182,7 @@ READ_TRANSITIONS: TransitionTable[ReadState, ReadEvent] = TransitionTable(
             source=_S.CONFIRMING,
             event=_E.POST_EARLY,
             target=_S.POSTED,
-            effect="optimistic: post the READ right after the confirming heartbeat",
+            effect="optimistic: post the READ right before the confirming heartbeat",
         ),
         Step(
             source=_S.CONFIRMING,
@@ -298,11 +304,18 @@ class SendMessage:
 class PostRead:
     """Post the READ of load ``request_id`` from ``engine``, with ``notification`` (encode it)
     delivered to the holder when the data has landed. If posting raises, report it with
-    :meth:`LeaseReader.transfer_failed` at once."""
+    :meth:`LeaseReader.transfer_failed` at once.
+
+    ``notify_when_done`` (optimistic reads, posted before the heartbeat that asks to confirm
+    their lease): post the READ *without* the notification and send ``notification`` to
+    ``engine`` yourself once the transfer is seen DONE, before reporting it with
+    :meth:`LeaseReader.transfer_done`; never if it failed or was stopped. The messages that
+    follow this action in the same list then reach the holder before it does."""
 
     request_id: str
     engine: str
     notification: wire.LeaseDone
+    notify_when_done: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -481,7 +494,7 @@ class LeaseReader:
     ) -> None:
         self._release_lost = release_after_loss
         self._optimistic = bool(optimistic)
-        self._early: list[_Load] = []  # posted optimistically; PostRead after the heartbeat
+        self._early: list[_Load] = []  # posted optimistically; PostRead before the heartbeat
         self._policy = policy
         self._t = timeouts
         self._drift = check_config_seconds("max_drift", max_drift, allow_zero=True)
@@ -990,8 +1003,10 @@ class LeaseReader:
 
     def _post_early(self, load: _Load, ticket: _Ticket, t: float) -> None:
         # Optimistic: the READ goes now, in the same call as the heartbeat asking for the
-        # confirmation, and after it (``_flush`` emits the heartbeats first, so the holder
-        # claims the lease for this reader before the READ's done notice can reach it). Its
+        # confirmation, and before it (``_flush`` emits the READs first, so that no
+        # notification to the holder is pending when the READ is posted); its done notice goes
+        # only once the READ is seen complete (``notify_when_done``), after the heartbeat, so
+        # the holder claims the lease for this reader before the notice consumes it. Its
         # bytes count only under a bound an acknowledgement confirms later than their
         # completion (module docs, "Optimistic reads"); until one comes, the load waits at
         # most ``confirm_timeout`` (already its deadline) and the heartbeat is resent.
@@ -1003,7 +1018,9 @@ class LeaseReader:
         self._early.append(load)
         self._count("reads_posted_early")
 
-    def _post_read(self, load: _Load, ticket: _Ticket, t: float) -> PostRead:
+    def _post_read(
+        self, load: _Load, ticket: _Ticket, t: float, *, notify_when_done: bool = False
+    ) -> PostRead:
         seq = self._next_seq(load.engine, t)
         return PostRead(
             request_id=load.request_id,
@@ -1011,6 +1028,7 @@ class LeaseReader:
             notification=wire.LeaseDone(
                 seq=seq, sent_at=t, reason=wire.DoneReason.READ, handles=(ticket.handle,)
             ),
+            notify_when_done=notify_when_done,
         )
 
     def _urgent_heartbeat(self, load: _Load, ticket: _Ticket, t: float) -> None:
@@ -1019,18 +1037,21 @@ class LeaseReader:
         self._count("urgent_heartbeats")
 
     def _flush(self, t: float, out: list[Action]) -> None:
+        if self._early:
+            # Optimistic READs before the heartbeats that ask for their confirmation (a READ
+            # posted behind a notification waits for the holder's next progress point), their
+            # done notices sent by the worker once each READ is seen complete: after the
+            # heartbeats, so the holder claims each lease before the notice consumes it.
+            early, self._early = self._early, []
+            for load in early:
+                if self._loads.get(load.request_id) is load and load.state is ReadState.POSTED:
+                    ticket = self._tickets[(load.engine, load.lease_id)]
+                    out.append(self._post_read(load, ticket, t, notify_when_done=True))
         urgent, self._urgent = self._urgent, {}
         for engine, ids in urgent.items():
             peer = self._peers.get(engine)
             if peer is not None and peer.ready:
                 self._emit_heartbeat(engine, list(ids), t, out)
-        if self._early:
-            # Optimistic READs after the heartbeats that ask for their confirmation.
-            early, self._early = self._early, []
-            for load in early:
-                if self._loads.get(load.request_id) is load and load.state is ReadState.POSTED:
-                    ticket = self._tickets[(load.engine, load.lease_id)]
-                    out.append(self._post_read(load, ticket, t))
 
     def _emit_heartbeat(self, engine: str, ids: list[str], t: float, out: list[Action]) -> None:
         seq = self._next_seq(engine, t)

@@ -203,6 +203,9 @@ class Transfer:
     """The reader stopped it or ended its load: its result is not reported any more."""
     early: bool = False
     """Posted by an optimistic reader before a confirmation covered it (``margin`` left)."""
+    notify_when_done: bool = False
+    """Posted without its notification: the reader's worker sends it once it sees the READ
+    done (:meth:`PDWorld.report`), not the transport when the bytes land."""
 
 
 @attrs.define(eq=False)
@@ -383,6 +386,8 @@ class World:
         tr.state = "landed"
         tr.landed = self.t
         tr.valid = lease is not None and lease.ended is None and lease.version == tr.version
+        if tr.notify_when_done:
+            return  # posted without it: the worker sends it once it sees the READ done
         if notify_now:
             self._to_holder(tr.reader, tr.notification)
         else:
@@ -394,6 +399,15 @@ class World:
         assert not tr.released
         side = self.sides[tr.reader]
         tr.released = True
+        if tr.notify_when_done:
+            # As the worker does: the done notice goes now, after every message the reader
+            # sent since the post (the heartbeat asking the holder to claim the lease).
+            if side.ready:
+                self.net.send(
+                    Packet(src=tr.reader, dst=ENGINE, message=tr.notification, sent=self.t)
+                )
+            else:
+                side.unsent += 1
         self._run(side, side.reader.transfer_done(tr.rid, self.now_r(side.name)))
 
     def fail(self, tr: Transfer, *, broken: bool) -> None:
@@ -526,6 +540,7 @@ class World:
             posted=self.t,
             version=lease.version if lease is not None else -1,
             early=early,
+            notify_when_done=action.notify_when_done,
         )
         self.transfers.append(tr)
         load.transfer = tr

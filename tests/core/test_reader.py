@@ -623,22 +623,51 @@ def test_releases_are_queued_until_the_connection_is_ready() -> None:
 
 
 # -- optimistic reads (READ posted beside the confirming heartbeat) -----------------------------
-def test_an_optimistic_load_posts_after_its_heartbeat() -> None:
-    """The READ goes in the same call as the heartbeat asking for its confirmation, after it,
-    whether the load arrives connected (add) or waits for the connection (peer_ready)."""
+def test_an_optimistic_load_posts_before_its_heartbeat() -> None:
+    """The READ goes in the same call as the heartbeat asking for its confirmation, before it
+    (no notification pending to the holder when it is posted), its done notice held back for
+    the worker to send once the READ is seen done (so it follows the heartbeat), whether the
+    load arrives connected (add) or waits for the connection (peer_ready)."""
     r = make(optimistic=True)
     hb = early(r)
     assert r.state("q") is ReadState.POSTED
     r2 = make(optimistic=True)
     assert r2.add("q", E, "L", 0.0, incarnation=INC) == []  # waits for the connection
     out = r2.peer_ready(E, 0.5, incarnation=INC)
-    assert kinds(out) == ["SendMessage", "PostRead"]
-    post = out[1]
+    assert kinds(out) == ["PostRead", "SendMessage"]
+    post = out[0]
     assert isinstance(post, PostRead)
+    assert post.notify_when_done
     assert post.notification.reason is wire.DoneReason.READ
     assert names(post.notification.handles) == ("L",)
     assert names(hb.handles) == ("L",)
     assert r.take_counts()["reads_posted_early"] == 1
+
+
+def test_several_optimistic_loads_post_every_read_before_any_heartbeat() -> None:
+    # Loads waiting for one connection: every READ first, then the heartbeat naming them all.
+    r = make(optimistic=True)
+    for i in range(3):
+        assert r.add(f"q{i}", E, f"L{i}", 0.0, incarnation=INC) == []
+    out = r.peer_ready(E, 0.5, incarnation=INC)
+    assert kinds(out) == ["PostRead", "PostRead", "PostRead", "SendMessage"]
+    assert all(isinstance(a, PostRead) and a.notify_when_done for a in out[:3])
+    assert names(heartbeat(out).handles) == ("L0", "L1", "L2")
+
+
+def test_a_confirmed_read_carries_its_notification_in_the_post() -> None:
+    # Posted under a confirmed bound (after the ack): the transport sends the notice itself.
+    r = make()
+    post = posted(r)
+    assert not post.notify_when_done
+    r2 = make(optimistic=True)
+    r2.peer_ready(E, 0.0, incarnation=INC)
+    hb = heartbeat(r2.heartbeat(E, ["L"], 0.0))
+    assert r2.receive(E, ack(hb, "L", 4.0, HOLDER + 0.1), 0.1) == []
+    out = r2.add("q", E, "L", 0.2, incarnation=INC)
+    assert kinds(out) == ["PostRead"]
+    assert isinstance(out[0], PostRead)
+    assert not out[0].notify_when_done
 
 
 def test_an_optimistic_load_with_a_confirmed_bound_posts_as_usual() -> None:
@@ -778,8 +807,8 @@ def test_a_load_can_refuse_optimism() -> None:
     r2 = make()
     r2.peer_ready(E, 0.0, incarnation=INC)
     assert kinds(r2.add("q", E, "L", 0.0, incarnation=INC, optimistic=True)) == [
-        "SendMessage",
         "PostRead",
+        "SendMessage",
     ]
 
 
@@ -831,11 +860,11 @@ TRANSFER_EVENTS = {
 
 
 def early(r: LeaseReader, t: float = 0.0, rid: str = "q", lid: str = "L") -> wire.Heartbeat:
-    """Connect an optimistic reader, add load ``rid`` at ``t``: it sends the heartbeat asking
-    for the confirmation, then posts the READ at once. Returns the heartbeat."""
+    """Connect an optimistic reader, add load ``rid`` at ``t``: it posts the READ at once,
+    then sends the heartbeat asking for the confirmation. Returns the heartbeat."""
     assert r.peer_ready(E, t, incarnation=INC) == []
     out = r.add(rid, E, lid, t, incarnation=INC)
-    assert kinds(out) == ["SendMessage", "PostRead"], out
+    assert kinds(out) == ["PostRead", "SendMessage"], out
     assert r.state(rid) is ReadState.POSTED
     return heartbeat(out)
 

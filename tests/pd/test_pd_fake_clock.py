@@ -230,10 +230,12 @@ def test_each_worker_reads_the_clock_once_per_progress_point() -> None:
 def test_a_prefill_engine_gone_at_the_optimistic_post_fails_the_load_once(
     pd: tuple[Driver, Driver], clock: FakeClock
 ) -> None:
-    # The heartbeat asking P to confirm and the optimistic READ go in one progress point. When
-    # sending the heartbeat finds P unreachable, the load ends there (the peer broke); the READ
-    # queued behind it must then not be posted nor reported to the reader a second time (it
-    # raised InvalidTransitionError inside vLLM's decode engine: tests_vllm/test_vllm_pd.py).
+    # The optimistic READ and the heartbeat asking P to confirm go in one progress point, the
+    # READ first. When posting it finds P unreachable, the load fails there at once (the peer
+    # broke, as when a send finds it so), is reported once, and the heartbeat behind it is not
+    # sent. (Once, with the heartbeat first, the READ queued behind a send that had ended the
+    # load was reported a second time: InvalidTransitionError inside vLLM's decode engine,
+    # tests_vllm/test_vllm_pd.py.)
     p, d = pd
     first = _prefill(p, "r1", [1])
     _arrive(d, "q1", first, clock)

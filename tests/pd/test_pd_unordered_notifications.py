@@ -65,11 +65,13 @@ def fabric(monkeypatch: pytest.MonkeyPatch) -> InProcessFabric:
     return fab
 
 
-def _pair(honest: bool) -> tuple[Driver, Driver]:
+def _pair(honest: bool, *, optimistic: bool = True) -> tuple[Driver, Driver]:
     n = next(_ids)
-    extra = {"transport_options": {"notification_after_data": not honest}}
+    extra: dict[str, Any] = {"transport_options": {"notification_after_data": not honest}}
     p = Driver(f"Pu{n}", "kv_producer", transport=NAME, extra=extra)
-    d = Driver(f"Du{n}", "kv_consumer", transport=NAME, extra=extra)
+    # No endpoint flush READs: the spies below count D's posts.
+    d_extra = {**extra, "optimistic_read": optimistic, "flush_endpoints": False}
+    d = Driver(f"Du{n}", "kv_consumer", transport=NAME, extra=d_extra)
     return p, d
 
 
@@ -171,13 +173,37 @@ def test_a_lying_card_lets_p_reuse_blocks_before_the_bytes_land(
     fabric: InProcessFabric,
 ) -> None:
     # what the capability prevents: the notice reaches P at post, P frees and reuses the
-    # blocks, and D's late READ copies the new request's bytes
-    p, d = _pair(honest=False)
+    # blocks, and D's late READ copies the new request's bytes (a READ posted once the lease
+    # is confirmed carries its notice; an optimistic one never does, see below)
+    p, d = _pair(honest=False, optimistic=False)
     try:
         assert d.worker.transport.capabilities.notification_after_data is True
         same, recv_at, send_at = _serve(fabric, p, d, reuse=True)
         assert send_at < recv_at, "P freed the blocks only after D's read completed"
         assert not all(bool(s.all()) for s in same), "D got r1's bytes despite the reuse"
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def test_an_optimistic_read_sends_its_notice_after_done_even_under_a_lying_card(
+    fabric: InProcessFabric,
+) -> None:
+    # An optimistic READ is posted before the heartbeat that asks P to claim its lease, so its
+    # done notice always goes separately once the READ was seen DONE (after that heartbeat):
+    # whatever the card says, P frees the blocks only after the bytes landed.
+    p, d = _pair(honest=False)
+    spy: list[tuple[str, Any]] = []
+    try:
+        _watch(d, spy)
+        same, recv_at, send_at = _serve(fabric, p, d, reuse=True)
+        assert all(bool(s.all()) for s in same), "D got other bytes than r1's"
+        assert send_at >= recv_at, "P freed the blocks before D's read completed"
+        posts = [v for k, v in spy if k == "post"]
+        assert len(posts) == 1
+        assert posts[0][1] is None, "the optimistic READ was posted with its notification"
+        consumed = sum(o.stats.counters.get("leases_consumed", 0) for o in p.outputs)
+        assert consumed == 1
     finally:
         d.shutdown()
         p.shutdown()

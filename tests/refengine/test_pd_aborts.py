@@ -21,7 +21,7 @@ from kvframe_refengine import Engine, EngineConfig, FinishReason, ModelConfig
 from kvframe.config import KVTransferConfig
 from kvframe.core.reader import ReadState
 from kvframe.runtime.plugins import PluginHost
-from kvframe.spi.transport import XferStatus
+from kvframe.spi.transport import XferState, XferStatus
 from kvframe.testing.faults import Faults
 
 MODEL = ModelConfig(seed=5)
@@ -165,7 +165,15 @@ def test_abort_while_waiting_for_the_lease_without_optimistic_reads() -> None:
     host.load()
     n = next(_ids)
     p = _engine("kv_producer", f"abortP{n}", host)
-    d = _engine("kv_consumer", f"abortD{n}", host, handshake_timeout=3.0, optimistic_read=False)
+    # No endpoint flush READs either (flush_endpoints): the check below counts D's READs.
+    d = _engine(
+        "kv_consumer",
+        f"abortD{n}",
+        host,
+        handshake_timeout=3.0,
+        optimistic_read=False,
+        flush_endpoints=False,
+    )
     try:
         params = _prefill(p, "r", _prompt(3))
         rule = Faults.of(_d_transport(d).fabric).drop_notifications(endpoint=_d_transport(d).name)
@@ -262,14 +270,17 @@ def test_abort_with_the_transfer_done_but_not_reported(
     transport = _d_transport(d)
     real_poll = transport.poll
     hide = {"on": True}
+    landed: set[int] = set()  # the KV READs seen done (not the endpoint flush READs)
 
     def poll(handle: Any) -> Any:
         state = real_poll(handle)  # the copy happens here ...
+        if state.state is XferState.DONE and handle.nbytes > 64:
+            landed.add(id(handle))
         return XferStatus.pending() if hide["on"] else state  # ... and the worker is not told
 
     monkeypatch.setattr(transport, "poll", poll)
     d.add_request("d", _prompt(5), 4, params)
-    _step_until([p, d], lambda: transport.stats().get("transfers_done", 0) == 1)
+    _step_until([p, d], lambda: len(landed) == 1)
     assert _load_state(d, "d") is ReadState.POSTED
     _abort_and_check(p, d, "d")
     hide["on"] = False

@@ -51,6 +51,13 @@ class PDOptions:
     P to confirm its lease, and keep the bytes only once P's acknowledgement confirms a bound
     later than the READ's completion (``kvframe.core.reader``, "Optimistic reads"); ``false``
     posts only after the acknowledgement (one more round trip to P per load)."""
+    flush_endpoints: bool = True
+    """Pull mode, D: after a heartbeat batch naming a request that waits for its load, post a
+    tiny READ from that prefill engine (64 bytes of its first region into a scratch buffer; no
+    lease involved) so that the load's READ, posted later, is not held behind the heartbeat:
+    NIXL sees a READ posted after a notification complete only at the peer's next progress
+    point, one posted on a flushed endpoint inside the post. Ignored on transports with
+    ``access_control``; ``false``: no flush READs."""
     kept_poll_interval: float = 0.02
     """Bidirectional mode, D: while the only leases held are kept turns, step this often (a
     prefill engine's first heartbeat of a kept turn waits at most this long for its answer)
@@ -197,6 +204,9 @@ class PDOptions:
                 f"{_PATH}.permute_staging_blocks = {staging!r}; expected a whole number of "
                 "blocks from 1 to 65536 (the most blocks of permuting loads read at once)"
             )
+        flush = extra.get("flush_endpoints", True)
+        if not isinstance(flush, bool):
+            raise ConfigError(f"{_PATH}.flush_endpoints = {flush!r}; expected true or false")
         poll = seconds("kept_poll_interval", 0.02)
         assert poll is not None
         if poll > 1.0:
@@ -210,6 +220,7 @@ class PDOptions:
             allow_layout_permute=permute,
             permute_staging_blocks=staging,
             warmup_timeout=float(warmup),
+            flush_endpoints=flush,
             symmetric_leases=symmetric,
             kv_recompute_threshold=threshold,
             ttl_safety_margin=None if safety is None else float(safety),

@@ -223,6 +223,10 @@ def observation_key(name: str, value: float) -> str:
     return f"{name}:le={bounds[i]!r}" if i < len(bounds) else f"{name}:le=+Inf"
 
 
+#: Bytes an endpoint flush READ moves: from the start of the prefill engine's first region
+#: into a scratch buffer of this worker's (nothing of value; one descriptor).
+_FLUSH_BYTES = 64
+
 #: Handshakes whose peers wait for the engine thread at most (more are refused as busy).
 _MAX_PENDING_PEERS = 256
 _SERVER_COUNTERS = ("handshakes_served", "handshakes_refused", "handshakes_rate_limited")
@@ -281,6 +285,21 @@ class _PushIn:
 
 
 @attrs.define(eq=False)
+class _Flush:
+    """D: the endpoint flush of one prefill engine rank's connection (see
+    ``PDConnectorWorker._flush_endpoints``)."""
+
+    entry: RemoteEngine
+    remote: LayoutHandle | None = None
+    """The flush READ's source (prepared once per connection)."""
+    handle: XferHandle | None = None
+    """The flush READ in flight."""
+    dirty: bool = True
+    """A notification went to the peer since the flush READ in flight (or the last one) was
+    posted."""
+
+
+@attrs.define(eq=False)
 class _Split:
     """A request read from several prefill ranks: its per-source loads, and how they ended."""
 
@@ -307,8 +326,10 @@ class _Read:
     handle: XferHandle | None = None
     posted_at: float = 0.0
     notice: bytes | None = None
-    """The encoded done notice, when the transport does not promise a post's notification
-    only after the data (``notification_after_data`` False): sent once the READ is DONE."""
+    """The encoded done notice, sent once the READ is DONE: for an optimistic READ (posted
+    before the heartbeat that asks P to claim its lease, ``PostRead.notify_when_done``), or
+    when the transport does not promise a post's notification only after the data
+    (``notification_after_data`` False)."""
     post_perf: float = 0.0
     """``time.perf_counter()`` when the READ was posted (timing statistics only)."""
     done_perf: float = 0.0
@@ -462,6 +483,11 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._liveness: collections.deque[tuple[str, str, str]] = collections.deque()
         self._fenced: str | None = None  # why this engine may not read now
         self._posted_now: list[str] = []  # READs posted in the current progress point
+        # D: a flush READ after notifications, per transport peer (see _flush_endpoints); its
+        # local side is a scratch buffer registered with the KV caches (None: off).
+        self._flushes: dict[str, _Flush] = {}
+        self._flush_local: LayoutHandle | None = None
+        self._scratch: Any = None
         # Loads that ended DONE and are not yet reported: request id -> (posted, done seen),
         # perf_counter readings for the per-request timing (statistics, not decisions).
         self._timing: dict[str, tuple[float, float]] = {}
@@ -566,7 +592,20 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         staging_regions: list[MemoryRegion] = []
         if self._options.allow_layout_permute and heads is not None and self._config.is_consumer:
             staging_regions = self._make_staging(kv_caches, block_lens)
-        self._transport.register_memory(regions + staging_regions)
+        scratch = None
+        if (
+            self._config.is_consumer
+            and self._options.flush_endpoints
+            and not self._transport.capabilities.access_control
+        ):
+            # The flush READ's destination: a few bytes next to the KV caches (same device),
+            # registered with them, in no layout a peer sees.
+            first = next(iter(kv_caches.values()))
+            self._scratch = first.new_zeros(-(-_FLUSH_BYTES // first.element_size()))
+            scratch = MemoryRegion.from_tensor(self._scratch)
+        self._transport.register_memory(
+            [*regions, *staging_regions, *([] if scratch is None else [scratch])]
+        )
         self._local = self._transport.prepare_local(self._layout)
         if staging_regions:
             self._staging_handle = self._transport.prepare_local(
@@ -575,6 +614,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     block_lens=block_lens,
                     num_blocks=self._options.permute_staging_blocks,
                 )
+            )
+        if scratch is not None:
+            self._flush_local = self._transport.prepare_local(
+                BlockLayout(regions=[scratch], block_lens=[_FLUSH_BYTES], num_blocks=1)
             )
         # Read on the engine thread, before the server thread that answers with it exists.
         self._local_meta = self._transport.local_metadata()
@@ -832,6 +875,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 # An optimistic READ landed before P's acknowledgement (P answers just after
                 # its progress completed the READ): one more look for it.
                 self._progress()
+            else:
+                self._flush_endpoints()  # the settle may have sent done notices
         self._step_progress = []
         sending, recving = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
@@ -939,6 +984,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             notes = []
         states = self._poll(list(self._reads))
         wstates = self._poll_writes(list(self._writes))
+        if self._flushes:
+            self._poll_flushes()  # before this progress point posts any READ
         # The clock reading of this progress point: after every observation above, so that
         # no completion or receipt is stamped earlier than it happened.
         now = self._clock()
@@ -965,6 +1012,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             self._settle_posted()
             if self._pushes:
                 self._push_tick(now)
+            self._flush_endpoints()
         if self._pre:
             self._poll_pre(now)
         if self._writes or len(self._push):
@@ -1165,13 +1213,23 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 split = self._splits.get(rid)
                 for sub in split.subs if split is not None else [rid]:
                     self._run(self._reader.abort(sub, now), now)
+        reading = (
+            {rd.spec.remote_request_id for rd in self._reads.values()}
+            if self._flush_local is not None and meta.pd_heartbeats
+            else set()
+        )
         for engine_id, ids in meta.pd_heartbeats.items():
             if self._fenced is not None:
                 self._count("heartbeats_fenced", len(ids))
                 continue
+            # A batch naming a lease no load reads yet (a request waiting for its load) is
+            # followed by a flush READ: that load's READ then completes inside its post.
+            waiting = self._flush_local is not None and any(i not in reading for i in ids)
             # Every source rank of this rank hears each heartbeat batch.
             for key in self._keys_of(engine_id):
                 self._run(self._reader.heartbeat(key, ids, now), now)
+                if waiting:
+                    self._flush_after(key)
         releases: dict[str, list[str]] = {}
         for rel in meta.releases:
             self._ensure(rel.remote, now)
@@ -1561,8 +1619,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _post(self, action: PostRead, now: float, *, waited: bool = False) -> list[Action]:
         rd = self._reads.get(action.request_id)
         if rd is None or self._reader.state(action.request_id) is not ReadState.POSTED:
-            # Ended since the reader asked for the post: an optimistic READ queued behind the
-            # heartbeat whose send found the prefill engine unreachable. The reader already
+            # Ended since the reader asked for the post, by an action before it in the same
+            # list (a send that found the prefill engine unreachable). The reader already
             # reported the end (its LoadEnded follows); posting or failing it again would
             # report it twice.
             self._count("posts_skipped_ended")
@@ -1665,9 +1723,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             return self._reader.transfer_failed(
                 action.request_id, "the connection to the prefill engine is not authenticated", now
             )
-        if not self._transport.capabilities.notification_after_data:
-            # The transport may deliver a post's notification before the bytes land, and the
-            # prefill engine reuses the blocks on receipt: send it ourselves once DONE.
+        if action.notify_when_done or not self._transport.capabilities.notification_after_data:
+            # An optimistic READ, posted before the heartbeat asking P to claim its lease: the
+            # done notice must follow the heartbeat, or P consumes the unclaimed lease and
+            # answers the heartbeat with a loss. Or the transport may deliver a post's
+            # notification before the bytes land, and the prefill engine reuses the blocks on
+            # receipt. Either way: send it ourselves once DONE.
             rd.notice, notice = notice, None
         try:
             rd.handle = self._transport.post(
@@ -1682,6 +1743,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             if self._staging is not None:
                 self._staging.give(action.request_id)
             broken = isinstance(exc, PeerUnreachableError)
+            if broken and action.notify_when_done:
+                # An optimistic READ goes first in its progress point: its post is where D
+                # learns the prefill engine is gone (the heartbeat behind it would have). Loads
+                # waiting on that engine fail now, as when a send finds it unreachable, rather
+                # than waiting for a new connection that nothing would ask for.
+                return self._peer_broke(entry, f"unreachable: {exc}", now)
             out = self._reader.transfer_failed(
                 action.request_id, f"posting the read failed: {exc}", now, peer_broken=broken
             )
@@ -1751,6 +1818,88 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             cache[torch.tensor(local, device=cache.device)] = out
         self._count("loads_permuted")
         self._count("blocks_permuted", len(local))
+
+    def _flush_after(self, key: str) -> None:
+        # Notifications went to this source's peer: the next READ to it completes only at the
+        # peer's next progress point unless a flush READ completes first.
+        entry = self._entry(key)
+        if entry is None or entry.peer is None or entry.state is not PeerState.READY:
+            return
+        fl = self._flushes.get(entry.peer)
+        if fl is None or fl.entry is not entry:
+            self._flushes[entry.peer] = _Flush(entry=entry)
+        else:
+            fl.dirty = True
+
+    def _flush_endpoints(self) -> None:
+        """D: after a heartbeat batch that names a lease no load reads yet (a request waiting
+        for its load), post a tiny READ from that prefill engine (one at a time per
+        connection) and release it once done.
+
+        NIXL (UCX backend) ends every posted transfer with a flush of the endpoint, and a
+        flush waits for the notifications sent before it on that endpoint, which complete
+        only at the peer's next progress point: a READ posted after any notification (a
+        heartbeat, a lease-done notice, the previous READ's own notification) is seen done
+        only then, however long ago the notification went. A READ that flushed the endpoint
+        since clears that, so the waiting request's READ (by then usually confirmed, so it is
+        posted with its notification and the load ends in that progress point) completes
+        inside its post. After a load's own notifications (its heartbeat, its done notice) no
+        flush is posted: an optimistic READ waits for P's acknowledgement anyway, which comes
+        at the same progress point of P as the flush would complete, and the flush's post
+        costs D about as much as it would save there. This READ moves
+        ``_FLUSH_BYTES`` from the start of the engine's first registered region into a scratch
+        buffer: it reads nothing of value and touches no KV block, so no lease is involved.
+        Off with ``flush_endpoints`` false and on transports with ``access_control`` (the
+        holder would refuse a READ outside its leases)."""
+        if not self._flushes:
+            return
+        self._poll_flushes()
+        for peer, fl in list(self._flushes.items()):
+            if fl.handle is not None or not fl.dirty:
+                continue
+            entry = fl.entry
+            if (
+                entry.peer != peer
+                or entry.state is not PeerState.READY
+                or entry.remote is None
+                or self._flush_local is None
+            ):
+                del self._flushes[peer]  # the connection went; a new one starts clean
+                continue
+            try:
+                if fl.remote is None:
+                    region = entry.remote.layout.regions[0]
+                    fl.remote = self._transport.prepare_remote(
+                        peer,
+                        BlockLayout(
+                            regions=[region],
+                            block_lens=[_FLUSH_BYTES],
+                            num_blocks=1,
+                        ),
+                    )
+                fl.handle = self._transport.post(Op.READ, self._flush_local, [0], fl.remote, [0])
+            except (TransportError, ValueError):
+                self._count("endpoint_flush_failures")
+                del self._flushes[peer]
+                continue
+            fl.dirty = False
+            self._count("endpoint_flushes")
+
+    def _poll_flushes(self) -> None:
+        # Flush READs that completed are released (a READ posted after this completes inside
+        # its post, if no notification went since); a failed one drops its connection's
+        # record (a new one starts with the next notification).
+        for peer, fl in list(self._flushes.items()):
+            if fl.handle is None:
+                continue
+            st = self._transport.poll(fl.handle)
+            if st.state is XferState.PENDING:
+                continue
+            self._transport.release(fl.handle)
+            fl.handle = None
+            if st.state is XferState.FAILED:
+                self._count("endpoint_flush_failures")
+                del self._flushes[peer]
 
     def _head_units(
         self,
@@ -1914,7 +2063,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 rd.permute_from = None
         engine = rd.spec.remote.engine_id
         if rd.notice is not None:
-            # notification_after_data is False: the done notice goes only now, after DONE
+            # An optimistic READ, or notification_after_data is False: the done notice goes
+            # only now, after DONE (and after the heartbeat that followed the post)
             notice, rd.notice = rd.notice, None
             try:
                 self._transport.send_notification(handle.peer, notice)
@@ -2487,6 +2637,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         handles += [x.handle for x in self._writes.values()]
         handles += [h for x in self._writes.values() for h in x.pre]
         handles += [h for x in self._pre.values() for h in x.handles]
+        handles += [x.handle for x in self._flushes.values()]
+        self._flushes.clear()
         for h in handles:
             if h is not None:
                 with contextlib.suppress(TransportError):
