@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
-from typing import Any
 
 import pytest
 import torch
@@ -31,6 +29,7 @@ from kvframe_refengine import Engine, EngineConfig, FinishReason, ModelConfig
 from kvframe.config import KVTransferConfig
 from kvframe.core.tp import kv_heads_of
 from kvframe.errors import ConfigError
+from tests.refengine._pd_steps import prefill_tickets, run_engines
 
 MODEL = ModelConfig(seed=11)  # 2 KV heads
 PROMPTS = [
@@ -82,40 +81,6 @@ def _whole(ranks: list[torch.Tensor], heads: int) -> torch.Tensor:
     return torch.stack([parts[h] for h in range(heads)], dim=3)
 
 
-def _prefill(p: Engine, prompts: list[list[int]], tag: str = "r") -> dict[str, dict[str, Any]]:
-    params: dict[str, dict[str, Any]] = {}
-    for i, prompt in enumerate(prompts):
-        p.add_request(f"{tag}{i}", prompt, 1, {"do_remote_decode": True})
-    deadline = time.monotonic() + 30
-    while len(params) < len(prompts):
-        assert time.monotonic() < deadline, "prefill did not finish"
-        for out in p.step():
-            if out.finished:
-                assert out.finish_reason is FinishReason.LENGTH, out.error
-                assert out.kv_transfer_params is not None
-                params[out.request_id] = dict(out.kv_transfer_params)
-    return params
-
-
-def _run(p: Engine, *ds: Engine, blocks: dict[str, list[int]] | None = None) -> dict[str, Any]:
-    finals = {}
-    engines = [p, *ds]
-    deadline = time.monotonic() + 60
-    while any(e.has_unfinished_work() for e in engines):
-        assert time.monotonic() < deadline, [e.describe() for e in engines]
-        for out in [o for e in engines for o in e.step()]:
-            if out.finished:
-                finals[out.request_id] = out
-        if blocks is not None:
-            for d in ds:
-                for rid, req in d.scheduler.requests.items():
-                    if req.block_ids:
-                        blocks[rid] = list(req.block_ids)
-        if not any(e.last_step_ran_tokens for e in engines):
-            time.sleep(0.001)
-    return finals
-
-
 @pytest.mark.parametrize(
     ("p_bs", "d_bs", "p_tp"),
     [(16, 32, 1), (32, 16, 1), (16, 32, 2)],
@@ -138,8 +103,8 @@ def test_pull_between_block_sizes_over_nixl(
             # D's tail, which must be zeroed all the same.
             for cache in p.runner.kv_caches:
                 cache.fill_(P_MARK)
-        params = _prefill(p, PROMPTS)
-        params.update(_prefill(p, PROMPTS, tag="s"))
+        params = prefill_tickets(p, PROMPTS)
+        params.update(prefill_tickets(p, PROMPTS, tag="s"))
         assert all(pp["remote_block_size"] == p_bs for pp in params.values())
         sent = {
             rid: _whole(p.read_kv(pp["remote_block_ids"][0]), heads) for rid, pp in params.items()
@@ -148,7 +113,7 @@ def test_pull_between_block_sizes_over_nixl(
             d.add_request(f"d{i}", prompt, MAX_TOKENS, params[f"r{i}"])
             same.add_request(f"s{i}", prompt, MAX_TOKENS, params[f"s{i}"])
         d_blocks: dict[str, list[int]] = {}
-        finals = _run(p, d, same, blocks=d_blocks)
+        finals = run_engines(p, d, same, blocks=d_blocks)
         tails = 0
         for i, prompt in enumerate(PROMPTS):
             out = finals[f"d{i}"]
@@ -195,7 +160,7 @@ def test_sizes_that_cannot_be_regrouped_are_refused_naming_both(want: list[list[
     p = _engine("kv_producer", f"brP{n}", 16, lease=1.0)
     d = _engine("kv_consumer", f"brD{n}", 24)
     try:
-        params = _prefill(p, PROMPTS[:2])
+        params = prefill_tickets(p, PROMPTS[:2])
         # The ticket names P's block size: D refuses the request when it is added, before
         # anything is allocated (the reference engine asks its connector at admission).
         with pytest.raises(
@@ -210,7 +175,7 @@ def test_sizes_that_cannot_be_regrouped_are_refused_naming_both(want: list[list[
         bare = {k: v for k, v in params["r1"].items() if k != "remote_block_size"}
         d.add_request("d1", PROMPTS[1], MAX_TOKENS, bare)
         # P's lease of r0 (refused by D) ends at its expiry, before the loop below returns.
-        finals = _run(p, d)
+        finals = run_engines(p, d)
         out = finals["d1"]
         assert out.finish_reason is FinishReason.LENGTH, out.error
         assert list(out.token_ids) == want[1]

@@ -14,7 +14,6 @@ fails that load, and D recomputes it.
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ pytest.importorskip("nixl_cu12", reason="the NIXL transport needs nixl-cu12")
 from kvframe_refengine import Engine, EngineConfig, FinishReason, ModelConfig
 
 from kvframe.config import KVTransferConfig
+from tests.refengine._pd_steps import prefill_tickets, run_engines
 
 MODEL = ModelConfig(seed=11)
 CFG = {"model": MODEL, "block_size": 8, "num_blocks": 48}
@@ -64,38 +64,6 @@ def _tokens(kv: torch.Tensor, order: str, n: int) -> torch.Tensor:
     return kv.permute(0, 2, 1, 3, 4, 5).reshape(layers, two, blocks * bs, heads, dim)[:, :, :n]
 
 
-def _prefill(p: Engine, prompts: list[list[int]]) -> dict[str, dict[str, Any]]:
-    params: dict[str, dict[str, Any]] = {}
-    for i, prompt in enumerate(prompts):
-        p.add_request(f"r{i}", prompt, 1, {"do_remote_decode": True})
-    deadline = time.monotonic() + 30
-    while len(params) < len(prompts):
-        assert time.monotonic() < deadline, "prefill did not finish"
-        for out in p.step():
-            if out.finished:
-                assert out.finish_reason is FinishReason.LENGTH, out.error
-                assert out.kv_transfer_params is not None
-                params[out.request_id] = dict(out.kv_transfer_params)
-    return params
-
-
-def _run(p: Engine, d: Engine, seconds: float, blocks: dict[str, list[int]] | None = None) -> dict:
-    finals = {}
-    deadline = time.monotonic() + seconds
-    while p.has_unfinished_work() or d.has_unfinished_work():
-        assert time.monotonic() < deadline, (p.describe(), d.describe())
-        for out in p.step() + d.step():
-            if out.finished:
-                finals[out.request_id] = out
-        if blocks is not None:
-            for rid, req in d.scheduler.requests.items():
-                if req.block_ids:
-                    blocks[rid] = list(req.block_ids)
-        if not (p.last_step_ran_tokens or d.last_step_ran_tokens):
-            time.sleep(0.001)
-    return finals
-
-
 def _staging_free(d: Engine) -> tuple[int, int]:
     worker = d.connector_worker
     assert worker is not None
@@ -112,12 +80,12 @@ def test_pull_between_orders_permutes_on_arrival(
     p = _engine("kv_producer", f"lpP{n}", p_order)
     d = _engine("kv_consumer", f"lpD{n}", d_order, allow_layout_permute=True)
     try:
-        params = _prefill(p, PROMPTS)
+        params = prefill_tickets(p, PROMPTS)
         p_kv = {rid: p.read_kv(pp["remote_block_ids"][0])[0] for rid, pp in params.items()}
         for i, prompt in enumerate(PROMPTS):
             d.add_request(f"d{i}", prompt, MAX_TOKENS, params[f"r{i}"])
         d_blocks: dict[str, list[int]] = {}
-        finals = _run(p, d, 60, d_blocks)
+        finals = run_engines(p, d, seconds=60, blocks=d_blocks)
         for i, prompt in enumerate(PROMPTS):
             out = finals[f"d{i}"]
             assert out.finish_reason is FinishReason.LENGTH, out.error
@@ -154,9 +122,9 @@ def test_without_the_option_the_orders_are_refused_and_d_recomputes(
     p = _engine("kv_producer", f"lrP{n}", "HND", lease=2.0)
     d = _engine("kv_consumer", f"lrD{n}", "NHD", lease=2.0, handshake_timeout=1.0)
     try:
-        params = _prefill(p, PROMPTS[:1])
+        params = prefill_tickets(p, PROMPTS[:1])
         d.add_request("d0", PROMPTS[0], MAX_TOKENS, params["r0"])
-        finals = _run(p, d, 30)
+        finals = run_engines(p, d, seconds=30)
         out = finals["d0"]
         assert out.finish_reason is FinishReason.LENGTH, out.error
         assert list(out.token_ids) == want[0]
@@ -191,10 +159,10 @@ def test_a_full_staging_area_makes_a_load_wait_and_a_too_large_load_fail(
         "kv_consumer", f"lsD{n}", "NHD", allow_layout_permute=True, permute_staging_blocks=3
     )
     try:
-        params = _prefill(p, PROMPTS)
+        params = prefill_tickets(p, PROMPTS)
         for i, prompt in enumerate(PROMPTS):
             d.add_request(f"d{i}", prompt, MAX_TOKENS, params[f"r{i}"])
-        finals = _run(p, d, 60)
+        finals = run_engines(p, d, seconds=60)
         for i, prompt in enumerate(PROMPTS):
             out = finals[f"d{i}"]
             assert out.finish_reason is FinishReason.LENGTH, out.error
@@ -216,9 +184,9 @@ def test_a_full_staging_area_makes_a_load_wait_and_a_too_large_load_fail(
         "kv_consumer", f"lsD{n}", "NHD", allow_layout_permute=True, permute_staging_blocks=2
     )
     try:
-        params = _prefill(p, PROMPTS[:1])
+        params = prefill_tickets(p, PROMPTS[:1])
         d.add_request("d0", PROMPTS[0], MAX_TOKENS, params["r0"])
-        finals = _run(p, d, 30)
+        finals = run_engines(p, d, seconds=30)
         out = finals["d0"]
         assert out.finish_reason is FinishReason.LENGTH, out.error
         assert list(out.token_ids) == want[0]

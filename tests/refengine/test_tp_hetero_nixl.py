@@ -27,6 +27,7 @@ from kvframe_refengine import Engine, EngineConfig, FinishReason, ModelConfig
 
 from kvframe.config import KVTransferConfig
 from kvframe.core.tp import head_sources, kv_heads_of
+from tests.refengine._pd_steps import prefill_tickets, run_engines
 
 MODEL = ModelConfig(seed=11)
 CFG = {"model": MODEL, "block_size": 8, "num_blocks": 48}
@@ -87,38 +88,6 @@ def _whole(ranks: list[torch.Tensor], n: int, heads: int) -> torch.Tensor:
     return torch.stack([parts[h] for h in range(heads)], dim=3)
 
 
-def _prefill(p: Engine, prompts: list[list[int]]) -> dict[str, dict[str, Any]]:
-    params: dict[str, dict[str, Any]] = {}
-    for i, prompt in enumerate(prompts):
-        p.add_request(f"r{i}", prompt, 1, {"do_remote_decode": True})
-    deadline = time.monotonic() + 30
-    while len(params) < len(prompts):
-        assert time.monotonic() < deadline, "prefill did not finish"
-        for out in p.step():
-            if out.finished:
-                assert out.finish_reason is FinishReason.LENGTH, out.error
-                assert out.kv_transfer_params is not None
-                params[out.request_id] = dict(out.kv_transfer_params)
-    return params
-
-
-def _run(p: Engine, d: Engine, seconds: float, blocks: dict[str, list[int]] | None = None) -> dict:
-    finals = {}
-    deadline = time.monotonic() + seconds
-    while p.has_unfinished_work() or d.has_unfinished_work():
-        assert time.monotonic() < deadline, (p.describe(), d.describe())
-        for out in p.step() + d.step():
-            if out.finished:
-                finals[out.request_id] = out
-        if blocks is not None:
-            for rid, req in d.scheduler.requests.items():
-                if req.block_ids:
-                    blocks[rid] = list(req.block_ids)
-        if not (p.last_step_ran_tokens or d.last_step_ran_tokens):
-            time.sleep(0.001)
-    return finals
-
-
 @pytest.mark.parametrize(
     ("p_tp", "d_tp", "model"),
     [(4, 2, MODEL), (2, 4, MODEL), (1, 2, MODEL), (2, 1, MODEL), (2, 1, MODEL4)],
@@ -135,13 +104,13 @@ def test_heterogeneous_pull_over_nixl(
     p = _engine("kv_producer", f"htP{n}", p_tp, model=model)
     d = _engine("kv_consumer", f"htD{n}", d_tp, model=model)
     try:
-        params = _prefill(p, PROMPTS)
+        params = prefill_tickets(p, PROMPTS)
         assert all(pp["tp_size"] == p_tp for pp in params.values())
         p_kv = {rid: p.read_kv(pp["remote_block_ids"][0]) for rid, pp in params.items()}
         for i, prompt in enumerate(PROMPTS):
             d.add_request(f"d{i}", prompt, MAX_TOKENS, params[f"r{i}"])
         d_blocks: dict[str, list[int]] = {}
-        finals = _run(p, d, 60, d_blocks)
+        finals = run_engines(p, d, seconds=60, blocks=d_blocks)
         for i, prompt in enumerate(PROMPTS):
             out = finals[f"d{i}"]
             assert out.finish_reason is FinishReason.LENGTH, out.error
@@ -181,12 +150,12 @@ def test_a_dead_p_rank_fails_the_split_read_and_d_recomputes(want: list[list[int
     p = _engine("kv_producer", f"hkP{n}", 2)
     d = _engine("kv_consumer", f"hkD{n}", 1, handshake_timeout=1.0)
     try:
-        params = _prefill(p, PROMPTS[:1])
+        params = prefill_tickets(p, PROMPTS[:1])
         assert p.workers is not None
         os.kill(p.workers.pids()[1], signal.SIGKILL)
         d.add_request("d0", PROMPTS[0], MAX_TOKENS, params["r0"])
         t0 = time.monotonic()
-        finals = _run(p, d, 30)
+        finals = run_engines(p, d, seconds=30)
         took = time.monotonic() - t0
         out = finals["d0"]
         assert out.finish_reason is FinishReason.LENGTH, out.error
@@ -207,12 +176,12 @@ def test_a_dead_d_rank_leaves_p_clean_by_its_lease() -> None:
     p = _engine("kv_producer", f"hdP{n}", 1, lease=2.0)
     d = _engine("kv_consumer", f"hdD{n}", 2, lease=2.0)
     try:
-        params = _prefill(p, PROMPTS[:1])
+        params = prefill_tickets(p, PROMPTS[:1])
         assert d.workers is not None
         os.kill(d.workers.pids()[1], signal.SIGKILL)
         d.add_request("d0", PROMPTS[0], MAX_TOKENS, params["r0"])
         t0 = time.monotonic()
-        finals = _run(p, d, 30)
+        finals = run_engines(p, d, seconds=30)
         took = time.monotonic() - t0
         out = finals["d0"]
         assert out.finish_reason is not FinishReason.LENGTH

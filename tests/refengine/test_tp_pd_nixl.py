@@ -27,6 +27,7 @@ from kvframe_refengine.router import Router, post_json
 from kvframe_refengine.tokenizer import encode
 
 from kvframe.config import KVTransferConfig
+from tests.refengine._pd_steps import prefill_tickets
 
 MODEL = ModelConfig(seed=11)
 CFG = {"model": MODEL, "block_size": 8, "num_blocks": 48}
@@ -66,17 +67,7 @@ def test_p_tp2_to_d_tp2_pull_over_nixl() -> None:
     p = _engine("kv_producer", f"tpP{n}")
     d = _engine("kv_consumer", f"tpD{n}")
     try:
-        params: dict[str, dict[str, Any]] = {}
-        for i, prompt in enumerate(PROMPTS):
-            p.add_request(f"r{i}", prompt, 1, {"do_remote_decode": True})
-        deadline = time.monotonic() + 30
-        while len(params) < len(PROMPTS):
-            assert time.monotonic() < deadline, "prefill did not finish"
-            for out in p.step():
-                if out.finished:
-                    assert out.finish_reason is FinishReason.LENGTH, out.error
-                    assert out.kv_transfer_params is not None
-                    params[out.request_id] = dict(out.kv_transfer_params)
+        params = prefill_tickets(p, PROMPTS)
         assert all(pp["tp_size"] == 2 for pp in params.values())
         assert all(len(pp["remote_ports"]) == 2 for pp in params.values())
         # P's KV of each prompt, read before any other request could reuse its blocks.
