@@ -1160,9 +1160,11 @@ def _cold(env: BenchEnv, config: BenchConfig, progress: Progress | None = None) 
         out["results"][name] = {
             "trials": rows,
             "first_median_s": statistics.median(first),
+            "first_p90_s": _p90(first),
             "handshake_median_s": statistics.median(hs),
             "later_median_s": statistics.median(lat),
             "excess_median_s": statistics.median(excess),
+            "excess_p90_s": _p90(excess),
             "excess_max_s": max(excess),
             "warmup_median_s": statistics.median(warm) if warm else None,
         }
@@ -1463,8 +1465,9 @@ def format_report(report: dict[str, Any]) -> str:
             "",
             f"Cold path: the first request to a new peer ({cold['blocks']} × "
             f"{_fmt_size(cold['block_bytes'])}, P stepping every {cold['p_step_s'] * 1e3:g} ms), "
-            f"ms, medians over trials; excess = first - handshake - later (the first request's "
-            f"cost beyond a warm one's; max over trials in brackets)",
+            f"ms over trials: medians, and median / p90 (max) for the first request and the "
+            f"excess; excess = first - handshake - later (the first request's cost beyond a "
+            f"warm one's)",
             "",
             "| method | handshake | first request (handshake included) | later requests "
             "| excess | warm-up |",
@@ -1473,9 +1476,10 @@ def format_report(report: dict[str, Any]) -> str:
         for name, r in cold["results"].items():
             warm = r["warmup_median_s"]
             lines.append(
-                f"| {name} | {r['handshake_median_s'] * 1e3:.2f} | {r['first_median_s'] * 1e3:.2f} "
-                f"| {r['later_median_s'] * 1e3:.2f} | {r['excess_median_s'] * 1e3:.2f} "
-                f"({r['excess_max_s'] * 1e3:.2f}) | "
+                f"| {name} | {r['handshake_median_s'] * 1e3:.2f} "
+                f"| {r['first_median_s'] * 1e3:.2f} / {r['first_p90_s'] * 1e3:.2f} "
+                f"| {r['later_median_s'] * 1e3:.2f} | {r['excess_median_s'] * 1e3:.2f} / "
+                f"{r['excess_p90_s'] * 1e3:.2f} ({r['excess_max_s'] * 1e3:.2f}) | "
                 + (f"{warm * 1e3:.2f}" if warm is not None else "-")
                 + " |"
             )
@@ -1528,8 +1532,9 @@ def run(args: argparse.Namespace) -> int:
                      "inline": {"post_s", "step_s"}, "post_thread": {"post_s", "step_s"}},
          "cold": {"block_bytes", "blocks", "later", "p_step_s",
                   "results": {"raw_nixl" | "pd_connector" | "pd_connector_no_warmup":
-                              {"first_median_s", "handshake_median_s", "later_median_s",
-                               "excess_median_s", "excess_max_s", "warmup_median_s",
+                              {"first_median_s", "first_p90_s", "handshake_median_s",
+                               "later_median_s", "excess_median_s", "excess_p90_s",
+                               "excess_max_s", "warmup_median_s",
                                "trials": [{"handshake_s", "first_s", "later_median_s",
                                            "warmup_s"}]}}},
          "tp": {"heads", "head_dim", "block_tokens", "block_bytes",   # host memory only
