@@ -36,6 +36,8 @@ import collections
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
+
 from kvframe.connectors.pd.handshake import KVLayerFacts, KVLayoutFacts, layout_mismatches
 
 if TYPE_CHECKING:
@@ -74,16 +76,8 @@ def as_order(facts: KVLayoutFacts, order: str) -> KVLayoutFacts:
             )
         two, a, b, d = layer.shape
         layers.append(KVLayerFacts(name=layer.name, shape=(two, b, a, d), dtype=layer.dtype))
-    # Rebuilt, not evolved: the facts are frozen values with validators.
-    return KVLayoutFacts(
-        order=order,
-        block_size=facts.block_size,
-        head_size=facts.head_size,
-        num_kv_heads=facts.num_kv_heads,
-        kv_heads_per_rank=facts.kv_heads_per_rank,
-        tp_size=facts.tp_size,
-        layers=tuple(layers),
-    )
+    # evolve runs the validators again, as building them does.
+    return attrs.evolve(facts, order=order, layers=tuple(layers))
 
 
 def permute_refusal(mine: KVLayoutFacts, theirs: KVLayoutFacts) -> list[str]:
