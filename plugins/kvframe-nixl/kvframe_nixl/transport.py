@@ -43,6 +43,16 @@
       about 40 µs more per request than the prepared one and the copy is no faster
       (docs/nixl.md has the figures); turn it on where each descriptor is a network operation
       (RDMA, `tcp`).
+    - `notify_agent` (bool, default `True`): send every notification from a second NIXL
+      agent, `<name>#notify` (its own UCX worker and endpoints), so that no notification goes
+      on the endpoint this side's READs and WRITEs use: after one there, NIXL completes the
+      next transfer only at the peer's next progress point instead of inside the post
+      (docs/nixl.md has the figures). A notification attached to a transfer is then sent by
+      this transport once a `poll` (or `post` itself) sees the transfer DONE, still after
+      every byte landed. Receivers report a notification agent's messages as from the
+      transport itself, whichever setting either side has; a transport name ending in
+      `#notify` is refused. Costs one more NIXL agent, one more `add_remote_agent` per peer,
+      and one progress call of that agent after each send.
     - `ucx_env` (mapping of `UCX_*` names to str, default empty): UCX settings applied while
       the backends are created (UCX reads its configuration then), e.g.
       `{"UCX_TLS": "tcp", "UCX_TCP_USER_TIMEOUT": "5s"}`. Without `UCX_TCP_USER_TIMEOUT` a cut
@@ -179,6 +189,9 @@ WARMUP_BYTES: Final = 64
 WARMUP_BUFFER_BYTES: Final = 4096
 """The size of the buffer each transport registers for warm-ups (one page)."""
 WARMUP_ROUNDS: Final = 3
+NOTIFY_SUFFIX: Final = "#notify"
+"""With ``notify_agent`` on, a transport named ``N`` sends its notifications from a second
+NIXL agent named ``N#notify``; receivers report them as from ``N``."""
 """At most this many warm-up READs, one after the other, per :meth:`NixlTransport.warm_up`
 (it stops earlier at one that completes inside its post)."""
 
@@ -196,6 +209,7 @@ _OPTIONS: Final = kit.TransportOptions(
     kit.flag("post_thread"),
     kit.integer("inline_post_bytes", minimum=0, note="0: always use the worker"),
     kit.flag("merge_runs"),
+    kit.flag("notify_agent"),
     kit.text_map("ucx_env", key_prefix="UCX_", example='{"UCX_TLS": "tcp"}'),
 )
 
@@ -213,6 +227,7 @@ class NixlOptions:
     post_thread: bool = True
     inline_post_bytes: int = 256 * 1024
     merge_runs: bool = False
+    notify_agent: bool = True
     ucx_env: Mapping[str, str] = attrs.field(factory=dict)
 
     @classmethod
@@ -297,6 +312,9 @@ class _Peer:
     inflight: set[kit.Transfer[_Xfer]] = attrs.field(factory=set)
     warm: Any = None  # NIXL's prepared list of the peer's warm-up buffer (None: it has none)
     warm_token: bytes | None = None  # the peer's warm-up notification (it drops it unread)
+    # A transfer with the peer failed as unreachable: notifications are refused until a
+    # rebuild (the notification agent's own endpoint would not know).
+    unreachable: str | None = None
 
 
 @attrs.define(eq=False)
@@ -312,7 +330,9 @@ class _Xfer:
     native_error: Exception | None = None
     cancelled: bool = False
     telemetry: tuple[float, float] | None = None  # NIXL's (post µs, transfer µs)
-    empty_notification: bool = False  # NIXL treats b"" as "no notification": send on DONE
+    # A notification to send once the transfer is seen DONE (not handed to NIXL with it):
+    # b"" (NIXL takes b"" for "no notification"), or any with the notification agent on.
+    deferred: bytes | None = None
     sync: bool = False  # transfer() itself answered DONE (the copy happened in the post)
     warm_job: tuple[Any, ...] | None = None  # a warm-up's job, posted again until warm
     rounds: int = 0  # warm-up READs completed so far
@@ -422,8 +442,14 @@ class NixlTransport(Transport):
             backends=[],  # created below, so that a missing backend is an error, not a warning
             sync_mode=sync,
         )
-        with _translate("creating the NIXL agent"), _environment(self._opts.ucx_env):
-            agent = nixl_cu12.nixl_agent(name, conf)
+        if name.endswith(NOTIFY_SUFFIX):
+            raise ConfigError(
+                f"nixl: the transport name {name!r} ends with {NOTIFY_SUFFIX!r}, which names "
+                "a transport's notification agent: choose another name"
+            )
+
+        def new_agent(agent_name: str) -> Any:
+            agent = nixl_cu12.nixl_agent(agent_name, conf)
             available = list(agent.get_plugin_list())
             missing = [b for b in self._opts.backends if b not in available]
             if missing:
@@ -438,6 +464,15 @@ class NixlTransport(Transport):
                 if self._opts.num_threads and backend in ("UCX", "OBJ", "LIBFABRIC"):
                     init["num_threads"] = str(self._opts.num_threads)
                 agent.create_backend(backend, init)
+            return agent
+
+        with _translate("creating the NIXL agent"), _environment(self._opts.ucx_env):
+            agent = new_agent(name)
+            # Notifications leave through an agent of their own (its own UCX worker, so its
+            # own endpoints): a notification on the endpoint the READs use makes the next
+            # READ wait for the peer's progress (docs/nixl.md); from this one it does not.
+            notifier = new_agent(name + NOTIFY_SUFFIX) if self._opts.notify_agent else None
+            self._notifier: Any = notifier
         self._agent: Any = agent
         self._guard = kit.OpenGuard(self._who)
         self._lock = threading.Lock()  # serialises NIXL calls between caller and worker
@@ -631,6 +666,11 @@ class NixlTransport(Transport):
             raise ValueError(f"add_peer takes the peer's metadata bytes, got {type(metadata)}")
         metadata = bytes(metadata)
         name, agent_md, warm, token = self._unpack_metadata(metadata)
+        if name.endswith(NOTIFY_SUFFIX):
+            raise PeerUnreachableError(
+                f"peer metadata names {name!r}, a notification agent's name (ends with "
+                f"{NOTIFY_SUFFIX!r}); pass the peer transport's own local_metadata()"
+            )
         if name == self._name:
             raise PeerUnreachableError(
                 f"peer metadata names this endpoint itself ({name!r}); give every endpoint a "
@@ -654,6 +694,23 @@ class NixlTransport(Transport):
                 raise PeerUnreachableError(
                     f"peer metadata is inconsistent: envelope names {name!r}, agent blob {loaded!r}"
                 )
+            if self._notifier is not None:
+                try:
+                    with (
+                        self._lock,
+                        _translate(
+                            "adding a peer to the notification agent",
+                            peer=name,
+                            default=PeerUnreachableError,
+                        ),
+                    ):
+                        with contextlib.suppress(Exception):
+                            self._notifier.remove_remote_agent(name)  # a stale one, if any
+                        self._notifier.add_remote_agent(agent_md)
+                except PeerUnreachableError:
+                    with contextlib.suppress(Exception), self._lock:
+                        self._agent.remove_remote_agent(name)
+                    raise
             conn = _Peer(name=name, warm_token=token)
             if warm is not None:
                 # The peer's warm-up buffer, prepared now so a warm-up costs one post. NIXL
@@ -710,6 +767,9 @@ class NixlTransport(Transport):
                 peer.warm = None
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(peer.name)
+            if self._notifier is not None:
+                with contextlib.suppress(Exception):
+                    self._notifier.remove_remote_agent(peer.name)
 
     def _release_prepared(self, lh: LayoutHandle) -> None:
         nl: _List = lh.native.table
@@ -811,7 +871,10 @@ class NixlTransport(Transport):
             )
         lids, rids, nbytes = req.pairs.local, req.pairs.remote, req.pairs.nbytes
         notif = req.notification if req.notification is not None else b""
-        rec = _Xfer(peer=conn, empty_notification=req.notification == b"")
+        rec = _Xfer(peer=conn)
+        if req.notification is not None and (self._notifier is not None or notif == b""):
+            # Sent once the transfer is seen DONE (see _finish), from the notification agent.
+            rec.deferred, notif = req.notification, b""
         handle, tr = kit.Transfer.post(self, rec, op=req.op, peer=peer, pairs=req.pairs)
         ndesc = len(lids)
         job: tuple[Any, ...] = (rec, _NIXL_OP[req.op], lp.dlist, lids, rp.dlist, rids, notif)
@@ -825,9 +888,9 @@ class NixlTransport(Transport):
                 job = (*job, peer, notif)
         if len(lids) == 0:
             # NIXL refuses an empty request; there is nothing to move, only to notify.
-            if notification is not None:
-                self.send_notification(peer, notif)
-            rec.posted, rec.status, rec.empty_notification = True, "DONE", False
+            if req.notification is not None:
+                self.send_notification(peer, req.notification)
+            rec.posted, rec.status, rec.deferred = True, "DONE", None
         else:
             self._dispatch(rec, job, nbytes, peer)
         conn.inflight.add(tr)
@@ -853,12 +916,15 @@ class NixlTransport(Transport):
                     raise TransferFailedError(
                         f"posting a transfer with peer {peer!r}: NIXL answered ERR"
                     )
-                raise _translate_exc(
+                err = _translate_exc(
                     rec.native_error,
                     doing="posting a transfer",
                     peer=peer,
                     default=TransferFailedError,
-                ) from rec.native_error
+                )
+                if isinstance(err, PeerUnreachableError):
+                    rec.peer.unreachable = str(err)
+                raise err from rec.native_error
 
     def warm_up(self, peer: str) -> XferHandle:
         """Send ``peer``'s warm-up token as a notification (dropped by the peer's transport),
@@ -949,7 +1015,7 @@ class NixlTransport(Transport):
                 elif kind == "notif":
                     peer, payload = body
                     with contextlib.suppress(Exception):
-                        self._agent.send_notif(peer, payload)
+                        self._send_notif(peer, payload)
                 # Progress while the caller cannot (it never waits for this lock in poll).
                 self._collect_notifications()
             finally:
@@ -1036,9 +1102,9 @@ class NixlTransport(Transport):
             self._stats["nixl_post_us"] += rec.telemetry[0]
             self._stats["nixl_xfer_us"] += rec.telemetry[1]
             seconds = rec.telemetry[1] / 1e6
-        if rec.empty_notification and rec.peer.name in self._peers:
+        if rec.deferred is not None and rec.peer.name in self._peers:
             with contextlib.suppress(TransportError):
-                self.send_notification(rec.peer.name, b"")
+                self.send_notification(rec.peer.name, rec.deferred)
         tr.done(seconds)
         self._stats["transfers_done"] += 1
         self._stats["bytes"] += tr.nbytes
@@ -1053,6 +1119,8 @@ class NixlTransport(Transport):
         else:
             err = _translate_exc(exc, doing=doing, peer=peer, default=TransferFailedError)
             err.__cause__ = exc
+            if isinstance(err, PeerUnreachableError):
+                tr.record.peer.unreachable = str(err)
         tr.fail(err)
         self._stats["transfers_failed"] += 1
         tr.record.peer.inflight.discard(tr)
@@ -1098,7 +1166,12 @@ class NixlTransport(Transport):
         """
         self._guard.check()
         data = kit.check_notification(payload, self.capabilities, self._who)
-        self._peers.get(peer)  # PeerUnreachableError for an unknown peer
+        conn = self._peers.get(peer).conn  # PeerUnreachableError for an unknown peer
+        if conn.unreachable is not None:
+            raise PeerUnreachableError(
+                f"nixl: not sending to {peer!r}: a transfer found it unreachable "
+                f"({conn.unreachable}); add_peer again to reconnect"
+            )
         if self._worker is not None and self._worker.busy:
             self._worker.submit(("notif", (peer, data)))
         else:
@@ -1106,14 +1179,30 @@ class NixlTransport(Transport):
                 self._lock,
                 _translate("sending a notification", peer=peer, default=PeerUnreachableError),
             ):
-                self._agent.send_notif(peer, data)
+                self._send_notif(peer, data)
         self._stats["notifications_sent"] += 1
+
+    def _send_notif(self, peer: str, data: bytes) -> None:
+        """NIXL's send, from the notification agent when there is one; the caller holds
+        ``self._lock``. The notification agent is driven once right after, or the message
+        waits in it until the next :meth:`progress`."""
+        if self._notifier is None:
+            self._agent.send_notif(peer, data)
+            return
+        self._notifier.send_notif(peer, data)
+        with contextlib.suppress(Exception):
+            self._notifier.get_new_notifs()
 
     def _collect_notifications(self) -> None:
         """get_new_notifs into the inbox; the caller holds ``self._lock``."""
+        if self._notifier is not None:
+            with contextlib.suppress(Exception):
+                self._notifier.get_new_notifs()  # drives its sends; nobody notifies it
         with contextlib.suppress(Exception):
             for sender, msgs in self._agent.get_new_notifs().items():
                 who = _as_str(sender)
+                if who.endswith(NOTIFY_SUFFIX):
+                    who = who[: -len(NOTIFY_SUFFIX)]  # a peer's notification agent: the peer
                 for m in msgs:
                     payload = bytes(m)
                     if payload == self._warm_token:  # a peer's warm-up: not for callers
@@ -1180,6 +1269,7 @@ class NixlTransport(Transport):
             with contextlib.suppress(Exception):
                 self._agent.deregister_memory(self._warm_reg)
         self._agent = None
+        self._notifier = None
 
     def __repr__(self) -> str:
         state = "closed" if self._guard.closed else f"{len(self._peers)} peers"
