@@ -54,6 +54,7 @@ import contextlib
 import errno
 import mmap
 import os
+import secrets
 import struct
 import threading
 import time
@@ -104,6 +105,10 @@ _OLD_VERSIONS = {1: "a CRC-32 header in front of the payload"}
 # Releases the GIL (checked: a Python loop beside a thread hashing 256 MiB never stalls).
 _checksum = xxhash.xxh3_64_intdigest
 _SUFFIX = ".kvb"
+# Removed blocks' files waiting to be overwritten by a write (see the module docstring): in
+# a sub-directory whose name is not two hex digits, so scan() never takes them for blocks.
+_SPARE_DIR = "spare"
+_SPARE_SUFFIX = ".kvs"
 IN_PROGRESS_GRACE_S = 30.0
 """A file shorter than a block file that changed less than this many seconds ago is a miss
 but stays on disk (a write may be under way); an older one is removed."""
@@ -196,7 +201,7 @@ class DiskTier(OffloadTier):
 
     def __init__(self, config: TierConfig) -> None:
         super().__init__(config)
-        _check_options(config, ("path", "fsync", "open_files"))
+        _check_options(config, ("path", "fsync", "open_files", "spare_files"))
         path = config.options.get("path")
         if not isinstance(path, str) or not path:
             raise ConfigError(
@@ -212,6 +217,19 @@ class DiskTier(OffloadTier):
                 f"{config.path}.open_files: got {open_files!r}; expected an int >= 0 (0 keeps "
                 "no file open)"
             )
+        spare_files = config.options.get("spare_files", 256)
+        if isinstance(spare_files, bool) or not isinstance(spare_files, int) or spare_files < 0:
+            raise ConfigError(
+                f"{config.path}.spare_files: got {spare_files!r}; expected an int >= 0 (0 "
+                "unlinks the file of every removed block)"
+            )
+        self.spare_files = spare_files
+        """How many removed blocks' files this tier keeps for writes to overwrite (see the
+        module docstring)."""
+        self._spares: list[str] = []
+        self._spares_lock = threading.Lock()
+        self._spare_dir: str | None = None
+        self._spare_serial = 0
         self.root = Path(path)
         self._root = str(self.root)
         self.fsync = fsync
@@ -268,8 +286,11 @@ class DiskTier(OffloadTier):
         try:
             self._sub_dir(key)
             # In place, the trailer last: until the trailer lands, a reader finds the file
-            # too short and leaves it alone (see read); no temporary name, no rename.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            # too short, or a full-length file whose trailer names the key it held before
+            # (a reused spare), and leaves it alone (see read).
+            fd = self._reuse(path) if self._spares else -1
+            if fd < 0:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             kept = False
             try:
                 written = self._pwrite(fd, payload, 0)
@@ -301,6 +322,24 @@ class DiskTier(OffloadTier):
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
+
+    def _reuse(self, path: str) -> int:
+        """A spare file (a removed block's) renamed to ``path`` and opened for writing, or -1
+        when there is none (or it vanished: another engine's :meth:`scan` removes old spare
+        files). The file keeps the removed block's bytes and trailer until the write
+        overwrites them: a reader in between finds a trailer that names another key, a miss."""
+        while True:
+            with self._spares_lock:
+                if not self._spares:
+                    return -1
+                spare = self._spares.pop()
+            try:
+                os.rename(spare, path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(spare)
+                continue
+            return os.open(path, os.O_RDWR)
 
     def _keep(self, key: bytes, fd: int) -> bool:
         """Keep ``fd`` open as ``key``'s file (closing the oldest kept one beyond
@@ -410,8 +449,28 @@ class DiskTier(OffloadTier):
     def remove(self, key: bytes, slot: int) -> None:
         # Best effort: a later read finds the file gone or damaged and removes what is left.
         self._forget(key)
+        path = self._path(key)
         with contextlib.suppress(OSError):
-            os.unlink(self._path(key))
+            if len(self._spares) < self.spare_files and self._spare(path):
+                return
+            os.unlink(path)
+
+    def _spare(self, path: str) -> bool:
+        """Rename the block file at ``path`` to a spare name for a later write to overwrite
+        (see the module docstring); ``False`` when it is not a whole block file (damaged or
+        too short: unlinked instead). Raises ``OSError`` when it is gone."""
+        if os.stat(path).st_size != self.config.block_bytes + DISK_TRAILER_BYTES:
+            return False
+        if self._spare_dir is None:
+            os.makedirs(f"{self._root}/{_SPARE_DIR}", exist_ok=True)
+            self._spare_dir = f"{self._root}/{_SPARE_DIR}/{os.getpid()}-{secrets.token_hex(4)}-"
+        with self._spares_lock:
+            self._spare_serial += 1
+            spare = f"{self._spare_dir}{self._spare_serial}{_SPARE_SUFFIX}"
+        os.rename(path, spare)
+        with self._spares_lock:
+            self._spares.append(spare)
+        return True
 
     def close(self) -> None:
         with self._fds_lock:
@@ -419,10 +478,16 @@ class DiskTier(OffloadTier):
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        with self._spares_lock:
+            spares, self._spares = self._spares, []
+        for spare in spares:
+            with contextlib.suppress(OSError):
+                os.unlink(spare)
 
     def scan(self) -> Iterator[bytes]:
         if not self.root.is_dir():
             return
+        _remove_old_spares(self.root / _SPARE_DIR)
         for sub in sorted(self.root.iterdir()):
             if not sub.is_dir() or len(sub.name) != 2:
                 continue
@@ -454,6 +519,19 @@ def _default_open_files() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1024
     return max(0, min(1024, soft // 8))
+
+
+def _remove_old_spares(spare_dir: Path) -> None:
+    """Unlink the spare files under ``spare_dir`` that changed more than
+    :data:`IN_PROGRESS_GRACE_S` ago: a crashed engine's, or an idle one's (whose next write
+    then finds its spare gone and creates a new file)."""
+    if not spare_dir.is_dir():
+        return
+    now = time.time()
+    for f in spare_dir.iterdir():
+        with contextlib.suppress(OSError):
+            if f.name.endswith(_SPARE_SUFFIX) and now - f.stat().st_mtime >= IN_PROGRESS_GRACE_S:
+                f.unlink()
 
 
 def _young(path: str) -> bool:
