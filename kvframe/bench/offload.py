@@ -110,7 +110,7 @@ _CPU_RUNS = 5
 _READ_RUNS = 3
 """Runs per ``--repeat`` of the short measurements (the CPU tier's copies, warm reads)."""
 
-BARS = {"cpu_store": 0.9, "disk_write": 0.9, "disk_read": 0.8}
+BARS = {"cpu_store": 0.9, "disk_write": 0.9, "disk_write_full": 0.9, "disk_read": 0.8}
 """The ratios (tier over reference) the tiers must reach on the machine they run on."""
 
 
@@ -324,8 +324,10 @@ def _parallel(pool: cf.ThreadPoolExecutor, threads: int, fn: Callable[[int], Non
         fut.result()
 
 
-def _keys(blocks: int) -> list[bytes]:
-    return [i.to_bytes(32, "little") for i in range(blocks)]
+def _keys(blocks: int, generation: int = 0) -> list[bytes]:
+    """Block ``i``'s key (``i`` little-endian; its last byte the ``generation``): the first
+    byte, which names the sub-directory, is the same in every generation."""
+    return [(i + (generation << 248)).to_bytes(32, "little") for i in range(blocks)]
 
 
 def _layout(root: Path, blocks: int, suffix: str) -> list[str]:
@@ -440,9 +442,9 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
     # cache; the sides swap them run by run, so neither keeps the better-placed memory.
     data = _cpu_slots(blocks, block_bytes)
     data[:] = np.random.default_rng(1).integers(0, 255, data.shape, dtype=np.uint8)
-    copy = _cpu_slots(blocks, block_bytes)
-    copy[:] = data
-    sources = [data, copy]
+    sources = [data, *(_cpu_slots(blocks, block_bytes) for _ in range(2))]
+    for src in sources[1:]:
+        src[:] = data
     outs = [_cpu_slots(blocks, block_bytes), _cpu_slots(blocks, block_bytes)]
     for out in outs:
         out[:] = 0
@@ -450,21 +452,34 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
     keys = _keys(blocks)
     with tempfile.TemporaryDirectory(prefix="kvframe-bench-offload-", dir=args.dir) as tmp:
         root = Path(tmp)
-        tier = DiskTier(
-            TierConfig(
-                name="disk",
-                index=1,
-                capacity_bytes=(block_bytes + DISK_TRAILER_BYTES) * blocks,
-                block_bytes=block_bytes,
-                options={"path": str(root / "tier")},
+
+        def disk_tier(spare_files: int) -> DiskTier:
+            tier = DiskTier(
+                TierConfig(
+                    name="disk",
+                    index=1,
+                    capacity_bytes=(block_bytes + DISK_TRAILER_BYTES) * blocks,
+                    block_bytes=block_bytes,
+                    options={"path": str(root / "tier"), "spare_files": spare_files},
+                )
             )
-        )
-        tier.open()
+            tier.open()
+            return tier
+
+        # New files: a tier that unlinks removed blocks' files (spare_files 0), so that each
+        # of its writes creates a file as the reference's does.
+        tier = disk_tier(0)
         paths = _layout(root / "tier", blocks, ".pwrite")
+        # At capacity: another tier in the same directories (other keys, the same first
+        # byte), every removed block's file kept for reuse.
+        full = disk_tier(blocks)
+        gens = [_keys(blocks, generation=g) for g in (1, 2)]
+        new_paths = [_layout(root / "tier", blocks, f".new{g}") for g in (1, 2)]
+        reuse_paths = [_layout(root / "tier", blocks, f".reuse{g}") for g in (1, 2)]
         pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvframe-bench")
 
         def swap(run: int) -> None:
-            sources.reverse()
+            sources.append(sources.pop(0))
             outs.reverse()
 
         def forget(run: int) -> None:
@@ -484,6 +499,51 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
             os.pwrite(fd, memoryview(sources[1][i].data), 0)
             os.close(fd)
 
+        # At capacity, run r evicts generation r % 2's block i and writes generation
+        # (r + 1) % 2's in its place.
+        turn = [0]
+
+        def evict_write_tier(i: int) -> None:
+            old, new = gens[turn[0] % 2], gens[(turn[0] + 1) % 2]
+            full.remove(old[i], i)
+            full.write(new[i], i, sources[0][i])
+
+        def evict_write_new(i: int) -> None:
+            os.unlink(new_paths[turn[0] % 2][i])
+            fd = os.open(
+                new_paths[(turn[0] + 1) % 2][i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+            )
+            os.pwrite(fd, memoryview(sources[1][i].data), 0)
+            os.close(fd)
+
+        def evict_write_reuse(i: int) -> None:
+            new = reuse_paths[(turn[0] + 1) % 2][i]
+            os.rename(reuse_paths[turn[0] % 2][i], new)
+            fd = os.open(new, os.O_WRONLY)
+            os.pwrite(fd, memoryview(sources[2][i].data), 0)
+            os.close(fd)
+
+        def fill(i: int) -> None:
+            # Untimed: the full tier's and the references' first generation.
+            full.write(gens[0][i], i, data[i])
+            for p in (new_paths[0][i], reuse_paths[0][i]):
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.pwrite(fd, memoryview(data[i].data), 0)
+                os.close(fd)
+
+        def evicted_cold(run: int) -> None:
+            # Untimed, before every run at capacity: the files about to be evicted (the least
+            # recently used blocks) written back and dropped from the page cache, every side's.
+            if run:
+                turn[0] += 1
+            sources.append(sources.pop(0))  # each side's source moves on, run by run
+            os.sync()
+            g = turn[0] % 2
+            for p in [*map(str, map(full.file_of, gens[g])), *new_paths[g], *reuse_paths[g]]:
+                fd = os.open(p, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
         def read_tier(i: int) -> None:
             tier.read(keys[i], i, outs[0][i])
 
@@ -496,6 +556,23 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
             writes = _interleaved(
                 {"tier": write_tier, "pwrite": write_plain}, blocks, args.repeat, forget
             )
+            for i in range(blocks):
+                fill(i)
+            writes |= _interleaved(
+                {
+                    "tier_full": evict_write_tier,
+                    "pwrite_new": evict_write_new,
+                    "pwrite_reuse": evict_write_reuse,
+                },
+                blocks,
+                args.repeat,
+                evicted_cold,
+            )
+            full_out = outs[0].copy()
+            for i, key in enumerate(gens[(turn[0] + 1) % 2]):
+                full.read(key, i, full_out[i])
+            if not np.array_equal(full_out, data):
+                raise RuntimeError("the tier at capacity read back other bytes than it wrote")
             reads = _interleaved(
                 {"tier": read_tier, "pread": read_plain},
                 blocks,
@@ -516,8 +593,13 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
         finally:
             pool.shutdown()
             tier.close()
+            full.close()
     return {
         "disk_write": _compare(total, writes, "tier", "pwrite", BARS["disk_write"]),
+        "disk_write_full": _compare(
+            total, writes, "tier_full", "pwrite_new", BARS["disk_write_full"]
+        ),
+        "disk_write_full_reuse": _compare(total, writes, "tier_full", "pwrite_reuse", None),
         "disk_read": _compare(total, reads, "tier", "pread", BARS["disk_read"]),
         "disk_read_2t": _compare(total, reads, "tier_2t", "pread_2t", None),
         "o_direct": direct,
@@ -658,11 +740,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-_DISK_ROWS = ("disk_write", "disk_read", "disk_read_2t")
+_DISK_ROWS = ("disk_write", "disk_write_full", "disk_write_full_reuse", "disk_read", "disk_read_2t")
 _LABELS = {
     "cpu_store": ("cpu tier store (KV -> CPU)", "memcpy (np.copyto)"),
     "cpu_load": ("cpu tier load (CPU -> KV)", "memcpy (np.copyto)"),
-    "disk_write": ("disk tier write", "os.pwrite, file per block"),
+    "disk_write": ("disk tier write, new file", "os.pwrite, new file"),
+    "disk_write_full": ("disk tier full: evict+write", "unlink old, pwrite new file"),
+    "disk_write_full_reuse": ("disk tier full: evict+write", "rename old, pwrite over it"),
     "disk_read": ("disk tier read (verified)", "os.pread, opening each file"),
     "disk_read_2t": ("disk tier read, 2 threads", "os.pread, 2 threads"),
 }
