@@ -28,10 +28,24 @@ the spread of both ways on the same code).
   side has its own source and destination holding the same bytes (so that, interleaved,
   neither finds the other's bytes in the CPU's cache), and the two swap them run by run.
   **Page cache state**: before each run of writes, both sides' files are deleted and
-  ``os.sync()`` runs (untimed), so every write creates a new file with no dirty data pending;
-  reads find the files just written, so they come from the page cache (a warm read, as a
-  promotion soon after a write-through is). The reads are measured on one thread and again
-  split over two threads (the connector's ``io_threads`` default), both sides alike;
+  ``os.sync()`` runs (untimed), so every write creates a new file with no dirty data pending
+  (the tier of these rows has ``spare_files`` 0: it creates a file for every write, as the
+  reference does); reads find the files just written, so they come from the page cache (a
+  warm read, as a promotion soon after a write-through is). The reads are measured on one
+  thread and again split over two threads (the connector's ``io_threads`` default), both
+  sides alike;
+- **disk tier at capacity**: a full tier evicting a block and writing another in its place,
+  the steady state of a full tier, four sides interleaved block by block as above, in the
+  same sub-directories (other keys): the tier's ``remove`` of block ``i`` of one generation
+  then ``write`` of block ``i`` of the next (with ``spare_files`` = blocks, so the write
+  overwrites the removed block's file); the same tier with ``spare_files`` 0 (it unlinks and
+  creates: the tier's way before spare files); ``os.unlink`` of the old file then
+  ``os.pwrite`` of a new one (a plain writer at capacity); and ``os.rename`` of the old file
+  to the new name then ``os.pwrite`` over it (a plain writer that reuses files as the tier
+  does, without a checksum or a trailer). Before each run (untimed) ``os.sync()`` runs and
+  the files about to be evicted are dropped from the page cache (``POSIX_FADV_DONTNEED``),
+  every side's: an evicted block is the least recently used one, seldom cached. After the
+  runs the tier's last generation is read back and compared;
 - **O_DIRECT references**: ``os.pwrite`` / ``os.pread`` with ``O_DIRECT`` (page-aligned
   buffers; the read is cold by construction), to show what bypassing the page cache costs or
   gains on this filesystem; reported as unsupported when the filesystem refuses ``O_DIRECT``
@@ -66,7 +80,11 @@ Human-readable table by default; ``--json`` prints one JSON object::
         "hit_rates": {"lru": float, "arc": float}}}
 
 The comparisons are ``cpu_store`` (vs memcpy, bar 0.9), ``cpu_load`` (vs memcpy), ``disk_write``
-(vs ``os.pwrite``, bar 0.9), ``disk_read`` (vs ``os.pread``, bar 0.8) and ``disk_read_2t``
+(new files, vs ``os.pwrite`` of new files, bar 0.9), ``disk_write_full`` (at capacity: the
+tier's ``remove`` + ``write`` vs ``os.unlink`` + ``os.pwrite`` of a new file, bar 0.9),
+``disk_write_full_reuse`` (the same tier side vs ``os.rename`` + ``os.pwrite`` over the old
+file), ``disk_write_full_unspared`` (the tier with ``spare_files`` 0 at capacity vs
+``os.unlink`` + ``os.pwrite``), ``disk_read`` (vs ``os.pread``, bar 0.8) and ``disk_read_2t``
 (both on two threads). GB/s are 10⁹ bytes per second: ``gbps`` from the median time over
 ``--repeat`` runs of each side (writes, O_DIRECT), three times as many for the reads and five
 times as many for the CPU tier (their runs take milliseconds); ``p90_gbps`` from the
@@ -442,7 +460,7 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
     # cache; the sides swap them run by run, so neither keeps the better-placed memory.
     data = _cpu_slots(blocks, block_bytes)
     data[:] = np.random.default_rng(1).integers(0, 255, data.shape, dtype=np.uint8)
-    sources = [data, *(_cpu_slots(blocks, block_bytes) for _ in range(2))]
+    sources = [data, *(_cpu_slots(blocks, block_bytes) for _ in range(3))]
     for src in sources[1:]:
         src[:] = data
     outs = [_cpu_slots(blocks, block_bytes), _cpu_slots(blocks, block_bytes)]
@@ -474,6 +492,9 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
         # byte), every removed block's file kept for reuse.
         full = disk_tier(blocks)
         gens = [_keys(blocks, generation=g) for g in (1, 2)]
+        # And the code before spare files, beside it: a tier that unlinks and creates.
+        unspared = disk_tier(0)
+        unspared_gens = [_keys(blocks, generation=g) for g in (3, 4)]
         new_paths = [_layout(root / "tier", blocks, f".new{g}") for g in (1, 2)]
         reuse_paths = [_layout(root / "tier", blocks, f".reuse{g}") for g in (1, 2)]
         pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvframe-bench")
@@ -508,6 +529,11 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
             full.remove(old[i], i)
             full.write(new[i], i, sources[0][i])
 
+        def evict_write_unspared(i: int) -> None:
+            old, new = unspared_gens[turn[0] % 2], unspared_gens[(turn[0] + 1) % 2]
+            unspared.remove(old[i], i)
+            unspared.write(new[i], i, sources[3][i])
+
         def evict_write_new(i: int) -> None:
             os.unlink(new_paths[turn[0] % 2][i])
             fd = os.open(
@@ -526,6 +552,7 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
         def fill(i: int) -> None:
             # Untimed: the full tier's and the references' first generation.
             full.write(gens[0][i], i, data[i])
+            unspared.write(unspared_gens[0][i], i, data[i])
             for p in (new_paths[0][i], reuse_paths[0][i]):
                 fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.pwrite(fd, memoryview(data[i].data), 0)
@@ -539,7 +566,8 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
             sources.append(sources.pop(0))  # each side's source moves on, run by run
             os.sync()
             g = turn[0] % 2
-            for p in [*map(str, map(full.file_of, gens[g])), *new_paths[g], *reuse_paths[g]]:
+            tiers = [*map(full.file_of, gens[g]), *map(unspared.file_of, unspared_gens[g])]
+            for p in [*map(str, tiers), *new_paths[g], *reuse_paths[g]]:
                 fd = os.open(p, os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
@@ -561,6 +589,7 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
             writes |= _interleaved(
                 {
                     "tier_full": evict_write_tier,
+                    "tier_full_unspared": evict_write_unspared,
                     "pwrite_new": evict_write_new,
                     "pwrite_reuse": evict_write_reuse,
                 },
@@ -594,12 +623,16 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
             pool.shutdown()
             tier.close()
             full.close()
+            unspared.close()
     return {
         "disk_write": _compare(total, writes, "tier", "pwrite", BARS["disk_write"]),
         "disk_write_full": _compare(
             total, writes, "tier_full", "pwrite_new", BARS["disk_write_full"]
         ),
         "disk_write_full_reuse": _compare(total, writes, "tier_full", "pwrite_reuse", None),
+        "disk_write_full_unspared": _compare(
+            total, writes, "tier_full_unspared", "pwrite_new", None
+        ),
         "disk_read": _compare(total, reads, "tier", "pread", BARS["disk_read"]),
         "disk_read_2t": _compare(total, reads, "tier_2t", "pread_2t", None),
         "o_direct": direct,
@@ -740,13 +773,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-_DISK_ROWS = ("disk_write", "disk_write_full", "disk_write_full_reuse", "disk_read", "disk_read_2t")
+_DISK_ROWS = (
+    "disk_write",
+    "disk_write_full",
+    "disk_write_full_reuse",
+    "disk_write_full_unspared",
+    "disk_read",
+    "disk_read_2t",
+)
 _LABELS = {
     "cpu_store": ("cpu tier store (KV -> CPU)", "memcpy (np.copyto)"),
     "cpu_load": ("cpu tier load (CPU -> KV)", "memcpy (np.copyto)"),
     "disk_write": ("disk tier write, new file", "os.pwrite, new file"),
     "disk_write_full": ("disk tier full: evict+write", "unlink old, pwrite new file"),
     "disk_write_full_reuse": ("disk tier full: evict+write", "rename old, pwrite over it"),
+    "disk_write_full_unspared": ("  same, spare_files 0", "unlink old, pwrite new file"),
     "disk_read": ("disk tier read (verified)", "os.pread, opening each file"),
     "disk_read_2t": ("disk tier read, 2 threads", "os.pread, 2 threads"),
 }
