@@ -27,7 +27,9 @@ the spread of both ways on the same code).
   (page-aligned, the fastest case for the kernel's copies: the references get it too); each
   side has its own source and destination holding the same bytes (so that, interleaved,
   neither finds the other's bytes in the CPU's cache), and the two swap them run by run.
-  **Page cache state**: before each run of writes, both sides' files are deleted and
+  One untimed run of writes comes first (the tier creates its sub-directories then, once in
+  its life, as the reference's were made untimed). **Page cache state**: before each run of
+  writes, both sides' files are deleted and
   ``os.sync()`` runs (untimed), so every write creates a new file with no dirty data pending
   (the tier of these rows has ``spare_files`` 0: it creates a file for every write, as the
   reference does); reads find the files just written, so they come from the page cache (a
@@ -581,9 +583,11 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
             os.close(fd)
 
         try:
-            writes = _interleaved(
-                {"tier": write_tier, "pwrite": write_plain}, blocks, args.repeat, forget
-            )
+            new_files = {"tier": write_tier, "pwrite": write_plain}
+            # One untimed run first: the tier learns its sub-directories (a mkdir each, once in
+            # its life; the reference's were made untimed) and both sides' paths are cached.
+            _interleaved(new_files, blocks, 1, forget)
+            writes = _interleaved(new_files, blocks, args.repeat, forget)
             for i in range(blocks):
                 fill(i)
             writes |= _interleaved(
