@@ -26,7 +26,8 @@ the spread of both ways on the same code).
   tier. Blocks are written from the slots of CPU tiers and read into those of others
   (page-aligned, the fastest case for the kernel's copies: the references get it too); each
   side has its own source and destination holding the same bytes (so that, interleaved,
-  neither finds the other's bytes in the CPU's cache), and the two swap them run by run.
+  neither finds the other's bytes in the CPU's cache), and they rotate between the sides run
+  by run.
   One untimed run of writes comes first (the tier creates its sub-directories then, once in
   its life, as the reference's were made untimed). **Page cache state**: before each run of
   writes, both sides' files are deleted and
@@ -456,10 +457,11 @@ def _interleaved(
 
 def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, Any]:
     # Written from the slots of CPU tiers and read into the slots of others (page-aligned, as
-    # the kernel copies fastest: the module docstring of the tiers says why). Two sources
-    # holding the same bytes and two destinations, one of each per side, so that with the
-    # calls interleaved block by block neither side finds the other's bytes in the CPU's
-    # cache; the sides swap them run by run, so neither keeps the better-placed memory.
+    # the kernel copies fastest: the module docstring of the tiers says why). Four sources
+    # holding the same bytes (one per side of the rows at capacity) and two destinations,
+    # so that with the calls interleaved block by block no side finds another's bytes in the
+    # CPU's cache; the sources rotate and the destinations swap run by run, so no side keeps
+    # the better-placed memory.
     data = _cpu_slots(blocks, block_bytes)
     data[:] = np.random.default_rng(1).integers(0, 255, data.shape, dtype=np.uint8)
     sources = [data, *(_cpu_slots(blocks, block_bytes) for _ in range(3))]
@@ -583,7 +585,10 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
             os.close(fd)
 
         try:
-            new_files = {"tier": write_tier, "pwrite": write_plain}
+            new_files: dict[str, Callable[[int], None]] = {
+                "tier": write_tier,
+                "pwrite": write_plain,
+            }
             # One untimed run first: the tier learns its sub-directories (a mkdir each, once in
             # its life; the reference's were made untimed) and both sides' paths are cached.
             _interleaved(new_files, blocks, 1, forget)
