@@ -810,6 +810,8 @@ def _human(report: dict[str, Any]) -> str:
         "(one-thread disk rows: interleaved block by block)",
         f"disk files in {p['dir']} ({p['filesystem']}): writes create new files after an "
         "untimed os.sync(); reads are warm (page cache, the files just written)",
+        "disk tier full: each block evicts one (remove + write, over the removed file) beside "
+        "plain writers doing the same; the evicted files dropped from the page cache first",
         "GB/s: median time (p90 time, the slow tail); ratio = median / reference median",
         "",
         f"{'measurement':<28}{'GB/s':>7}{'p90':>7}  {'reference':<27}{'GB/s':>7}{'p90':>7}"
