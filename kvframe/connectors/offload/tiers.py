@@ -135,7 +135,8 @@ _SPARE_DIR = "spare"
 _SPARE_SUFFIX = ".kvs"
 IN_PROGRESS_GRACE_S = 30.0
 """A file shorter than a block file that changed less than this many seconds ago is a miss
-but stays on disk (a write may be under way); an older one is removed."""
+but stays on disk (a write may be under way); an older one is removed. :meth:`DiskTier.scan`
+removes the spare files that changed longer ago than this."""
 _NOSPACE = {errno.ENOSPC, errno.EDQUOT}
 _WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 
@@ -311,8 +312,8 @@ class DiskTier(OffloadTier):
         try:
             self._sub_dir(key)
             # In place, the trailer last: until the trailer lands, a reader finds the file
-            # too short, or a full-length file whose trailer names the key it held before
-            # (a reused spare), and leaves it alone (see read).
+            # too short and leaves it alone (see read), or, over a reused spare, a trailer
+            # that names the key the file held before: a miss either way.
             fd = self._reuse(path) if self._spares else -1
             if fd < 0:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
