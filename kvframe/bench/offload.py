@@ -26,12 +26,29 @@ the spread of both ways on the same code).
   tier. Blocks are written from the slots of CPU tiers and read into those of others
   (page-aligned, the fastest case for the kernel's copies: the references get it too); each
   side has its own source and destination holding the same bytes (so that, interleaved,
-  neither finds the other's bytes in the CPU's cache), and the two swap them run by run.
-  **Page cache state**: before each run of writes, both sides' files are deleted and
-  ``os.sync()`` runs (untimed), so every write creates a new file with no dirty data pending;
-  reads find the files just written, so they come from the page cache (a warm read, as a
-  promotion soon after a write-through is). The reads are measured on one thread and again
-  split over two threads (the connector's ``io_threads`` default), both sides alike;
+  neither finds the other's bytes in the CPU's cache), and they rotate between the sides run
+  by run.
+  One untimed run of writes comes first (the tier creates its sub-directories then, once in
+  its life, as the reference's were made untimed). **Page cache state**: before each run of
+  writes, both sides' files are deleted and
+  ``os.sync()`` runs (untimed), so every write creates a new file with no dirty data pending
+  (the tier of these rows has ``spare_files`` 0: it creates a file for every write, as the
+  reference does); reads find the files just written, so they come from the page cache (a
+  warm read, as a promotion soon after a write-through is). The reads are measured on one
+  thread and again split over two threads (the connector's ``io_threads`` default), both
+  sides alike;
+- **disk tier at capacity**: a full tier evicting a block and writing another in its place,
+  the steady state of a full tier, four sides interleaved block by block as above, in the
+  same sub-directories (other keys): the tier's ``remove`` of block ``i`` of one generation
+  then ``write`` of block ``i`` of the next (with ``spare_files`` = blocks, so the write
+  overwrites the removed block's file); the same tier with ``spare_files`` 0 (it unlinks and
+  creates: the tier's way before spare files); ``os.unlink`` of the old file then
+  ``os.pwrite`` of a new one (a plain writer at capacity); and ``os.rename`` of the old file
+  to the new name then ``os.pwrite`` over it (a plain writer that reuses files as the tier
+  does, without a checksum or a trailer). Before each run (untimed) ``os.sync()`` runs and
+  the files about to be evicted are dropped from the page cache (``POSIX_FADV_DONTNEED``),
+  every side's: an evicted block is the least recently used one, seldom cached. After the
+  runs the tier's last generation is read back and compared;
 - **O_DIRECT references**: ``os.pwrite`` / ``os.pread`` with ``O_DIRECT`` (page-aligned
   buffers; the read is cold by construction), to show what bypassing the page cache costs or
   gains on this filesystem; reported as unsupported when the filesystem refuses ``O_DIRECT``
@@ -66,7 +83,11 @@ Human-readable table by default; ``--json`` prints one JSON object::
         "hit_rates": {"lru": float, "arc": float}}}
 
 The comparisons are ``cpu_store`` (vs memcpy, bar 0.9), ``cpu_load`` (vs memcpy), ``disk_write``
-(vs ``os.pwrite``, bar 0.9), ``disk_read`` (vs ``os.pread``, bar 0.8) and ``disk_read_2t``
+(new files, vs ``os.pwrite`` of new files, bar 0.9), ``disk_write_full`` (at capacity: the
+tier's ``remove`` + ``write`` vs ``os.unlink`` + ``os.pwrite`` of a new file, bar 0.9),
+``disk_write_full_reuse`` (the same tier side vs ``os.rename`` + ``os.pwrite`` over the old
+file), ``disk_write_full_unspared`` (the tier with ``spare_files`` 0 at capacity vs
+``os.unlink`` + ``os.pwrite``), ``disk_read`` (vs ``os.pread``, bar 0.8) and ``disk_read_2t``
 (both on two threads). GB/s are 10⁹ bytes per second: ``gbps`` from the median time over
 ``--repeat`` runs of each side (writes, O_DIRECT), three times as many for the reads and five
 times as many for the CPU tier (their runs take milliseconds); ``p90_gbps`` from the
@@ -110,7 +131,7 @@ _CPU_RUNS = 5
 _READ_RUNS = 3
 """Runs per ``--repeat`` of the short measurements (the CPU tier's copies, warm reads)."""
 
-BARS = {"cpu_store": 0.9, "disk_write": 0.9, "disk_read": 0.8}
+BARS = {"cpu_store": 0.9, "disk_write": 0.9, "disk_write_full": 0.9, "disk_read": 0.8}
 """The ratios (tier over reference) the tiers must reach on the machine they run on."""
 
 
@@ -324,8 +345,10 @@ def _parallel(pool: cf.ThreadPoolExecutor, threads: int, fn: Callable[[int], Non
         fut.result()
 
 
-def _keys(blocks: int) -> list[bytes]:
-    return [i.to_bytes(32, "little") for i in range(blocks)]
+def _keys(blocks: int, generation: int = 0) -> list[bytes]:
+    """Block ``i``'s key (``i`` little-endian; its last byte the ``generation``): the first
+    byte, which names the sub-directory, is the same in every generation."""
+    return [(i + (generation << 248)).to_bytes(32, "little") for i in range(blocks)]
 
 
 def _layout(root: Path, blocks: int, suffix: str) -> list[str]:
@@ -434,15 +457,16 @@ def _interleaved(
 
 def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, Any]:
     # Written from the slots of CPU tiers and read into the slots of others (page-aligned, as
-    # the kernel copies fastest: the module docstring of the tiers says why). Two sources
-    # holding the same bytes and two destinations, one of each per side, so that with the
-    # calls interleaved block by block neither side finds the other's bytes in the CPU's
-    # cache; the sides swap them run by run, so neither keeps the better-placed memory.
+    # the kernel copies fastest: the module docstring of the tiers says why). Four sources
+    # holding the same bytes (one per side of the rows at capacity) and two destinations,
+    # so that with the calls interleaved block by block no side finds another's bytes in the
+    # CPU's cache; the sources rotate and the destinations swap run by run, so no side keeps
+    # the better-placed memory.
     data = _cpu_slots(blocks, block_bytes)
     data[:] = np.random.default_rng(1).integers(0, 255, data.shape, dtype=np.uint8)
-    copy = _cpu_slots(blocks, block_bytes)
-    copy[:] = data
-    sources = [data, copy]
+    sources = [data, *(_cpu_slots(blocks, block_bytes) for _ in range(3))]
+    for src in sources[1:]:
+        src[:] = data
     outs = [_cpu_slots(blocks, block_bytes), _cpu_slots(blocks, block_bytes)]
     for out in outs:
         out[:] = 0
@@ -450,21 +474,37 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
     keys = _keys(blocks)
     with tempfile.TemporaryDirectory(prefix="kvframe-bench-offload-", dir=args.dir) as tmp:
         root = Path(tmp)
-        tier = DiskTier(
-            TierConfig(
-                name="disk",
-                index=1,
-                capacity_bytes=(block_bytes + DISK_TRAILER_BYTES) * blocks,
-                block_bytes=block_bytes,
-                options={"path": str(root / "tier")},
+
+        def disk_tier(spare_files: int) -> DiskTier:
+            tier = DiskTier(
+                TierConfig(
+                    name="disk",
+                    index=1,
+                    capacity_bytes=(block_bytes + DISK_TRAILER_BYTES) * blocks,
+                    block_bytes=block_bytes,
+                    options={"path": str(root / "tier"), "spare_files": spare_files},
+                )
             )
-        )
-        tier.open()
+            tier.open()
+            return tier
+
+        # New files: a tier that unlinks removed blocks' files (spare_files 0), so that each
+        # of its writes creates a file as the reference's does.
+        tier = disk_tier(0)
         paths = _layout(root / "tier", blocks, ".pwrite")
+        # At capacity: another tier in the same directories (other keys, the same first
+        # byte), every removed block's file kept for reuse.
+        full = disk_tier(blocks)
+        gens = [_keys(blocks, generation=g) for g in (1, 2)]
+        # And the code before spare files, beside it: a tier that unlinks and creates.
+        unspared = disk_tier(0)
+        unspared_gens = [_keys(blocks, generation=g) for g in (3, 4)]
+        new_paths = [_layout(root / "tier", blocks, f".new{g}") for g in (1, 2)]
+        reuse_paths = [_layout(root / "tier", blocks, f".reuse{g}") for g in (1, 2)]
         pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvframe-bench")
 
         def swap(run: int) -> None:
-            sources.reverse()
+            sources.append(sources.pop(0))
             outs.reverse()
 
         def forget(run: int) -> None:
@@ -484,6 +524,58 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
             os.pwrite(fd, memoryview(sources[1][i].data), 0)
             os.close(fd)
 
+        # At capacity, run r evicts generation r % 2's block i and writes generation
+        # (r + 1) % 2's in its place.
+        turn = [0]
+
+        def evict_write_tier(i: int) -> None:
+            old, new = gens[turn[0] % 2], gens[(turn[0] + 1) % 2]
+            full.remove(old[i], i)
+            full.write(new[i], i, sources[0][i])
+
+        def evict_write_unspared(i: int) -> None:
+            old, new = unspared_gens[turn[0] % 2], unspared_gens[(turn[0] + 1) % 2]
+            unspared.remove(old[i], i)
+            unspared.write(new[i], i, sources[3][i])
+
+        def evict_write_new(i: int) -> None:
+            os.unlink(new_paths[turn[0] % 2][i])
+            fd = os.open(
+                new_paths[(turn[0] + 1) % 2][i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+            )
+            os.pwrite(fd, memoryview(sources[1][i].data), 0)
+            os.close(fd)
+
+        def evict_write_reuse(i: int) -> None:
+            new = reuse_paths[(turn[0] + 1) % 2][i]
+            os.rename(reuse_paths[turn[0] % 2][i], new)
+            fd = os.open(new, os.O_WRONLY)
+            os.pwrite(fd, memoryview(sources[2][i].data), 0)
+            os.close(fd)
+
+        def fill(i: int) -> None:
+            # Untimed: the full tier's and the references' first generation.
+            full.write(gens[0][i], i, data[i])
+            unspared.write(unspared_gens[0][i], i, data[i])
+            for p in (new_paths[0][i], reuse_paths[0][i]):
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.pwrite(fd, memoryview(data[i].data), 0)
+                os.close(fd)
+
+        def evicted_cold(run: int) -> None:
+            # Untimed, before every run at capacity: the files about to be evicted (the least
+            # recently used blocks) written back and dropped from the page cache, every side's.
+            if run:
+                turn[0] += 1
+            sources.append(sources.pop(0))  # each side's source moves on, run by run
+            os.sync()
+            g = turn[0] % 2
+            tiers = [*map(full.file_of, gens[g]), *map(unspared.file_of, unspared_gens[g])]
+            for p in [*map(str, tiers), *new_paths[g], *reuse_paths[g]]:
+                fd = os.open(p, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
         def read_tier(i: int) -> None:
             tier.read(keys[i], i, outs[0][i])
 
@@ -493,9 +585,32 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
             os.close(fd)
 
         try:
-            writes = _interleaved(
-                {"tier": write_tier, "pwrite": write_plain}, blocks, args.repeat, forget
+            new_files: dict[str, Callable[[int], None]] = {
+                "tier": write_tier,
+                "pwrite": write_plain,
+            }
+            # One untimed run first: the tier learns its sub-directories (a mkdir each, once in
+            # its life; the reference's were made untimed) and both sides' paths are cached.
+            _interleaved(new_files, blocks, 1, forget)
+            writes = _interleaved(new_files, blocks, args.repeat, forget)
+            for i in range(blocks):
+                fill(i)
+            writes |= _interleaved(
+                {
+                    "tier_full": evict_write_tier,
+                    "tier_full_unspared": evict_write_unspared,
+                    "pwrite_new": evict_write_new,
+                    "pwrite_reuse": evict_write_reuse,
+                },
+                blocks,
+                args.repeat,
+                evicted_cold,
             )
+            full_out = outs[0].copy()
+            for i, key in enumerate(gens[(turn[0] + 1) % 2]):
+                full.read(key, i, full_out[i])
+            if not np.array_equal(full_out, data):
+                raise RuntimeError("the tier at capacity read back other bytes than it wrote")
             reads = _interleaved(
                 {"tier": read_tier, "pread": read_plain},
                 blocks,
@@ -516,8 +631,17 @@ def _disk(args: argparse.Namespace, blocks: int, block_bytes: int) -> dict[str, 
         finally:
             pool.shutdown()
             tier.close()
+            full.close()
+            unspared.close()
     return {
         "disk_write": _compare(total, writes, "tier", "pwrite", BARS["disk_write"]),
+        "disk_write_full": _compare(
+            total, writes, "tier_full", "pwrite_new", BARS["disk_write_full"]
+        ),
+        "disk_write_full_reuse": _compare(total, writes, "tier_full", "pwrite_reuse", None),
+        "disk_write_full_unspared": _compare(
+            total, writes, "tier_full_unspared", "pwrite_new", None
+        ),
         "disk_read": _compare(total, reads, "tier", "pread", BARS["disk_read"]),
         "disk_read_2t": _compare(total, reads, "tier_2t", "pread_2t", None),
         "o_direct": direct,
@@ -658,11 +782,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-_DISK_ROWS = ("disk_write", "disk_read", "disk_read_2t")
+_DISK_ROWS = (
+    "disk_write",
+    "disk_write_full",
+    "disk_write_full_reuse",
+    "disk_write_full_unspared",
+    "disk_read",
+    "disk_read_2t",
+)
 _LABELS = {
     "cpu_store": ("cpu tier store (KV -> CPU)", "memcpy (np.copyto)"),
     "cpu_load": ("cpu tier load (CPU -> KV)", "memcpy (np.copyto)"),
-    "disk_write": ("disk tier write", "os.pwrite, file per block"),
+    "disk_write": ("disk tier write, new file", "os.pwrite, new file"),
+    "disk_write_full": ("disk tier full: evict+write", "unlink old, pwrite new file"),
+    "disk_write_full_reuse": ("disk tier full: evict+write", "rename old, pwrite over it"),
+    "disk_write_full_unspared": ("  same, spare_files 0", "unlink old, pwrite new file"),
     "disk_read": ("disk tier read (verified)", "os.pread, opening each file"),
     "disk_read_2t": ("disk tier read, 2 threads", "os.pread, 2 threads"),
 }
@@ -676,6 +810,8 @@ def _human(report: dict[str, Any]) -> str:
         "(one-thread disk rows: interleaved block by block)",
         f"disk files in {p['dir']} ({p['filesystem']}): writes create new files after an "
         "untimed os.sync(); reads are warm (page cache, the files just written)",
+        "disk tier full: each block evicts one (remove + write, over the removed file) beside "
+        "plain writers doing the same; the evicted files dropped from the page cache first",
         "GB/s: median time (p90 time, the slow tail); ratio = median / reference median",
         "",
         f"{'measurement':<28}{'GB/s':>7}{'p90':>7}  {'reference':<27}{'GB/s':>7}{'p90':>7}"

@@ -32,6 +32,9 @@ def test_quick_json_report_has_every_figure(capsys: pytest.CaptureFixture[str]) 
         "cpu_store",
         "cpu_load",
         "disk_write",
+        "disk_write_full",
+        "disk_write_full_reuse",
+        "disk_write_full_unspared",
         "disk_read",
         "disk_read_2t",
     }
@@ -40,7 +43,11 @@ def test_quick_json_report_has_every_figure(capsys: pytest.CaptureFixture[str]) 
         assert c["ratio"] == pytest.approx(c["gbps"] / c["ref_gbps"])
     # The bars of issue 18, each against its reference in the same run.
     bars = {name: c["bar"] for name, c in r["comparisons"].items() if c["bar"] is not None}
-    assert bars == {"cpu_store": 0.9, "disk_write": 0.9, "disk_read": 0.8}
+    assert bars == {"cpu_store": 0.9, "disk_write": 0.9, "disk_write_full": 0.9, "disk_read": 0.8}
+    # The three rows at capacity share the tier's side; the reuse row's reference is another.
+    full = r["comparisons"]["disk_write_full"]
+    assert r["comparisons"]["disk_write_full_reuse"]["gbps"] == full["gbps"]
+    assert r["comparisons"]["disk_write_full_unspared"]["ref_gbps"] == full["ref_gbps"]
     assert r["disk"]["read_gbps"] == r["comparisons"]["disk_read"]["gbps"]
     assert r["baselines"]["pread_gbps"] == r["comparisons"]["disk_read"]["ref_gbps"]
     od = r["o_direct"]
@@ -65,7 +72,8 @@ def test_human_report_prints_each_tier_beside_its_reference(
     assert f"disk files in {tmp_path}" in out
     for side, ref in [
         ("cpu tier store", "memcpy"),
-        ("disk tier write", "os.pwrite"),
+        ("disk tier write, new file", "os.pwrite, new file"),
+        ("disk tier full: evict+write", "unlink old, pwrite new file"),
         ("disk tier read (verified)", "os.pread"),
     ]:
         line = next(x for x in out.splitlines() if x.startswith(side))

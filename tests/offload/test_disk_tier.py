@@ -315,3 +315,149 @@ def test_any_array_layout_is_written_as_its_bytes_and_read_back(tmp_path: Path, 
         out = np.zeros(BLOCK, dtype=np.uint8)
         tier.read(KEY, 0, out)
         assert out.tobytes() == np.ascontiguousarray(data).tobytes()
+
+
+def _spares(root: Path) -> list[Path]:
+    return sorted(root.glob("spare/*.kvs"))
+
+
+def test_a_removed_blocks_file_is_renamed_aside_and_overwritten_by_the_next_write(
+    tmp_path: Path,
+) -> None:
+    tier = _tier(tmp_path)
+    a, b = _key(1), _key(2)
+    tier.write(a, 0, _data())
+    inode = tier.file_of(a).stat().st_ino
+    tier.remove(a, 0)
+    assert not tier.file_of(a).exists()
+    assert [p.stat().st_ino for p in _spares(tmp_path)] == [inode]
+    assert list(tier.scan()) == []  # a spare file is never taken for a block
+    second = _data()[::-1].copy()
+    tier.write(b, 0, second)  # overwrites the spare: no new file
+    assert tier.file_of(b).stat().st_ino == inode
+    assert not _spares(tmp_path)
+    out = np.zeros(BLOCK, dtype=np.uint8)
+    tier.read(b, 0, out)
+    assert np.array_equal(out, second)
+    with pytest.raises(CorruptEntryError, match="gone"):
+        tier.read(a, 0, out)
+    tier.write(a, 1, _data())  # no spare left: a new file
+    tier.read(a, 1, out)
+    assert np.array_equal(out, _data())
+
+
+class _Crash(BaseException):
+    """The process dies mid-write (nothing of the write's own clean-up runs)."""
+
+
+class _CrashingTier(DiskTier):
+    """Dies in the system call that writes at ``at`` (0: the payload, BLOCK: the trailer),
+    after writing its first ``cut`` bytes."""
+
+    at = 0
+    cut = 0
+
+    def _pwrite(self, fd: int, data: object, offset: int) -> int:
+        if offset == self.at:
+            if self.cut:
+                os.pwrite(fd, bytes(memoryview(data))[: self.cut], offset)  # type: ignore[arg-type]
+            raise _Crash
+        return super()._pwrite(fd, data, offset)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("at", "cut"),
+    [(0, 0), (0, BLOCK // 2), (0, BLOCK - 1), (BLOCK, 0), (BLOCK, 24), (BLOCK, 40)],
+    ids=[
+        "renamed only",
+        "half the payload",
+        "all but a byte",
+        "payload, no trailer",
+        "trailer torn in the key",
+        "trailer torn after the key",
+    ],
+)
+def test_a_torn_overwrite_of_a_spare_file_is_a_miss_never_the_block_it_held(
+    tmp_path: Path, at: int, cut: int
+) -> None:
+    # The trailer binds the key: the spare file renamed to b's name still ends with a's
+    # trailer (and a's payload, whole or in part) until b's trailer lands. A reader that
+    # checked the checksum alone would take a's bytes for b's in the first case.
+    old, new = _data(), _data()[::-1].copy()
+    a, b = _key(1), _key(2)
+    tier = _CrashingTier(
+        TierConfig(
+            name="disk",
+            index=1,
+            capacity_bytes=1 << 20,
+            block_bytes=BLOCK,
+            options={"path": str(tmp_path)},
+        )
+    )
+    tier.open()
+    tier.at, tier.cut = -1, 0
+    tier.write(a, 0, old)
+    tier.remove(a, 0)
+    tier.at, tier.cut = at, cut
+    with pytest.raises(_Crash):
+        tier.write(b, 0, new)
+    path = tier.file_of(b)
+    assert path.stat().st_size == BLOCK + DISK_TRAILER_BYTES
+    after = _tier(tmp_path, open_files=0)  # a restart: reads open the file by name
+    out = np.zeros(BLOCK, dtype=np.uint8)
+    problem = "checksum mismatch" if (at, cut) == (BLOCK, 40) else "another key"
+    with pytest.raises(CorruptEntryError, match=f"{problem}; removed"):
+        after.read(b, 0, out)
+    assert not path.exists()
+    with pytest.raises(CorruptEntryError, match="gone"):
+        after.read(a, 0, out)
+
+
+def test_spare_files_zero_unlinks_and_bad_values_are_refused(tmp_path: Path) -> None:
+    tier = _tier(tmp_path, spare_files=0)
+    tier.write(KEY, 0, _data())
+    tier.remove(KEY, 0)
+    assert not tier.file_of(KEY).exists()
+    assert not _spares(tmp_path)
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ConfigError, match=r"spare_files: got .*expected an int >= 0"):
+            _tier(tmp_path, spare_files=bad)
+
+
+def test_spares_are_capped_damaged_files_not_kept_and_close_unlinks_them(
+    tmp_path: Path,
+) -> None:
+    tier = _tier(tmp_path, spare_files=2)
+    for i in range(4):
+        tier.write(_key(i), i, _data())
+    short = tier.file_of(_key(3))
+    short.write_bytes(short.read_bytes()[:-1])
+    tier.remove(_key(3), 3)  # not a whole block file: unlinked, never reused
+    assert not short.exists()
+    assert not _spares(tmp_path)
+    for i in range(3):
+        tier.remove(_key(i), i)
+    assert len(_spares(tmp_path)) == 2  # the third is unlinked
+    assert not list(tmp_path.rglob("*.kvb"))
+    tier.close()
+    assert not _spares(tmp_path)
+
+
+def test_scan_removes_old_spare_files_and_a_write_then_makes_a_new_file(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    for i in range(2):
+        tier.write(_key(i), i, _data())
+    for i in range(2):
+        tier.remove(_key(i), i)
+    old, young = _spares(tmp_path)
+    _age(old)
+    other = _tier(tmp_path)  # another engine (or a restart) sharing the directory
+    assert list(other.scan()) == []
+    assert _spares(tmp_path) == [young]
+    # The first engine's writes take its spares, newest first, and get over a vanished one.
+    out = np.zeros(BLOCK, dtype=np.uint8)
+    for i in (5, 6):
+        tier.write(_key(i), i, _data())
+        tier.read(_key(i), i, out)
+        assert np.array_equal(out, _data())
+    assert not _spares(tmp_path)

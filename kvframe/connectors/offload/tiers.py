@@ -26,6 +26,27 @@ writing it), removed when older (a crash's leftover). Two engines writing the sa
 can leave a payload of one with the trailer of the other: the checksum refuses that file, so a
 read never returns bytes the trailer does not vouch for.
 
+**Spare files.** A removal (an eviction, mostly) does not unlink the block's file: it renames
+it to ``path/spare/<pid>-<random>-<n>.kvs`` (when it is a whole block file, up to
+``spare_files`` of them), and the next write renames a spare to its own block's name and
+overwrites it (opened without ``O_TRUNC``, the trailer's page asked for with
+``POSIX_FADV_WILLNEED`` first: the trailer's ``pwrite`` covers only part of that page, which the
+kernel must read when it is not cached). No file is created, no blocks are freed and
+allocated again: at capacity, evicting a block and writing another ran 1.9 – 3.0× as fast as
+unlinking the old file and creating a new one, and 2.2 – 3.3× as fast as this tier did before
+(``docs/offloading.md``). Until the new trailer
+lands, the file still ends with the trailer of the block it held: its key is not the new
+block's, so a read of the new key is a miss ("the trailer names another key"), and the old
+key's name is gone. The key in the trailer is what makes this safe: a spare renamed but not yet
+overwritten is a whole, checksummed block of another key. :meth:`DiskTier.scan` removes the spare
+files whose bytes last changed more than :data:`IN_PROGRESS_GRACE_S` before (a rename keeps the
+modification time, so that is most of them: a crash's leftovers, and those of another engine
+sharing the directory, whose next write then finds its spare gone and creates a file);
+:meth:`DiskTier.close` removes the tier's own.
+A reader in another engine sharing the directory that comes in the middle of an overwrite
+finds a trailer naming another key and removes the file, as it does for any such file: that
+block is a miss for both engines, never misread.
+
 The payload sits at offset 0 so that the kernel copies it between page-cache pages and
 page-aligned memory (the CPU tier's slots are page-aligned) at the same offset within a page:
 on the machines we measured, a copy where the two offsets differ runs at 3 GB/s instead of
@@ -41,7 +62,10 @@ alone, then the trailer: faster than one ``os.writev`` of both) and one ``os.pre
 write-through cheap. Options: ``path`` (required, a directory;
 created), ``fsync`` (bool, default false: fsync each file after its trailer, for crash
 durability at a large cost per block), ``open_files`` (int >= 0: how many written files stay
-open; default 1024, or an eighth of ``RLIMIT_NOFILE`` when that is lower; 0 keeps none).
+open; default 1024, or an eighth of ``RLIMIT_NOFILE`` when that is lower; 0 keeps none),
+``spare_files`` (int >= 0: how many removed blocks' files are kept for writes to overwrite,
+see above; default 256; 0 unlinks every removed block's file; spares take disk space beside
+``capacity_bytes``, at most ``spare_files`` blocks).
 
 ``ENOSPC`` (``EDQUOT``) raises :class:`~kvframe.spi.offload.TierFullError`; the connector
 then stops writing to the tier.
@@ -54,6 +78,7 @@ import contextlib
 import errno
 import mmap
 import os
+import secrets
 import struct
 import threading
 import time
@@ -104,10 +129,16 @@ _OLD_VERSIONS = {1: "a CRC-32 header in front of the payload"}
 # Releases the GIL (checked: a Python loop beside a thread hashing 256 MiB never stalls).
 _checksum = xxhash.xxh3_64_intdigest
 _SUFFIX = ".kvb"
+# Removed blocks' files waiting to be overwritten by a write (see the module docstring): in
+# a sub-directory whose name is not two hex digits, so scan() never takes them for blocks.
+_SPARE_DIR = "spare"
+_SPARE_SUFFIX = ".kvs"
 IN_PROGRESS_GRACE_S = 30.0
 """A file shorter than a block file that changed less than this many seconds ago is a miss
-but stays on disk (a write may be under way); an older one is removed."""
+but stays on disk (a write may be under way); an older one is removed. :meth:`DiskTier.scan`
+removes the spare files that changed longer ago than this."""
 _NOSPACE = {errno.ENOSPC, errno.EDQUOT}
+_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
 def _torch_pinned() -> bool:
@@ -196,7 +227,7 @@ class DiskTier(OffloadTier):
 
     def __init__(self, config: TierConfig) -> None:
         super().__init__(config)
-        _check_options(config, ("path", "fsync", "open_files"))
+        _check_options(config, ("path", "fsync", "open_files", "spare_files"))
         path = config.options.get("path")
         if not isinstance(path, str) or not path:
             raise ConfigError(
@@ -212,6 +243,19 @@ class DiskTier(OffloadTier):
                 f"{config.path}.open_files: got {open_files!r}; expected an int >= 0 (0 keeps "
                 "no file open)"
             )
+        spare_files = config.options.get("spare_files", 256)
+        if isinstance(spare_files, bool) or not isinstance(spare_files, int) or spare_files < 0:
+            raise ConfigError(
+                f"{config.path}.spare_files: got {spare_files!r}; expected an int >= 0 (0 "
+                "unlinks the file of every removed block)"
+            )
+        self.spare_files = spare_files
+        """How many removed blocks' files this tier keeps for writes to overwrite (see the
+        module docstring)."""
+        self._spares: list[str] = []
+        self._spares_lock = threading.Lock()
+        self._spare_dir: str | None = None
+        self._spare_serial = 0
         self.root = Path(path)
         self._root = str(self.root)
         self.fsync = fsync
@@ -268,8 +312,11 @@ class DiskTier(OffloadTier):
         try:
             self._sub_dir(key)
             # In place, the trailer last: until the trailer lands, a reader finds the file
-            # too short and leaves it alone (see read); no temporary name, no rename.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            # too short and leaves it alone (see read), or, over a reused spare, a trailer
+            # that names the key the file held before: a miss either way.
+            fd = self._reuse(path) if self._spares else -1
+            if fd < 0:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             kept = False
             try:
                 written = self._pwrite(fd, payload, 0)
@@ -301,6 +348,32 @@ class DiskTier(OffloadTier):
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
+
+    def _reuse(self, path: str) -> int:
+        """A spare file (a removed block's) renamed to ``path`` and opened for writing, or -1
+        when there is none (or it vanished: another engine's :meth:`scan` removes old spare
+        files). The file keeps the removed block's bytes and trailer until the write
+        overwrites them: a reader in between finds a trailer that names another key, a miss."""
+        while True:
+            with self._spares_lock:
+                if not self._spares:
+                    return -1
+                spare = self._spares.pop()
+            try:
+                os.rename(spare, path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(spare)
+                continue
+            fd = os.open(path, os.O_RDWR)
+            if _WILLNEED is not None:
+                # The trailer's page, which the trailer's pwrite covers only in part: the
+                # kernel must read it first when it is not cached (an evicted block's file
+                # seldom is), about 70 µs on our virtual disk. Asked for now, it is read
+                # while the payload is copied (measured: 127 µs instead of 156 a block).
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, self.config.block_bytes, _TRAILER.size, _WILLNEED)
+            return fd
 
     def _keep(self, key: bytes, fd: int) -> bool:
         """Keep ``fd`` open as ``key``'s file (closing the oldest kept one beyond
@@ -410,8 +483,28 @@ class DiskTier(OffloadTier):
     def remove(self, key: bytes, slot: int) -> None:
         # Best effort: a later read finds the file gone or damaged and removes what is left.
         self._forget(key)
+        path = self._path(key)
         with contextlib.suppress(OSError):
-            os.unlink(self._path(key))
+            if len(self._spares) < self.spare_files and self._spare(path):
+                return
+            os.unlink(path)
+
+    def _spare(self, path: str) -> bool:
+        """Rename the block file at ``path`` to a spare name for a later write to overwrite
+        (see the module docstring); ``False`` when it is not a whole block file (damaged or
+        too short: unlinked instead). Raises ``OSError`` when it is gone."""
+        if os.stat(path).st_size != self.config.block_bytes + DISK_TRAILER_BYTES:
+            return False
+        if self._spare_dir is None:
+            os.makedirs(f"{self._root}/{_SPARE_DIR}", exist_ok=True)
+            self._spare_dir = f"{self._root}/{_SPARE_DIR}/{os.getpid()}-{secrets.token_hex(4)}-"
+        with self._spares_lock:
+            self._spare_serial += 1
+            spare = f"{self._spare_dir}{self._spare_serial}{_SPARE_SUFFIX}"
+        os.rename(path, spare)
+        with self._spares_lock:
+            self._spares.append(spare)
+        return True
 
     def close(self) -> None:
         with self._fds_lock:
@@ -419,10 +512,16 @@ class DiskTier(OffloadTier):
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        with self._spares_lock:
+            spares, self._spares = self._spares, []
+        for spare in spares:
+            with contextlib.suppress(OSError):
+                os.unlink(spare)
 
     def scan(self) -> Iterator[bytes]:
         if not self.root.is_dir():
             return
+        _remove_old_spares(self.root / _SPARE_DIR)
         for sub in sorted(self.root.iterdir()):
             if not sub.is_dir() or len(sub.name) != 2:
                 continue
@@ -454,6 +553,20 @@ def _default_open_files() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1024
     return max(0, min(1024, soft // 8))
+
+
+def _remove_old_spares(spare_dir: Path) -> None:
+    """Unlink the spare files under ``spare_dir`` whose bytes last changed more than
+    :data:`IN_PROGRESS_GRACE_S` ago (a rename keeps the modification time): a crashed
+    engine's, or another live one's (whose next write then finds its spare gone and creates a
+    new file)."""
+    if not spare_dir.is_dir():
+        return
+    now = time.time()
+    for f in spare_dir.iterdir():
+        with contextlib.suppress(OSError):
+            if f.name.endswith(_SPARE_SUFFIX) and now - f.stat().st_mtime >= IN_PROGRESS_GRACE_S:
+                f.unlink()
 
 
 def _young(path: str) -> bool:
