@@ -59,6 +59,9 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Local, Peer, Any, boo
     h = end.t.warm_up(peer.name)
     assert _wait(end.t, h) is XferState.DONE
     end.t.release(h)
+    # The warm-up's last READ went through the notification agent: proven, it carries the
+    # notifications to this peer from now on.
+    assert end.t.stats()["notify_agent_peers"] == (1 if on else 0)
     yield end, peer, remote, on
     peer.stop()
     end.t.close()
@@ -149,3 +152,77 @@ def test_a_notifier_name_is_refused_as_a_transport_or_a_peer() -> None:
 def test_the_option_is_validated() -> None:
     with pytest.raises(ConfigError, match="notify_agent"):
         NixlTransport.create(TransportParams(name=f"NV-{os.getpid()}", options={"notify_agent": 1}))
+
+
+def _waits_after_a_notification(end: Local, peer: Peer, remote: Any, rounds: int) -> int:
+    """How many of ``rounds`` READs right after a standalone notification waited for the
+    slow peer."""
+    waited = 0
+    for r in range(rounds):
+        end.t.send_notification(peer.name, b"n-%d" % r)
+        t0 = time.monotonic()
+        h = end.t.post(Op.READ, end.local, [30 + r], remote, [30 + r])
+        assert _wait(end.t, h) is XferState.DONE
+        end.t.release(h)
+        waited += time.monotonic() - t0 > SLOW / 4
+    return waited
+
+
+def test_notifications_use_the_notification_agent_only_once_a_warm_up_proved_it() -> None:
+    """Until a warm-up's READ through the notification agent completed, notifications leave
+    from the transport's own agent (as with the option off: a READ after one waits for the
+    slow peer); after it, they leave from the notification agent. A connection of the
+    notification agent that never came up therefore cannot swallow them."""
+    end = Local(f"NW-{os.getpid()}", {"post_thread": False, "notify_agent": True})
+    peer = Peer(f"NWP-{os.getpid()}", pump_interval=SLOW)
+    try:
+        remote = end.connect(peer)
+        # Wire the READ endpoint up without a warm-up: one READ polled to completion.
+        h = end.t.post(Op.READ, end.local, [0], remote, [0])
+        assert _wait(end.t, h) is XferState.DONE
+        end.t.release(h)
+        assert end.t.stats()["notify_agent_peers"] == 0
+        assert _waits_after_a_notification(end, peer, remote, 3) >= 2
+        h = end.t.warm_up(peer.name)
+        assert _wait(end.t, h) is XferState.DONE
+        end.t.release(h)
+        assert end.t.stats()["notify_agent_peers"] == 1
+        assert _waits_after_a_notification(end, peer, remote, 3) == 0
+        got = _drain(peer, end.t, 6)
+        assert got == [[end.t.name, b"n-%d" % (r % 3)] for r in range(6)]
+    finally:
+        peer.stop()
+        end.t.close()
+
+
+def test_a_failed_proof_leaves_the_warm_up_done_and_notifications_on_the_own_agent() -> None:
+    """The notification agent's READ fails (simulated: NIXL refuses it): the warm-up still
+    ends DONE (the READs of the transport's own agent succeeded), nothing counts as a failed
+    transfer, and notifications keep leaving from the transport's own agent."""
+
+    class Refusing:
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("nixlBackendError: refused for the test")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+    end = Local(f"NF-{os.getpid()}", {"post_thread": False, "notify_agent": True})
+    peer = Peer(f"NFP-{os.getpid()}", pump_interval=SLOW)
+    try:
+        end.connect(peer)
+        end.t._notifier = Refusing(end.t._notifier)  # type: ignore[attr-defined]
+        failed = end.t.stats()["transfers_failed"]
+        h = end.t.warm_up(peer.name)
+        assert _wait(end.t, h) is XferState.DONE
+        end.t.release(h)
+        assert end.t.stats()["notify_agent_peers"] == 0
+        assert end.t.stats()["transfers_failed"] == failed
+        end.t.send_notification(peer.name, b"still-here")
+        assert _drain(peer, end.t, 1) == [[end.t.name, b"still-here"]]
+    finally:
+        peer.stop()
+        end.t.close()

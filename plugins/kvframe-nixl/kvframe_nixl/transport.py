@@ -43,16 +43,19 @@
       about 40 µs more per request than the prepared one and the copy is no faster
       (docs/nixl.md has the figures); turn it on where each descriptor is a network operation
       (RDMA, `tcp`).
-    - `notify_agent` (bool, default `True`): send every notification from a second NIXL
-      agent, `<name>#notify` (its own UCX worker and endpoints), so that no notification goes
-      on the endpoint this side's READs and WRITEs use: after one there, NIXL completes the
+    - `notify_agent` (bool, default `True`): send notifications from a second NIXL agent,
+      `<name>#notify` (its own UCX worker and endpoints), so that no notification goes on
+      the endpoint this side's READs and WRITEs use: after one there, NIXL completes the
       next transfer only at the peer's next progress point instead of inside the post
-      (docs/nixl.md has the figures). A notification attached to a transfer is then sent by
-      this transport once a `poll` (or `post` itself) sees the transfer DONE, still after
-      every byte landed. Receivers report a notification agent's messages as from the
-      transport itself, whichever setting either side has; a transport name ending in
-      `#notify` is refused. Costs one more NIXL agent, one more `add_remote_agent` per peer,
-      and one progress call of that agent after each send.
+      (docs/nixl.md has the figures). Per peer, and only once proven: `warm_up(peer)` ends
+      with one READ through that agent, and only when it completed do notifications to the
+      peer leave from it (before, or if it fails, they leave from the transport's own agent,
+      as with the option off). A notification attached to a transfer is then sent by this
+      transport once a `poll` (or `post` itself) sees the transfer DONE, still after every
+      byte landed. Receivers report a notification agent's messages as from the transport
+      itself, whichever setting either side has; a transport name ending in `#notify` is
+      refused. Costs one more NIXL agent, one more `add_remote_agent` per peer, one READ
+      in each warm-up, and one progress call of that agent after each send.
     - `ucx_env` (mapping of `UCX_*` names to str, default empty): UCX settings applied while
       the backends are created (UCX reads its configuration then), e.g.
       `{"UCX_TLS": "tcp", "UCX_TCP_USER_TIMEOUT": "5s"}`. Without `UCX_TCP_USER_TIMEOUT` a cut
@@ -87,7 +90,8 @@
   spent in `post`), `nixl_post_us` and `nixl_xfer_us` (NIXL's own telemetry of completed
   transfers), `notifications_sent`, `notifications_received`, `peers_rebuilt` (`add_peer`
   calls that replaced a known peer), `peers`, `warmups` (`warm_up` calls),
-  `warmup_notifications_dropped` (peers' warm-up notifications received and dropped).
+  `warmup_notifications_dropped` (peers' warm-up notifications received and dropped),
+  `notify_agent_peers` (peers whose notifications leave from the notification agent).
 - **Warm-up** (`warm_up=True`): each transport registers a one-page buffer of its own
   (`WARMUP_BUFFER_BYTES`) and names it, with a random 16-byte token, in its metadata
   envelope (optional keys, validated: a bad value refuses the metadata). `warm_up(peer)`
@@ -315,6 +319,10 @@ class _Peer:
     # A transfer with the peer failed as unreachable: notifications are refused until a
     # rebuild (the notification agent's own endpoint would not know).
     unreachable: str | None = None
+    # The notification agent's prepared list of the peer's warm-up buffer, and whether a READ
+    # through it completed (only then do notifications to this peer leave from that agent).
+    notify_warm: Any = None
+    notify_ok: bool = False
 
 
 @attrs.define(eq=False)
@@ -335,6 +343,7 @@ class _Xfer:
     deferred: bytes | None = None
     sync: bool = False  # transfer() itself answered DONE (the copy happened in the post)
     warm_job: tuple[Any, ...] | None = None  # a warm-up's job, posted again until warm
+    agent: Any = None  # the NIXL agent it was posted on (None: the transport's own)
     rounds: int = 0  # warm-up READs completed so far
 
 
@@ -520,6 +529,23 @@ class NixlTransport(Transport):
                     agent.deregister_memory(reg)
             raise
         self._warm_reg = reg
+        self._notify_reg: Any = None
+        self._notify_warm_local: Any = None
+        if self._notifier is not None:
+            # The notification agent reads into the same warm-up buffer: the READ that proves
+            # its connection to a peer works (see warm_up).
+            try:
+                with _translate("registering the warm-up buffer with the notification agent"):
+                    self._notify_reg = self._notifier.register_memory(
+                        _warm_row(addr, WARMUP_BUFFER_BYTES), "DRAM"
+                    )
+                    self._notify_warm_local = self._notifier.prep_xfer_dlist(
+                        "NIXL_INIT_AGENT", _warm_row(addr, WARMUP_BYTES), "DRAM"
+                    )
+            except TransportError:
+                with contextlib.suppress(Exception):
+                    agent.deregister_memory(reg)
+                raise
         self._worker = _PostWorker(self._run_job) if self._opts.post_thread else None
 
     @classmethod
@@ -694,6 +720,7 @@ class NixlTransport(Transport):
                 raise PeerUnreachableError(
                     f"peer metadata is inconsistent: envelope names {name!r}, agent blob {loaded!r}"
                 )
+            notify_warm = None
             if self._notifier is not None:
                 try:
                     with (
@@ -707,11 +734,16 @@ class NixlTransport(Transport):
                         with contextlib.suppress(Exception):
                             self._notifier.remove_remote_agent(name)  # a stale one, if any
                         self._notifier.add_remote_agent(agent_md)
+                        if warm is not None:
+                            with contextlib.suppress(Exception):
+                                notify_warm = self._notifier.prep_xfer_dlist(
+                                    name, _warm_row(warm, WARMUP_BYTES), "DRAM"
+                                )
                 except PeerUnreachableError:
                     with contextlib.suppress(Exception), self._lock:
                         self._agent.remove_remote_agent(name)
                     raise
-            conn = _Peer(name=name, warm_token=token)
+            conn = _Peer(name=name, warm_token=token, notify_warm=notify_warm)
             if warm is not None:
                 # The peer's warm-up buffer, prepared now so a warm-up costs one post. NIXL
                 # refuses an address outside the peer's registered memory: no warm-ups then.
@@ -761,10 +793,12 @@ class NixlTransport(Transport):
         with self._lock:
             for lh in peer.prepared.values():
                 self._release_prepared(lh)
-            if peer.warm is not None:
-                with contextlib.suppress(Exception):
-                    peer.warm.release()
-                peer.warm = None
+            for dl in (peer.warm, peer.notify_warm):
+                if dl is not None:
+                    with contextlib.suppress(Exception):
+                        dl.release()
+            peer.warm = peer.notify_warm = None
+            peer.notify_ok = False
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(peer.name)
             if self._notifier is not None:
@@ -872,7 +906,7 @@ class NixlTransport(Transport):
         lids, rids, nbytes = req.pairs.local, req.pairs.remote, req.pairs.nbytes
         notif = req.notification if req.notification is not None else b""
         rec = _Xfer(peer=conn)
-        if req.notification is not None and (self._notifier is not None or notif == b""):
+        if req.notification is not None and (conn.notify_ok or notif == b""):
             # Sent once the transfer is seen DONE (see _finish), from the notification agent.
             rec.deferred, notif = req.notification, b""
         handle, tr = kit.Transfer.post(self, rec, op=req.op, peer=peer, pairs=req.pairs)
@@ -979,10 +1013,11 @@ class NixlTransport(Transport):
     def _post_native(self, rec: _Xfer, job: tuple[Any, ...]) -> None:
         """make_prepped_xfer + transfer; the caller holds ``self._lock``. Never raises:
         a native error is kept in ``rec.native_error`` (and the native handle released)."""
+        agent = self._agent if rec.agent is None else rec.agent
         try:
             if len(job) == 7:  # prepared lists and descriptor ids
                 _, op, ldl, lids, rdl, rids, notif = job
-                rec.handle = self._agent.make_prepped_xfer(op, ldl, lids, rdl, rids, notif)
+                rec.handle = agent.make_prepped_xfer(op, ldl, lids, rdl, rids, notif)
             else:  # merged runs: (address, length, device) rows of both sides
                 _, op, (lrows, mem), rrows, peer, notif = job
                 rec.handle = self._agent.initialize_xfer(
@@ -992,7 +1027,7 @@ class NixlTransport(Transport):
                     peer,
                     notif,
                 )
-            rec.status = self._agent.transfer(rec.handle)
+            rec.status = agent.transfer(rec.handle)
             rec.sync = rec.status == "DONE"
             if rec.sync:
                 self._read_telemetry(rec)
@@ -1013,9 +1048,9 @@ class NixlTransport(Transport):
                     if not rec.cancelled:
                         self._post_native(rec, body)
                 elif kind == "notif":
-                    peer, payload = body
+                    peer, payload, via = body
                     with contextlib.suppress(Exception):
-                        self._send_notif(peer, payload)
+                        self._send_notif(peer, payload, via)
                 # Progress while the caller cannot (it never waits for this lock in poll).
                 self._collect_notifications()
             finally:
@@ -1038,6 +1073,8 @@ class NixlTransport(Transport):
             time.sleep(0)
             return tr.status
         if rec.native_error is not None:
+            if self._probe_failed(tr):
+                return tr.status
             self._fail(tr, rec.native_error, "posting a transfer")
             return tr.status
         if rec.status == "PROC":
@@ -1045,7 +1082,8 @@ class NixlTransport(Transport):
                 time.sleep(0)  # the worker is inside NIXL: answer from what we know, yield
                 return tr.status
             try:
-                rec.status = self._agent.check_xfer_state(rec.handle)
+                agent = self._agent if rec.agent is None else rec.agent
+                rec.status = agent.check_xfer_state(rec.handle)
                 if rec.status == "DONE":
                     self._read_telemetry(rec)
             except Exception as exc:
@@ -1053,15 +1091,33 @@ class NixlTransport(Transport):
             finally:
                 self._lock.release()
             if rec.native_error is not None:
+                if self._probe_failed(tr):
+                    return tr.status
                 self._fail(tr, rec.native_error, "checking a transfer")
                 return tr.status
         if rec.status == "DONE" and rec.warm_job is not None and self._warm_again(tr):
             return tr.status
         if rec.status == "DONE":
             self._finish(tr)
-        elif rec.status != "PROC":
+        elif rec.status != "PROC" and not self._probe_failed(tr):
             self._fail(tr, None, "checking a transfer")
         return tr.status
+
+    def _probe_failed(self, tr: kit.Transfer[_Xfer]) -> bool:
+        """A warm-up's READ through the notification agent failed: the warm-up itself (the
+        READs on the transport's own agent) succeeded, so it ends DONE, and notifications to
+        the peer keep leaving from the transport's own agent. ``False`` for any other
+        transfer."""
+        rec = tr.record
+        if rec.agent is None or rec.warm_job is None:
+            return False
+        if rec.handle is not None:
+            with self._lock, contextlib.suppress(Exception):
+                rec.handle.release()
+            rec.handle = None
+        rec.native_error, rec.status = None, "DONE"
+        self._finish(tr)
+        return True
 
     def _warm_again(self, tr: kit.Transfer[_Xfer]) -> bool:
         """A warm-up READ completed: post another one (and answer ``True``: still pending)
@@ -1072,10 +1128,24 @@ class NixlTransport(Transport):
         completes after one or two of the peer's progress points, and the endpoint is
         fully wired only after two."""
         rec = tr.record
-        rec.rounds += 1
-        if rec.sync or rec.rounds >= WARMUP_ROUNDS:
+        peer = rec.peer
+        if rec.agent is not None:
+            # The notification agent's READ completed: its connection to the peer works, so
+            # notifications to the peer leave from it from now on.
+            peer.notify_ok = True
             return False
-        job = rec.warm_job
+        rec.rounds += 1
+        if not (rec.sync or rec.rounds >= WARMUP_ROUNDS):
+            job = rec.warm_job
+        elif self._notifier is not None and peer.notify_warm is not None and not peer.notify_ok:
+            # One READ through the notification agent proves its connection (a notification
+            # there would otherwise leave unconfirmed, and a connection that never came up
+            # would swallow every one of them).
+            rec.agent = self._notifier
+            job = (rec, "READ", self._notify_warm_local, [0], peer.notify_warm, [0], b"")
+            rec.warm_job = job
+        else:
+            return False
         assert job is not None
         with self._lock:
             if rec.handle is not None:
@@ -1083,16 +1153,21 @@ class NixlTransport(Transport):
                     rec.handle.release()
             rec.handle, rec.posted, rec.status, rec.sync = None, False, "", False
         try:
-            self._dispatch(rec, job, WARMUP_BYTES, rec.peer.name)
+            self._dispatch(rec, job, WARMUP_BYTES, peer.name)
         except TransportError as exc:  # counted as a failed transfer by _dispatch
+            if rec.agent is not None:
+                self._stats["transfers_failed"] -= 1  # not the warm-up's failure: see poll
+                rec.native_error, rec.status = None, "DONE"
+                self._finish(tr)
+                return True
             tr.fail(exc)
-            rec.peer.inflight.discard(tr)
+            peer.inflight.discard(tr)
         return True
 
     def _read_telemetry(self, rec: _Xfer) -> None:
         """Keep NIXL's timing of a completed transfer; the caller holds ``self._lock``."""
         with contextlib.suppress(Exception):
-            tel = self._agent.get_xfer_telemetry(rec.handle)
+            tel = (self._agent if rec.agent is None else rec.agent).get_xfer_telemetry(rec.handle)
             rec.telemetry = (float(tel.postDuration), float(tel.xferDuration))
 
     def _finish(self, tr: kit.Transfer[_Xfer]) -> None:
@@ -1172,26 +1247,28 @@ class NixlTransport(Transport):
                 f"nixl: not sending to {peer!r}: a transfer found it unreachable "
                 f"({conn.unreachable}); add_peer again to reconnect"
             )
+        via = self._notifier if conn.notify_ok else None
         if self._worker is not None and self._worker.busy:
-            self._worker.submit(("notif", (peer, data)))
+            self._worker.submit(("notif", (peer, data, via)))
         else:
             with (
                 self._lock,
                 _translate("sending a notification", peer=peer, default=PeerUnreachableError),
             ):
-                self._send_notif(peer, data)
+                self._send_notif(peer, data, via)
         self._stats["notifications_sent"] += 1
 
-    def _send_notif(self, peer: str, data: bytes) -> None:
-        """NIXL's send, from the notification agent when there is one; the caller holds
-        ``self._lock``. The notification agent is driven once right after, or the message
-        waits in it until the next :meth:`progress`."""
-        if self._notifier is None:
+    def _send_notif(self, peer: str, data: bytes, via: Any) -> None:
+        """NIXL's send, from ``via`` (the notification agent, once a READ through it proved
+        its connection to ``peer``: see :meth:`warm_up`) or else from the transport's own
+        agent; the caller holds ``self._lock``. The notification agent is driven once right
+        after, or the message waits in it until the next :meth:`progress`."""
+        if via is None:
             self._agent.send_notif(peer, data)
             return
-        self._notifier.send_notif(peer, data)
+        via.send_notif(peer, data)
         with contextlib.suppress(Exception):
-            self._notifier.get_new_notifs()
+            via.get_new_notifs()
 
     def _collect_notifications(self) -> None:
         """get_new_notifs into the inbox; the caller holds ``self._lock``."""
@@ -1237,6 +1314,7 @@ class NixlTransport(Transport):
         out = dict(self._stats)
         out["peers"] = float(len(self._peers))
         out["warmup_notifications_dropped"] = float(self._warm_dropped)
+        out["notify_agent_peers"] = float(sum(1 for e in self._peers if e.conn.notify_ok))
         return out
 
     def close(self) -> None:
@@ -1268,6 +1346,11 @@ class NixlTransport(Transport):
                 self._warm_local.release()
             with contextlib.suppress(Exception):
                 self._agent.deregister_memory(self._warm_reg)
+            if self._notifier is not None:
+                with contextlib.suppress(Exception):
+                    self._notify_warm_local.release()
+                with contextlib.suppress(Exception):
+                    self._notifier.deregister_memory(self._notify_reg)
         self._agent = None
         self._notifier = None
 
