@@ -907,7 +907,8 @@ class NixlTransport(Transport):
         notif = req.notification if req.notification is not None else b""
         rec = _Xfer(peer=conn)
         if req.notification is not None and (conn.notify_ok or notif == b""):
-            # Sent once the transfer is seen DONE (see _finish), from the notification agent.
+            # Sent by send_notification once the transfer is seen DONE (see _finish): from
+            # the proven notification agent, or (b"", which NIXL takes for none) as usual.
             rec.deferred, notif = req.notification, b""
         handle, tr = kit.Transfer.post(self, rec, op=req.op, peer=peer, pairs=req.pairs)
         ndesc = len(lids)
