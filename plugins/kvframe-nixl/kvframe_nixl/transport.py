@@ -1014,7 +1014,7 @@ class NixlTransport(Transport):
     def _post_native(self, rec: _Xfer, job: tuple[Any, ...]) -> None:
         """make_prepped_xfer + transfer; the caller holds ``self._lock``. Never raises:
         a native error is kept in ``rec.native_error`` (and the native handle released)."""
-        agent = self._agent if rec.agent is None else rec.agent
+        agent = self._agent_of(rec)
         try:
             if len(job) == 7:  # prepared lists and descriptor ids
                 _, op, ldl, lids, rdl, rids, notif = job
@@ -1083,8 +1083,7 @@ class NixlTransport(Transport):
                 time.sleep(0)  # the worker is inside NIXL: answer from what we know, yield
                 return tr.status
             try:
-                agent = self._agent if rec.agent is None else rec.agent
-                rec.status = agent.check_xfer_state(rec.handle)
+                rec.status = self._agent_of(rec).check_xfer_state(rec.handle)
                 if rec.status == "DONE":
                     self._read_telemetry(rec)
             except Exception as exc:
@@ -1158,17 +1157,21 @@ class NixlTransport(Transport):
         except TransportError as exc:  # counted as a failed transfer by _dispatch
             if rec.agent is not None:
                 self._stats["transfers_failed"] -= 1  # not the warm-up's failure: see poll
-                rec.native_error, rec.status = None, "DONE"
-                self._finish(tr)
+                self._probe_failed(tr)
                 return True
             tr.fail(exc)
             peer.inflight.discard(tr)
         return True
 
+    def _agent_of(self, rec: _Xfer) -> Any:
+        """The NIXL agent ``rec`` was posted on (the notification agent for a warm-up's
+        proof READ, else the transport's own)."""
+        return self._agent if rec.agent is None else rec.agent
+
     def _read_telemetry(self, rec: _Xfer) -> None:
         """Keep NIXL's timing of a completed transfer; the caller holds ``self._lock``."""
         with contextlib.suppress(Exception):
-            tel = (self._agent if rec.agent is None else rec.agent).get_xfer_telemetry(rec.handle)
+            tel = self._agent_of(rec).get_xfer_telemetry(rec.handle)
             rec.telemetry = (float(tel.postDuration), float(tel.xferDuration))
 
     def _finish(self, tr: kit.Transfer[_Xfer]) -> None:
