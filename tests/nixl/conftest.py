@@ -28,7 +28,7 @@ pytest.importorskip("kvframe_nixl", reason="install plugins/kvframe-nixl (./dev 
 from kvframe_nixl import NixlTransport
 from nixl_peer import decode_layout, region_bytes
 
-from kvframe.spi.transport import BlockLayout, MemoryRegion, TransportParams
+from kvframe.spi.transport import BlockLayout, MemoryRegion, TransportParams, XferState
 
 PEER_SCRIPT = Path(__file__).with_name("nixl_peer.py")
 
@@ -196,3 +196,12 @@ def peer(local: Local) -> Iterator[tuple[Peer, Any]]:
     remote = local.connect(p)
     yield p, remote
     p.stop()
+
+
+def settle(t: NixlTransport, h: Any, timeout: float = 10.0) -> XferState:
+    """Poll ``h`` on ``t`` (driving ``t``'s progress) until it is no longer pending, at most
+    ``timeout`` seconds; its last state."""
+    deadline = time.monotonic() + timeout
+    while (state := t.poll(h).state) is XferState.PENDING and time.monotonic() < deadline:
+        t.progress()
+    return state

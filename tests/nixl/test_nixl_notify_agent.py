@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from conftest import NUM_BLOCKS, Local, Peer
+from conftest import NUM_BLOCKS, Local, Peer, settle
 from kvframe_nixl import NixlTransport
 from kvframe_nixl.transport import NOTIFY_SUFFIX
 
@@ -31,13 +31,6 @@ pytestmark = pytest.mark.nixl
 
 SLOW = 0.2
 ROUNDS = 4
-
-
-def _wait(t: NixlTransport, h: Any, timeout: float = 10.0) -> XferState:
-    deadline = time.monotonic() + timeout
-    while (state := t.poll(h).state) is XferState.PENDING and time.monotonic() < deadline:
-        t.progress()
-    return state
 
 
 def _drain(p: Peer, t: NixlTransport, want: int, timeout: float = 5.0) -> list[Any]:
@@ -57,7 +50,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Local, Peer, Any, boo
     peer = Peer(f"NP-{mode}-{os.getpid()}", pump_interval=SLOW)
     remote = end.connect(peer)
     h = end.t.warm_up(peer.name)
-    assert _wait(end.t, h) is XferState.DONE
+    assert settle(end.t, h) is XferState.DONE
     end.t.release(h)
     # The warm-up's last READ went through the notification agent: proven, it carries the
     # notifications to this peer from now on.
@@ -79,12 +72,12 @@ def test_a_read_after_a_notification_waits_for_the_peer_only_with_one_agent(
     waited = 0
     for r in range(ROUNDS):
         h = end.t.post(Op.READ, end.local, [0], remote, [1])
-        assert _wait(end.t, h) is XferState.DONE
+        assert settle(end.t, h) is XferState.DONE
         end.t.release(h)
         end.t.send_notification(peer.name, b"hb-%d" % r)
         t0 = time.monotonic()
         h = end.t.post(Op.READ, end.local, [2 + r], remote, [10 + r])
-        assert _wait(end.t, h) is XferState.DONE
+        assert settle(end.t, h) is XferState.DONE
         end.t.release(h)
         if time.monotonic() - t0 > SLOW / 4:
             waited += 1
@@ -105,7 +98,7 @@ def test_an_attached_notification_follows_its_data(pair: tuple[Local, Peer, Any,
     bytes landed here (the transport sends it when it sees the READ done)."""
     end, peer, remote, _ = pair
     h = end.t.post(Op.READ, end.local, [7, 8], remote, [20, 21], notification=b"read-done")
-    assert _wait(end.t, h) is XferState.DONE
+    assert settle(end.t, h) is XferState.DONE
     end.t.release(h)
     np.testing.assert_array_equal(end.view(0)[7:9], peer.expected(0).reshape(NUM_BLOCKS, -1)[20:22])
     assert _drain(peer, end.t, 1) == [[end.t.name, b"read-done"]]
@@ -162,7 +155,7 @@ def _waits_after_a_notification(end: Local, peer: Peer, remote: Any, rounds: int
         end.t.send_notification(peer.name, b"n-%d" % r)
         t0 = time.monotonic()
         h = end.t.post(Op.READ, end.local, [30 + r], remote, [30 + r])
-        assert _wait(end.t, h) is XferState.DONE
+        assert settle(end.t, h) is XferState.DONE
         end.t.release(h)
         waited += time.monotonic() - t0 > SLOW / 4
     return waited
@@ -179,12 +172,12 @@ def test_notifications_use_the_notification_agent_only_once_a_warm_up_proved_it(
         remote = end.connect(peer)
         # Wire the READ endpoint up without a warm-up: one READ polled to completion.
         h = end.t.post(Op.READ, end.local, [0], remote, [0])
-        assert _wait(end.t, h) is XferState.DONE
+        assert settle(end.t, h) is XferState.DONE
         end.t.release(h)
         assert end.t.stats()["notify_agent_peers"] == 0
         assert _waits_after_a_notification(end, peer, remote, 3) >= 2
         h = end.t.warm_up(peer.name)
-        assert _wait(end.t, h) is XferState.DONE
+        assert settle(end.t, h) is XferState.DONE
         end.t.release(h)
         assert end.t.stats()["notify_agent_peers"] == 1
         assert _waits_after_a_notification(end, peer, remote, 3) == 0
@@ -217,7 +210,7 @@ def test_a_failed_proof_leaves_the_warm_up_done_and_notifications_on_the_own_age
         end.t._notifier = Refusing(end.t._notifier)  # type: ignore[attr-defined]
         failed = end.t.stats()["transfers_failed"]
         h = end.t.warm_up(peer.name)
-        assert _wait(end.t, h) is XferState.DONE
+        assert settle(end.t, h) is XferState.DONE
         end.t.release(h)
         assert end.t.stats()["notify_agent_peers"] == 0
         assert end.t.stats()["transfers_failed"] == failed

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from conftest import NUM_BLOCKS, Local, Peer
+from conftest import NUM_BLOCKS, Local, Peer, settle
 from kvframe_nixl import NixlTransport
 from kvframe_nixl.transport import WARMUP_BYTES
 
@@ -24,13 +24,6 @@ from kvframe.errors import CapabilityError, PeerUnreachableError
 from kvframe.spi.transport import Op, TransportParams, XferState
 
 SLOW = 0.2
-
-
-def _wait(t: NixlTransport, h: Any, timeout: float = 10.0) -> XferState:
-    deadline = time.monotonic() + timeout
-    while (state := t.poll(h).state) is XferState.PENDING and time.monotonic() < deadline:
-        t.progress()
-    return state
 
 
 @pytest.fixture(params=[False, True], ids=["inline", "post_thread"])
@@ -58,7 +51,7 @@ def test_warm_up_reads_only_the_warm_up_buffers(fresh: tuple[Local, Peer]) -> No
     assert h.nbytes == WARMUP_BYTES
     assert h.num_descriptors == 1
     assert h.op is Op.READ
-    assert _wait(end.t, h) is XferState.DONE
+    assert settle(end.t, h) is XferState.DONE
     end.t.release(h)
     assert end.t.stats()["warmups"] == 1
     # The warm-up ended with the peer's warm-up token as a notification: the peer dropped it
@@ -75,7 +68,7 @@ def test_warm_up_reads_only_the_warm_up_buffers(fresh: tuple[Local, Peer]) -> No
         )
     # The connection carries real READs afterwards.
     h = end.t.post(Op.READ, end.local, [0, 1], remote, [2, 3])
-    assert _wait(end.t, h) is XferState.DONE
+    assert settle(end.t, h) is XferState.DONE
     end.t.release(h)
     np.testing.assert_array_equal(end.view(0)[:2], peer.expected(0).reshape(NUM_BLOCKS, -1)[2:4])
 
@@ -90,12 +83,12 @@ def test_after_a_warm_up_the_first_read_does_not_wait_for_the_peer(
     remote = end.connect(peer)
     h = end.t.warm_up(peer.name)
     t0 = time.monotonic()
-    assert _wait(end.t, h) is XferState.DONE
+    assert settle(end.t, h) is XferState.DONE
     end.t.release(h)
     waited = time.monotonic() - t0
     posted = time.monotonic()
     h = end.t.post(Op.READ, end.local, [5], remote, [6])
-    assert _wait(end.t, h) is XferState.DONE
+    assert settle(end.t, h) is XferState.DONE
     end.t.release(h)
     # A statement of what happened, not a timing bar: the warm-up waited for the peer's
     # progress (tens of ms at least), the READ after it did not wait for another step.

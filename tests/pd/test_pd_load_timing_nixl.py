@@ -19,6 +19,7 @@ from kvframe.core.reader import ReadState
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
 from kvframe.spi.connector import SchedulerStep
 from kvframe.spi.request import RequestView
+from tests.pd.nixl_bench_env import bench_env
 
 pytestmark = pytest.mark.nixl
 
@@ -28,24 +29,11 @@ POOL = 4 * 1024 * 1024
 
 @pytest.fixture(scope="module")
 def pd() -> Iterator[bench._PDConnectorMethod]:
-    bench._quiet_nixl()
-    memory = bench.Memory("cpu")
-    pool = memory.place(np.ones(POOL, dtype=np.uint8))
-    child = bench._Child(POOL)
-    config = bench.BenchConfig(
-        block_sizes=(BLOCK,),
-        blocks=(1,),
-        repeats=1,
-        descriptor_counts=(1,),
-        overlap_bytes=BLOCK,
-        pool_bytes=POOL,
-        scrub_bytes=BLOCK,
-    )
-    method = bench._PDConnectorMethod(bench.BenchEnv(child, pool, config, memory))
-    method.setup(BLOCK, POOL // BLOCK)
-    yield method
-    method.close()
-    child.close()
+    with bench_env(BLOCK, POOL) as env:
+        method = bench._PDConnectorMethod(env)
+        method.setup(BLOCK, POOL // BLOCK)
+        yield method
+        method.close()
 
 
 def _step(engine: bench._PDEngine, forward_s: float) -> tuple[str, ConnectorOutput]:

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="the NIXL transport needs nixl-cu12")
 
 from kvframe.bench import transfer as bench
+from tests.pd.nixl_bench_env import bench_env
 
 pytestmark = pytest.mark.nixl
 
@@ -25,22 +26,9 @@ POOL = 4 * 1024 * 1024
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[bench.BenchEnv]:
-    bench._quiet_nixl()
-    memory = bench.Memory("cpu")
-    pool = memory.place(np.ones(POOL, dtype=np.uint8))
-    child = bench._Child(POOL)
-    config = bench.BenchConfig(
-        block_sizes=(BLOCK,),
-        blocks=(1,),
-        repeats=1,
-        descriptor_counts=(1,),
-        overlap_bytes=BLOCK,
-        pool_bytes=POOL,
-        scrub_bytes=BLOCK,
-    )
-    child.call(None, "pd_setup", block_size=BLOCK, num_blocks=POOL // BLOCK)
-    yield bench.BenchEnv(child, pool, config, memory)
-    child.close()
+    with bench_env(BLOCK, POOL) as env:
+        env.child.call(None, "pd_setup", block_size=BLOCK, num_blocks=POOL // BLOCK)
+        yield env
 
 
 def _load(env: bench.BenchEnv, engine: bench._PDEngine, rid: str, blocks: list[int]) -> None:
