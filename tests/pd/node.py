@@ -150,6 +150,11 @@ def main() -> None:
                     drv.worker.transport.send_notification(cmd["peer"], cmd["payload"])
                     reply({})
                 elif op == "status":
+                    # get_stats() hands over the counts since its last call: keep them, or a
+                    # count made since the last step (a refused handshake) would be lost.
+                    stats = drv.worker.get_stats()
+                    for k, v in stats.counters.items():
+                        counters[k] = counters.get(k, 0) + v
                     reply(
                         {
                             "finished_sending": finished_sending,
@@ -159,7 +164,7 @@ def main() -> None:
                             "counters": counters,
                             "times": times,
                             "pending": drv.sched.has_pending_work(),
-                            "gauges": dict(drv.worker.get_stats().gauges),
+                            "gauges": dict(stats.gauges),
                             "transport": dict(drv.worker.transport.stats()),
                             "name": drv.worker.transport.name,
                             "now": clock(),

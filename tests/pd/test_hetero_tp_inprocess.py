@@ -92,11 +92,18 @@ def test_one_lost_source_fails_the_request_after_the_other_stopped() -> None:
 
 
 def test_a_prefill_rank_frees_only_after_both_decode_ranks_reported() -> None:
-    """P1 -> D2: both D ranks read from P's one rank (a reader group of two). Only D rank 0 is
-    driven until its done notice reached P: the lease stays live and P frees nothing, however
-    long P steps alone; once D rank 1 reports too, the lease is consumed and P frees it."""
+    """P1 -> D2: both D ranks read from P's one rank (a reader group of two). D rank 1's
+    notifications are held back until D rank 0's done notice reached P: the lease stays live
+    and P frees nothing, however long P steps alone; once D rank 1's reach P too, the lease is
+    consumed and P frees it."""
     p, d, _ = _pair(1, 2, "group")
     try:
+        # D rank 1 may read and send its done notice in the step that hands it the load (its
+        # READ can complete inside the post): hold everything it sends until released.
+        rank1 = d.workers[1].transport
+        held: list[tuple[str, bytes]] = []
+        send = rank1.send_notification
+        rank1.send_notification = lambda peer, payload: held.append((peer, payload))  # type: ignore[method-assign]
         params = p.grant("r", [1])
         p.step()
         lease_id = params["remote_request_id"]
@@ -113,6 +120,9 @@ def test_a_prefill_rank_frees_only_after_both_decode_ranks_reported() -> None:
             p.step()
         assert holder.table.state(lease_id) is LeaseState.LIVE
         assert "r" not in p.sending
+        rank1.send_notification = send  # type: ignore[method-assign]
+        for peer, payload in held:
+            send(peer, payload)
         _until([d, p], lambda: "d" in d.recving and "r" in p.sending)
         assert holder.table.state(lease_id) is LeaseState.CONSUMED
         assert d.failures == {}

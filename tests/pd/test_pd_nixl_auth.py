@@ -73,6 +73,7 @@ def test_an_unkeyed_d_gets_nothing_from_a_keyed_p(keyed: Any) -> None:
         d.call("schedule", rid="d9", tokens=16, params=params, blocks=[30])
         st = d.wait(lambda s: "d9" in s["finished_recving"])
         assert "d9" in st["failures"]  # refused before P revealed anything
-        assert p.status()["counters"].get("handshakes_refused", 0) >= 1
+        counters = p.status()["counters"]
+        assert counters.get("handshakes_refused", 0) >= 1, (st["failures"]["d9"], counters)
     finally:
         d.close()

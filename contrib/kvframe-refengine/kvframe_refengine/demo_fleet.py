@@ -265,6 +265,12 @@ def _run(
         "failed_by_policy": len(by_policy),
         "failed_otherwise": len(other),
         "failure_types": sorted(set(by_policy.values())),
+        # What each request that failed otherwise got back (status, error), so a failed
+        # check names its cause in --json output too.
+        "failed_otherwise_answers": [
+            {"request": i, "status": c, "error": b.get("error", b)}
+            for i, (c, b) in sorted(other.items())
+        ],
         "equal_outputs": sum(
             1 for i, b in served.items() if b["choices"][0]["token_ids"] == ref[i]
         ),
