@@ -6,6 +6,7 @@ a prompt 503 for every request; the connector's scheduler-side counters show in 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -375,3 +376,66 @@ def test_kv_transfer_params_the_connector_refuses_are_a_400_at_admission() -> No
             _assert_error(complete(routed, OK_BODY), 400, "decode engine", "kvframe_ticket")
         assert complete(d, OK_BODY)[0] == 200  # and it still serves
         assert seen
+
+
+class _BrokenEngine:
+    """A TCP server that reads one request and answers with ``reply`` (raw bytes), then closes
+    the connection: an engine that dies while it answers."""
+
+    def __init__(self, reply: bytes) -> None:
+        import socket
+
+        self.reply = reply
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "why"),
+    [
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            b'{"id": ',
+            "closed in the middle of the answer (7 bytes of the body came, 93 more",
+        ),
+        (b"SSH-2.0-OpenSSH\r\n", "the answer is not HTTP (BadStatusLine"),
+    ],
+    ids=["died-mid-body", "not-http"],
+)
+def test_an_engine_that_breaks_off_its_answer_is_unreachable_not_a_router_error(
+    reply: bytes, why: str
+) -> None:
+    from kvframe_refengine import router as router_mod
+
+    broken = _BrokenEngine(reply)
+    try:
+        with pytest.raises(ConnectionError, match=re.escape(why)):
+            router_mod.post_json(f"{broken.url}/v1/completions", OK_BODY, timeout=10)
+        with router_server(broken.url, broken.url) as routed:
+            message = _assert_error(complete(routed, OK_BODY), 502, "cannot be reached", why)
+            assert message.startswith("the prefill engine at "), message
+            code, body = request(routed, "GET", "/health")
+            assert code == 200, body
+    finally:
+        broken.close()

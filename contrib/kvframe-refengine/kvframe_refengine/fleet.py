@@ -22,6 +22,7 @@ keeps per engine is bounded (:data:`MAX_PREFIXES` hashes, least recently seen fi
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import logging
@@ -616,8 +617,9 @@ class KVEventPoller:
                 with urllib.request.urlopen(url, timeout=self._timeout) as resp:
                     data = resp.read(MAX_EVENTS_BYTES + 1)
                 events = parse_kv_events(data)
-            except (OSError, urllib.error.URLError):
-                return  # unreachable: discovery or a request decides
+            except (OSError, urllib.error.URLError, http.client.HTTPException):
+                # Unreachable, or it died while answering: discovery or a request decides.
+                return
             except ValueError as exc:
                 with self._table._lock:
                     self._table.malformed_events += 1

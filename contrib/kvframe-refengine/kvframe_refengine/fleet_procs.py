@@ -10,6 +10,7 @@ starts the engines, each its own process in :class:`~kvframe.runtime.procs.Child
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import shutil
@@ -105,7 +106,7 @@ class LocalEtcd:
         try:
             with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as r:
                 return bool(json.loads(r.read()).get("health") == "true")
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):
             return False
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

@@ -70,6 +70,7 @@ in docs/metrics.md); ``GET /health`` the routed and failed counts.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import re
@@ -125,8 +126,9 @@ _UPSTREAM_MARGIN_S = 5.0
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
     """POST ``body`` as JSON; returns (status, decoded JSON). Raises ``OSError`` when the server
-    cannot be reached (``TimeoutError`` when it does not answer in ``timeout`` seconds) and
-    ``ValueError`` when a 2xx answer is not JSON."""
+    cannot be reached, closes the connection before its answer is complete (it died while
+    answering) or answers something that is not HTTP (``TimeoutError`` when it does not answer
+    in ``timeout`` seconds) and ``ValueError`` when a 2xx answer is not JSON."""
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     return _send(req, timeout)
@@ -150,6 +152,17 @@ def _send(req: urllib.request.Request, timeout: float) -> tuple[int, dict[str, A
         if isinstance(exc.reason, TimeoutError):
             raise exc.reason from exc
         raise
+    except http.client.IncompleteRead as exc:
+        # The server died (or closed) between its headers and the end of its body: a broken
+        # connection, like one that closed before the headers (RemoteDisconnected, an OSError).
+        raise ConnectionError(
+            f"the connection closed in the middle of the answer ({len(exc.partial)} bytes "
+            f"of the body came, {exc.expected} more were announced)"
+        ) from exc
+    except http.client.HTTPException as exc:
+        raise ConnectionError(
+            f"the answer is not HTTP ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from exc
 
 
 _BACKENDS = ("prefill", "decode")
