@@ -411,6 +411,7 @@ class _Ticket:
         "bound",
         "cap",
         "handle",
+        "heartbeat_at",
         "lost",
         "lost_at",
         "spent",
@@ -435,6 +436,8 @@ class _Ticket:
         self.user: str | None = None
         """The local load using it."""
         self.urgent_at = -math.inf
+        self.heartbeat_at = -math.inf
+        """When a heartbeat last named it (the reader's clock of that progress point)."""
 
 
 @attrs.define(eq=False)
@@ -1054,6 +1057,22 @@ class LeaseReader:
                 self._emit_heartbeat(engine, list(ids), t, out)
 
     def _emit_heartbeat(self, engine: str, ids: list[str], t: float, out: list[Action]) -> None:
+        # At most one heartbeat per lease per progress point: a new load's own (urgent) one
+        # and the scheduler's batch naming the same lease come in one engine step, and a
+        # second one sent at the same ``t`` can confirm no later bound than the first.
+        tickets = self._tickets
+        fresh: list[str] = []
+        for lid in ids:
+            ticket = tickets.get((engine, lid))
+            if ticket is not None:
+                if ticket.heartbeat_at == t:
+                    self._count("heartbeats_merged")
+                    continue
+                ticket.heartbeat_at = t
+            fresh.append(lid)
+        if not fresh:
+            return
+        ids = fresh
         seq = self._next_seq(engine, t)
         for chunk in _chunks(self._handles(engine, ids)):
             out.append(

@@ -240,6 +240,8 @@ class Side:
     """Messages the reader asked to send while not connected (the worker drops them)."""
     optimistic: bool = False
     """Its reader posts READs before their confirmation (``LeaseReader(optimistic=True)``)."""
+    heartbeated: dict[int, float] = attrs.field(factory=dict)
+    """Lease handle -> the reader time of the last heartbeat naming it (one per moment)."""
 
 
 class World:
@@ -512,6 +514,12 @@ class World:
                     f"{side.name} releases lease {lid} while its own read {flying} of it is in "
                     "flight: the holder frees the blocks under the read"
                 )
+        if isinstance(msg, wire.Heartbeat):
+            for h in msg.handles:
+                assert side.heartbeated.get(h) != msg.sent_at, (
+                    f"{side.name} named lease {self._lids((h,))} in two heartbeats at {msg.sent_at}"
+                )
+                side.heartbeated[h] = msg.sent_at
         if not side.ready:
             side.unsent += 1
             return

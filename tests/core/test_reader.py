@@ -204,6 +204,29 @@ def test_a_scheduler_heartbeat_confirms_before_the_load_arrives() -> None:
     assert kinds(out) == ["PostRead"]  # no heartbeat needed
 
 
+@pytest.mark.parametrize("optimistic", [False, True])
+def test_a_lease_is_named_in_one_heartbeat_per_progress_point(optimistic: bool) -> None:
+    """A load added in the step its request arrives heartbeats its lease at once; the
+    scheduler's batch naming it at the same moment leaves it out (the others in the batch
+    go), and the answer to the one heartbeat confirms the load. At a later moment the lease
+    is heartbeated again."""
+    r = make(optimistic=optimistic)
+    assert r.peer_ready(E, 0.0, incarnation=INC) == []
+    hb = heartbeat(r.add("q", E, "L", 0.0, incarnation=INC))
+    assert names(hb.handles) == ("L",)
+    assert sent(r.heartbeat(E, ["L"], 0.0)) == []
+    assert names(heartbeat(r.heartbeat(E, ["L", "M"], 0.0)).handles) == ("M",)
+    assert r.take_counts()["heartbeats_merged"] == 2
+    if optimistic:
+        assert r.transfer_done("q", 0.1) == []  # the early READ landed: it waits for the answer
+        out = r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.1), 0.2)
+        assert ended(out).state is ReadState.DONE
+    else:
+        out = r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.1), 0.2)
+        assert kinds(out) == ["PostRead"], out
+    assert names(heartbeat(r.heartbeat(E, ["L"], 0.3)).handles) == ("L",)
+
+
 def test_heartbeats_while_disconnected_are_deferred() -> None:
     r = make()
     assert r.heartbeat(E, ["L"], 0.0) == []
