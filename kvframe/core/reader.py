@@ -1060,21 +1060,25 @@ class LeaseReader:
         # At most one heartbeat per lease per progress point: a new load's own (urgent) one
         # and the scheduler's batch naming the same lease come in one engine step, and a
         # second one sent at the same ``t`` can confirm no later bound than the first.
+        # One pass: each id's ticket is looked up once, for the check and for its handle.
         tickets = self._tickets
-        fresh: list[str] = []
+        handles: list[int] = []
+        merged = 0
         for lid in ids:
             ticket = tickets.get((engine, lid))
-            if ticket is not None:
-                if ticket.heartbeat_at == t:
-                    self._count("heartbeats_merged")
-                    continue
+            if ticket is None:
+                handles.append(lease_handle(lid))
+            elif ticket.heartbeat_at == t:
+                merged += 1
+            else:
                 ticket.heartbeat_at = t
-            fresh.append(lid)
-        if not fresh:
+                handles.append(ticket.handle)
+        if merged:
+            self._count("heartbeats_merged", merged)
+        if not handles:
             return
-        ids = fresh
         seq = self._next_seq(engine, t)
-        for chunk in _chunks(self._handles(engine, ids)):
+        for chunk in _chunks(handles):
             out.append(
                 SendMessage(
                     engine=engine, message=wire.Heartbeat(seq=seq, sent_at=t, handles=chunk)

@@ -13,6 +13,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -31,8 +32,10 @@ BLOCK = 4096
 KEY = bytes(range(32))
 
 
-def _tier(root: Path, block: int = BLOCK, **options: object) -> DiskTier:
-    tier = DiskTier(
+def _tier(
+    root: Path, block: int = BLOCK, *, cls: type[DiskTier] = DiskTier, **options: object
+) -> DiskTier:
+    tier = cls(
         TierConfig(
             name="disk",
             index=1,
@@ -385,16 +388,7 @@ def test_a_torn_overwrite_of_a_spare_file_is_a_miss_never_the_block_it_held(
     # checked the checksum alone would take a's bytes for b's in the first case.
     old, new = _data(), _data()[::-1].copy()
     a, b = _key(1), _key(2)
-    tier = _CrashingTier(
-        TierConfig(
-            name="disk",
-            index=1,
-            capacity_bytes=1 << 20,
-            block_bytes=BLOCK,
-            options={"path": str(tmp_path)},
-        )
-    )
-    tier.open()
+    tier = cast(_CrashingTier, _tier(tmp_path, cls=_CrashingTier))
     tier.at, tier.cut = -1, 0
     tier.write(a, 0, old)
     tier.remove(a, 0)

@@ -7,6 +7,7 @@ a prompt 503 for every request; the connector's scheduler-side counters show in 
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -383,8 +384,6 @@ class _BrokenEngine:
     the connection: an engine that dies while it answers."""
 
     def __init__(self, reply: bytes) -> None:
-        import socket
-
         self.reply = reply
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
