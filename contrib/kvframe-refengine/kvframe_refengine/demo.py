@@ -253,29 +253,45 @@ class _Proc:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         self.name = name
+        # Its stderr, kept (an anonymous file, gone with this object) so that a process that
+        # exits early says why.
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.proc = children.popen(
             [sys.executable, "-m", *args],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.stderr,
             env=env,
             text=True,
         )
         self.log = log
 
     def wait_ready(self, timeout: float) -> None:
+        """Wait for the ``{"ready": true, ...}`` line; raises ``RuntimeError`` when the process
+        exits first (quoting the end of its stderr) or does not start within ``timeout``
+        seconds."""
         assert self.proc.stdout is not None
         import select
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}")
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.proc.returncode}; the end of its "
+                    f"stderr: {self.stderr_tail()!r}"
+                )
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
             if ready:
                 line = self.proc.stdout.readline()
                 if '"ready": true' in line:
                     return
         raise RuntimeError(f"{self.name} did not start within {timeout:.0f} s")
+
+    def stderr_tail(self, limit: int = 600) -> str:
+        """The last ``limit`` characters the process wrote to stderr."""
+        self.stderr.seek(0, os.SEEK_END)
+        size = self.stderr.tell()
+        self.stderr.seek(max(0, size - limit))
+        return self.stderr.read().decode(errors="replace")
 
     def kill(self) -> float:
         self.proc.send_signal(signal.SIGKILL)
@@ -293,6 +309,7 @@ class _Proc:
                 self.proc.wait(timeout=10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        self.stderr.close()
 
 
 def _wait_for(pred: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
