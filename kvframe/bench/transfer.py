@@ -362,7 +362,12 @@ def serve(reply_fd: int, pool_bytes: int, device: str = "cpu") -> None:
                     _send(reply_fd, None)
                 elif cmd["op"] == "pd_grant":
                     assert pd is not None
-                    _send(reply_fd, pd.grant(cmd["rid"], cmd["blocks"]))
+                    params = pd.grant(cmd["rid"], cmd["blocks"])
+                    # The worker holds the lease from its next step (the metadata carries the
+                    # grant); an engine's P takes that step while its answer travels to D
+                    # through the router, so here it comes before the reply.
+                    pd.step()
+                    _send(reply_fd, params)
                 elif cmd["op"] == "exit":
                     _send(reply_fd, None)
                     return
@@ -738,9 +743,11 @@ class _PDEngine:
 
 
 class _PDConnectorMethod:
-    """Through the P/D connector: P grants a lease (outside the timing, as when prefill ends),
-    then D's scheduler plans the load, its worker checks the lease, posts one READ with the
-    completion notice, polls it and reports the request received."""
+    """Through the P/D connector: P grants a lease (outside the timing, as when prefill ends;
+    P's worker applies the grant before D hears of it), then D's scheduler plans the load, its
+    worker posts the READ and the heartbeat, and once the READ landed proves the lease (a READ
+    of P's lease table, or P's acknowledgement), sends the completion notice and reports the
+    request received."""
 
     name = "pd_connector"
 

@@ -64,6 +64,7 @@ from kvframe.core.lease import (
     RenewIgnored,
     lease_handle,
 )
+from kvframe.core.slots import LeaseSlots
 
 __all__ = ["HolderCounters", "HolderOutput", "LeaseHolder"]
 
@@ -118,6 +119,9 @@ class LeaseHolder(Generic[_PayloadT]):
     :param max_drift: clock-rate difference allowed between reader and holder (for the guard's
         send-time mapping).
     :param remember_ended: ended leases remembered for precise loss notices.
+    :param slots: the lease table readers can READ (:mod:`kvframe.core.slots`), or ``None``.
+        A lease entered with :meth:`publish` leaves it in the call that ends the lease, before
+        that call returns it in :attr:`HolderOutput.ended`, whichever way it ends.
     """
 
     def __init__(
@@ -126,7 +130,9 @@ class LeaseHolder(Generic[_PayloadT]):
         *,
         max_drift: float = DEFAULT_MAX_DRIFT,
         remember_ended: int = DEFAULT_REMEMBER_ENDED,
+        slots: LeaseSlots | None = None,
     ) -> None:
+        self._slots = slots
         self._table: LeaseTable[_PayloadT] = LeaseTable(policy, remember_ended=remember_ended)
         self._guard = HeartbeatGuard(max_drift)
         self._claims: dict[int, str] = {}  # live lease handle -> the group that claimed it
@@ -257,6 +263,16 @@ class LeaseHolder(Generic[_PayloadT]):
             self._meant[lease.handle] = engine
         return lease
 
+    def publish(self, lease_id: str) -> bool:
+        """Enter the live lease ``lease_id`` in the lease table (``slots``), so a reader can
+        prove it there; ``False`` when there is no table, the lease is not live, or its slot
+        is taken (:meth:`LeaseSlots.publish <kvframe.core.slots.LeaseSlots.publish>`). Only for
+        leases whose blocks nothing reuses before the lease ends (not a kept turn: its
+        engine may evict it first)."""
+        if self._slots is None or self._table.state(lease_id) is not LeaseState.LIVE:
+            return False
+        return self._slots.publish(lease_handle(lease_id))
+
     def keep(self, lease_id: str, now: float, payload: _PayloadT, ttl: float) -> Lease[_PayloadT]:
         """Grant a *kept* lease: it lives ``ttl`` seconds (``decoder_kv_blocks_ttl``) with no
         heartbeat at all. The first heartbeat that names it claims it for its reader and
@@ -331,6 +347,9 @@ class LeaseHolder(Generic[_PayloadT]):
         """Reclaim every lease whose expiry is ``<= now``."""
         ended = self._table.expire(now)
         claims = self._claims
+        if self._slots is not None:
+            for handle in ended.handles:
+                self._slots.withdraw(handle)
         if claims or self._revoked or self._kept or self._meant:
             for handle in ended.handles:
                 claims.pop(handle, None)
@@ -346,6 +365,8 @@ class LeaseHolder(Generic[_PayloadT]):
         if self._table.state(lease_id) is not LeaseState.LIVE:
             return HolderOutput()
         handle = lease_handle(lease_id)
+        if self._slots is not None:
+            self._slots.withdraw(handle)
         self._claims.pop(handle, None)
         self._revoked.discard(handle)
         self._kept.discard(handle)
@@ -504,6 +525,8 @@ class LeaseHolder(Generic[_PayloadT]):
                 del self._reported[h]
                 if any(r is not wire.DoneReason.READ for r in reports.values()):
                     reason = wire.DoneReason.RELEASED
+            if self._slots is not None:
+                self._slots.withdraw(h)
             self._claims.pop(h, None)
             self._revoked.discard(h)
             self._kept.discard(h)

@@ -53,6 +53,12 @@ and, for a reader built with ``optimistic=True`` (see "Optimistic reads" below):
   ``confirm_timeout``, or ``CONSUMED`` before any acknowledgement all fail the load with its
   blocks invalid, whatever bytes landed. Never for writes: a WRITE into blocks the holder no
   longer leases would corrupt them.
+- **Or prove it from the holder's lease table** (:mod:`kvframe.core.slots`). A verifying load
+  whose holder keeps a lease table a reader can READ is done as soon as a READ of the lease's
+  slot, posted after the completion was seen, finds the lease's tag there
+  (:meth:`LeaseReader.lease_seen`): the lease was then still live after the bytes had landed.
+  Anything else that READ finds proves nothing and changes nothing: the load waits for the
+  acknowledgement as above.
 - **Stop before you report.** A failed or aborted posted load emits :class:`StopRead` before
   :class:`LoadEnded`, and the release to the holder after both: nothing lands in blocks the
   engine was told it may reuse, and the holder never frees blocks a read of ours still touches.
@@ -79,6 +85,7 @@ from kvframe.core.clock import DEFAULT_MAX_DRIFT, MonotonicClamp
 from kvframe.core.heartbeat import SEQ_MODULUS
 from kvframe.core.lease import LeasePolicy, lease_handle
 from kvframe.core.machine import Step, TransitionTable
+from kvframe.core.slots import slot_tag
 from kvframe.errors import InvalidTransitionError, LeaseError
 
 __all__ = [
@@ -124,6 +131,7 @@ class ReadEvent(enum.Enum):
     PEER_READY = "peer_ready"
     CONFIRMED = "confirmed"
     CONFIRMED_LATE = "confirmed_late"
+    SEEN_LIVE = "seen_live"
     POST_EARLY = "post_early"
     PEER_LOST = "peer_lost"
     LOST = "lost"
@@ -257,6 +265,13 @@ READ_TRANSITIONS: TransitionTable[ReadState, ReadEvent] = TransitionTable(
             event=_E.CONFIRMED,
             target=_S.DONE,
             effect="the confirmed bound is later than the completion: blocks valid",
+        ),
+        Step(
+            source=_S.VERIFYING,
+            event=_E.SEEN_LIVE,
+            target=_S.DONE,
+            effect="a READ of the holder's lease table, posted after the completion, found the "
+            "lease's tag: blocks valid",
         ),
         Step(
             source=_S.VERIFYING,
@@ -724,6 +739,41 @@ class LeaseReader:
                 reason="the read completed after the confirmed lease bound; the prefill engine "
                 "may have reused the blocks",
             )
+        return out
+
+    def lease_seen(self, request_id: str, tag: int, checked_at: float, now: float) -> list[Action]:
+        """A READ of the holder's lease table, posted at ``checked_at`` (this reader's clock,
+        read after the transport reported load ``request_id``'s READ complete), found ``tag``
+        in the slot of the load's lease (:mod:`kvframe.core.slots`). When the load is
+        verifying, ``checked_at`` is not before its completion, the lease is not reported
+        lost and ``tag`` is the lease's :func:`~kvframe.core.slots.slot_tag`, the load is done
+        (``SEEN_LIVE``; counted as ``reads_proven_by_table``). Otherwise nothing changes
+        (``lease_checks_unproven``): the load still waits for the holder's acknowledgement.
+        A load that ended or is not verifying (an acknowledgement came first): a no-op.
+        ``now`` is this reader's clock, not earlier than ``checked_at``; it decides nothing
+        here (the READ's place after the completion does).
+
+        :raises LeaseError: ``checked_at`` or ``now`` is not finite.
+        """
+        check_now(checked_at, "checked_at")
+        check_now(now)
+        t = self._advance(now)
+        out: list[Action] = []
+        load = self._loads.get(request_id)
+        if load is None or load.state is not ReadState.VERIFYING:
+            self._count("lease_checks_unused")
+            return out
+        ticket = self._tickets[(load.engine, load.lease_id)]
+        if (
+            ticket.lost is None
+            and load.done_at <= checked_at
+            and load.done_at < ticket.cap
+            and tag == slot_tag(ticket.handle)
+        ):
+            self._count("reads_proven_by_table")
+            self._end(load, ReadEvent.SEEN_LIVE, t, out)
+        else:
+            self._count("lease_checks_unproven")
         return out
 
     def transfer_failed(

@@ -13,7 +13,12 @@ report. Everything the machines are not allowed to see is modelled here:
 - **transfers**: a posted READ is in flight until a driver lands it (its notification then goes
   to the holder, at once or through the network), fails it, or the reader stops it;
 - **the holder's memory**: each lease's blocks carry a version, bumped when the holder ends the
-  lease (its blocks are reused), so a read that overlaps a reuse is known to hold garbage.
+  lease (its blocks are reused), so a read that overlaps a reuse is known to hold garbage;
+- **the holder's lease table** (:mod:`kvframe.core.slots`): a lease's tag is in it from its
+  grant until the holder ends it (cleared before the blocks are reused); a reader's table READ
+  (:meth:`World.check_table`) finds the tag, an empty slot, another lease's tag, or a tag it
+  read before the completion was seen (a READ posted too early), and the reader is told with
+  :meth:`LeaseReader.lease_seen`.
 
 Every check the machines must pass is an ``assert`` here, made where the fact is observed or in
 :meth:`World.check` (which drivers call after every step) and :meth:`World.finish`:
@@ -51,6 +56,7 @@ import math
 from collections.abc import Iterable
 
 import attrs
+import numpy as np
 
 from kvframe.core import wire
 from kvframe.core.holder import LeaseHolder
@@ -66,6 +72,7 @@ from kvframe.core.reader import (
     SendMessage,
     StopRead,
 )
+from kvframe.core.slots import LeaseSlots, slot_of, slot_tag
 
 ENGINE = "P"
 """The holder's engine id, as the readers know it."""
@@ -83,6 +90,8 @@ POLICY = LeasePolicy.from_duration(6.0)
 """Duration 6 s, heartbeat interval 1 s, extension 4 s."""
 TIMEOUTS = ReaderTimeouts.from_policy(POLICY, peer_timeout=3.0, margin=0.5)
 """Margin 0.5 s, peer 3 s, confirmation 4 s, transfer 4 s, resend every 1 s (bound: 11 s)."""
+TABLE_SLOTS = 64
+"""The holder's lease table: small, so that leases share slots now and then."""
 EPS = 1e-6
 """Slack for float rounding in the simulator's own arithmetic (clocks are offset by up to
 10,000 s, so a reading carries about 1e-12 s of rounding)."""
@@ -203,6 +212,8 @@ class Transfer:
     """The reader stopped it or ended its load: its result is not reported any more."""
     early: bool = False
     """Posted by an optimistic reader before a confirmation covered it (``margin`` left)."""
+    reported_r: float | None = None
+    """The reader's clock when its worker reported it done (:meth:`World.report`)."""
     notify_when_done: bool = False
     """Posted without its notification: the reader's worker sends it once it sees the READ
     done (:meth:`PDWorld.report`), not the transport when the bytes land."""
@@ -265,7 +276,8 @@ class World:
         early = set(optimistic)
         self.net = Network(ordered=ordered)
         self.hclock = holder_clock
-        self.holder: LeaseHolder[int] = LeaseHolder(POLICY, max_drift=MAX_DRIFT)
+        self.slots = LeaseSlots(np.zeros(TABLE_SLOTS, dtype=np.uint64))
+        self.holder: LeaseHolder[int] = LeaseHolder(POLICY, max_drift=MAX_DRIFT, slots=self.slots)
         self.sides = {
             name: Side(
                 name=name,
@@ -308,6 +320,7 @@ class World:
         self.holder.grant(lid, self.now_h(), self._n)
         self.leases[lid] = LeaseRec(lid=lid, granted=self.t)
         self.by_handle[lease_handle(lid)] = lid
+        self.holder.publish(lid)  # the worker enters every pull lease it grants
         return lid
 
     def stale_ticket(self) -> str:
@@ -401,6 +414,7 @@ class World:
         assert not tr.released
         side = self.sides[tr.reader]
         tr.released = True
+        tr.reported_r = self.now_r(side.name)
         if tr.notify_when_done:
             # As the worker does: the done notice goes now, after every message the reader
             # sent since the post (the heartbeat asking the holder to claim the lease).
@@ -411,6 +425,38 @@ class World:
             else:
                 side.unsent += 1
         self._run(side, side.reader.transfer_done(tr.rid, self.now_r(side.name)))
+
+    def verifying(self) -> list[Transfer]:
+        """Reported reads whose load waits for a confirmation (a table READ may prove it)."""
+        return [
+            tr
+            for tr in self.transfers
+            if tr.reported_r is not None
+            and not self.loads[tr.rid].ends
+            and self.sides[tr.reader].reader.state(tr.rid) is ReadState.VERIFYING
+        ]
+
+    def check_table(self, tr: Transfer, found: str) -> None:
+        """The reader's worker READs the lease's slot of the holder's table after the read
+        was reported done: ``table`` what is there now (the tag while the lease lives, else
+        zero), ``zero`` or ``other`` (an empty slot, another lease's tag: not entered yet, a
+        collision), ``early`` the lease's tag as a READ posted before the completion was seen
+        would have found it (whatever happened since)."""
+        side = self.sides[tr.reader]
+        now = self.now_r(side.name)
+        tag = slot_tag(lease_handle(tr.lid))
+        assert tr.reported_r is not None
+        checked_at = now
+        if found == "table":
+            value = int(self.slots.table[slot_of(tag, TABLE_SLOTS)])
+        elif found == "zero":
+            value = 0
+        elif found == "other":
+            value = tag ^ 0xFF
+        else:
+            assert found == "early"
+            value, checked_at = tag, tr.reported_r - 1e-3
+        self._run(side, side.reader.lease_seen(tr.rid, value, checked_at, now))
 
     def fail(self, tr: Transfer, *, broken: bool) -> None:
         """The transport failed the read (``broken``: the connection died with it)."""
@@ -627,6 +673,10 @@ class World:
                     f"the holder freed lease {rec.lid} ({lease.state.value}, on a notice from "
                     f"{by}) while the read {flying} of it is in flight"
                 )
+            # Out of the holder's lease table before its blocks are reused (the version bump).
+            assert int(self.slots.table[slot_of(slot_tag(lease.handle), TABLE_SLOTS)]) != (
+                slot_tag(lease.handle)
+            ), f"lease {rec.lid} ended with its tag still in the lease table"
             rec.ended = self.t
             rec.how = lease.state
             rec.version += 1

@@ -23,6 +23,7 @@ import random
 import sys
 
 import attrs
+import pytest
 from hypothesis import Phase, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -113,6 +114,43 @@ def test_a_replayed_ticket_is_not_read_while_a_release_of_its_first_use_is_in_fl
         "q2 accepted a read of blocks the holder freed (on q1's late release) while it was in "
         "flight: the reader forgot that the ticket was spent"
     )
+
+
+@pytest.mark.parametrize("found", ["table", "early"])
+def test_a_table_read_never_vouches_for_a_read_that_landed_after_the_lease_ended(
+    found: str,
+) -> None:
+    """A router retry: D2 reads a ticket D1 already consumed. D2's optimistic READ lands on
+    reused blocks and is reported before any answer; then its worker READs the holder's table.
+    Found now (``table``), the slot is empty; a tag read before the completion was seen
+    (``early``) is still the lease's, but the reader must not take it."""
+    w = pdsim.World(
+        ordered=True,
+        holder_clock=pdsim.Clock(0.0, 1.0),
+        reader_clocks={"D1": pdsim.Clock(0.0, 1.0), "D2": pdsim.Clock(0.0, 1.0)},
+        optimistic=["D1", "D2"],
+    )
+    w.connect("D1", INCARNATION)
+    w.connect("D2", INCARNATION)
+    lid = w.grant()
+    w.add("D1", lid, INCARNATION)
+    [first] = w.flying()
+    w.land(first, notify_now=False)
+    w.report(first)
+    w.check_table(first, "table")  # D1's own read: proven by the table
+    assert w.loads[first.rid].ends[0].state is ReadState.DONE
+    while w.net.packets:  # D1's heartbeat and done notice: the holder ends the lease
+        w.deliver(0)
+    assert w.leases[lid].ended is not None
+    w.add("D2", lid, INCARNATION)
+    [second] = w.flying()
+    w.land(second, notify_now=False)
+    w.report(second)
+    assert [tr.rid for tr in w.verifying()] == [second.rid]
+    w.check_table(second, found)
+    w.check()
+    assert not w.loads[second.rid].ends
+    assert w.sides["D2"].reader.state(second.rid) is ReadState.VERIFYING
 
 
 @attrs.frozen
@@ -301,6 +339,11 @@ class PDNetwork(RuleBasedStateMachine):
     @rule(data=st.data())
     def report(self, data: st.DataObject) -> None:
         self.w.report(data.draw(st.sampled_from(self.w.landed_unreported()), label="transfer"))
+
+    @precondition(lambda self: bool(self.w.verifying()))
+    @rule(data=st.data(), found=st.sampled_from(["table", "table", "zero", "other", "early"]))
+    def check_table(self, data: st.DataObject, found: str) -> None:
+        self.w.check_table(data.draw(st.sampled_from(self.w.verifying())), found)
 
     @precondition(lambda self: bool(self.w.flying()))
     @rule(data=st.data(), broken=st.booleans())

@@ -28,6 +28,7 @@ from kvframe.core.reader import (
     SendMessage,
     StopRead,
 )
+from kvframe.core.slots import slot_tag
 from kvframe.errors import ConfigError, InvalidTransitionError, LeaseError
 
 E = "P"
@@ -761,6 +762,69 @@ def test_an_optimistic_read_of_a_lease_the_holder_ended_is_never_trusted(
     assert r.state("q") is None
 
 
+# -- proof from the holder's lease table ------------------------------------------------------
+TAG = slot_tag(lease_handle("L"))
+
+
+def test_a_verifying_read_is_done_when_the_lease_table_shows_its_tag() -> None:
+    """The table READ, posted after the completion was seen (0.3), found the lease's tag: done
+    at once, no release (the READ's own done notice ends the lease), and the acknowledgement
+    that comes later changes nothing."""
+    r = make(optimistic=True)
+    hb = early(r)
+    assert r.transfer_done("q", 0.3) == []
+    out = r.lease_seen("q", TAG, 0.3, 0.35)
+    assert out == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]
+    assert r.take_counts()["reads_proven_by_table"] == 1
+    assert r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.4), 0.5) == []
+    assert r.state("q") is None
+
+
+@pytest.mark.parametrize(
+    ("found", "checked_at", "why"),
+    [
+        (0, 0.3, "an empty slot: the lease ended, or its holder has not entered it yet"),
+        (TAG ^ 1, 0.3, "another lease's tag in the slot"),
+        (TAG, 0.29, "a table READ posted before the completion was seen proves nothing"),
+    ],
+)
+def test_anything_but_the_tag_read_after_the_completion_proves_nothing(
+    found: int, checked_at: float, why: str
+) -> None:
+    r = make(optimistic=True)
+    hb = early(r)
+    assert r.transfer_done("q", 0.3) == []
+    assert r.lease_seen("q", found, checked_at, 0.35) == [], why
+    assert r.state("q") is ReadState.VERIFYING
+    assert r.take_counts()["lease_checks_unproven"] == 1
+    # the acknowledgement still decides, as without a table
+    out = r.receive(E, ack(hb, "L", 4.0, HOLDER + 0.4), 0.5)
+    assert out == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]
+
+
+def test_the_tag_proves_nothing_past_the_tickets_cap() -> None:
+    """A kept turn's cap (the decoder's expiry on this clock) earlier than the completion:
+    the table's answer does not lift it."""
+    r = make(optimistic=True)
+    early(r)
+    assert r.cap("q", 10.0, 0.05) == []
+    assert r.transfer_done("q", 0.3) == []
+    assert r.cap("q", 0.25, 0.31) == []
+    assert r.lease_seen("q", TAG, 0.3, 0.35) == []
+    assert r.state("q") is ReadState.VERIFYING
+
+
+def test_a_table_answer_for_a_load_not_verifying_is_ignored() -> None:
+    r = make(optimistic=True)
+    early(r)
+    assert r.lease_seen("q", TAG, 0.2, 0.2) == []  # still posted: nothing completed yet
+    assert r.state("q") is ReadState.POSTED
+    assert r.lease_seen("gone", TAG, 0.2, 0.2) == []
+    assert r.take_counts()["lease_checks_unused"] == 2
+    with pytest.raises(LeaseError):
+        r.lease_seen("q", TAG, math.nan, 0.2)
+
+
 def test_consumed_after_an_ack_is_our_own_optimistic_read() -> None:
     r = make(optimistic=True)
     hb = early(r)
@@ -951,6 +1015,8 @@ def apply(r: LeaseReader, event: ReadEvent, hb: wire.Heartbeat) -> list[Action]:
         return r.transfer_failed("q", "boom", t)
     if event is ReadEvent.ABORT:
         return r.abort("q", t)
+    if event is ReadEvent.SEEN_LIVE:
+        return r.lease_seen("q", slot_tag(lease_handle("L")), t, t)
     assert event is ReadEvent.TIMEOUT
     return r.tick(20.0)  # later than any deadline of any state
 
@@ -1016,7 +1082,7 @@ def test_the_api_walk_covers_every_step() -> None:
     }
     steps = {(s.source, s.event) for s in READ_TRANSITIONS.steps}
     assert {s for s, _ in steps} <= reachable
-    assert len(steps) == len(READ_TRANSITIONS.steps) == 27
+    assert len(steps) == len(READ_TRANSITIONS.steps) == 28
 
 
 def test_transfer_reports_for_unknown_loads_raise() -> None:

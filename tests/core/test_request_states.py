@@ -61,6 +61,7 @@ EXPECTED: dict[str, dict[tuple[enum.Enum, enum.Enum], enum.Enum]] = {
         (R.POSTED, RE.TRANSFER_UNCONFIRMED): R.VERIFYING,
         (R.VERIFYING, RE.CONFIRMED): R.DONE,
         (R.VERIFYING, RE.CONFIRMED_LATE): R.FAILED,
+        (R.VERIFYING, RE.SEEN_LIVE): R.DONE,
         (R.VERIFYING, RE.LOST): R.FAILED,
         (R.VERIFYING, RE.PEER_FAILED): R.FAILED,
         (R.VERIFYING, RE.ABORT): R.ABORTED,

@@ -32,7 +32,15 @@ def clock() -> FakeClock:
 @pytest.fixture
 def pd(clock: FakeClock) -> Iterator[tuple[Driver, Driver]]:
     p = Driver(f"Pgone{id(clock)}", "kv_producer", lease=LEASE, clock=clock)
-    d = Driver(f"Dgone{id(clock)}", "kv_consumer", lease=LEASE, clock=clock)
+    # No lease table: D's loads wait for P's acknowledgement, so one is still in flight when
+    # P is reported gone.
+    d = Driver(
+        f"Dgone{id(clock)}",
+        "kv_consumer",
+        lease=LEASE,
+        clock=clock,
+        extra={"lease_table_slots": 0},
+    )
     yield p, d
     d.shutdown()
     p.shutdown()

@@ -34,15 +34,18 @@ FLUSH_BYTES = 64  # an endpoint flush READ's one block (kvframe.connectors.pd.wo
 def record(transport: Transport, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     """Wrap ``transport``'s ``post`` and ``send_notification``: each call appends
     ``("post", notification bytes or None)`` (a KV READ), ``("flush", None)`` (an endpoint
-    flush READ: one block of ``FLUSH_BYTES`` into the scratch layout) or ``("notify", decoded
-    message)``, in call order."""
+    flush READ: one block of ``FLUSH_BYTES`` into the scratch layout), ``("table", None)`` (a
+    READ of one 8-byte word of P's lease table) or ``("notify", decoded message)``, in call
+    order."""
     log: list[tuple[Any, ...]] = []
     post, send = transport.post, transport.send_notification
 
     def posting(*args: Any, **kwargs: Any) -> Any:
         local = args[1]
         flush = local.layout.block_lens == (FLUSH_BYTES,) and local.layout.num_blocks == 1
-        log.append(("flush" if flush else "post", kwargs.get("notification")))
+        table = local.layout.block_lens == (8,)
+        kind = "flush" if flush else "table" if table else "post"
+        log.append((kind, kwargs.get("notification")))
         return post(*args, **kwargs)
 
     def sending(peer: str, payload: bytes) -> None:
@@ -107,6 +110,11 @@ def test_the_optimistic_read_goes_before_its_heartbeat_and_its_done_notice_after
         assert beats, mine
         assert len(dones) == 1, mine
         assert posts[0] < beats[0] < dones[0], mine
+        # The READ landed before P's acknowledgement: P's lease table is read, before the
+        # done notice (which lets P end the lease and clear the slot).
+        tables = [k for k, e in enumerate(mine) if e[0] == "table"]
+        assert len(tables) <= 1, mine
+        assert all(posts[0] < k < dones[0] for k in tables), mine
         # Every heartbeat named a lease being read: no flush READ (the load waits for P's
         # acknowledgement anyway).
         assert not any(e[0] == "flush" for e in mine), mine

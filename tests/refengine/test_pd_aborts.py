@@ -50,7 +50,8 @@ def pd() -> Iterator[tuple[Engine, Engine]]:
     host.load()
     n = next(_ids)
     p = _engine("kv_producer", f"abortP{n}", host)
-    d = _engine("kv_consumer", f"abortD{n}", host, handshake_timeout=3.0)
+    # No lease table: the loads here wait for P's acknowledgement (aborts while they do).
+    d = _engine("kv_consumer", f"abortD{n}", host, handshake_timeout=3.0, lease_table_slots=0)
     yield p, d
     d.shutdown()
     p.shutdown()

@@ -509,6 +509,10 @@ class HandshakeResponse:
     kv_layout: KVLayoutFacts | None = None
     """P's KV layout facts (a :class:`HandshakeServer` given ``kv_layout`` fills them in); a D
     with its own refuses an answer without them or with others."""
+    lease_table: BlockLayout | None = None
+    """P's lease table (``lease_table_slots`` 8-byte slots in one host region:
+    :mod:`kvframe.core.slots`), or ``None`` when it keeps none. D reads a slot of it only to
+    prove a lease; one of another shape is ignored."""
 
 
 @attrs.frozen(kw_only=True)

@@ -12,6 +12,7 @@ import attrs
 from kvframe.connectors.pd.auth import KeyRing
 from kvframe.core.clock import DecoderBlocksTTL
 from kvframe.core.lease import LeasePolicy
+from kvframe.core.slots import MAX_SLOTS
 from kvframe.errors import ConfigError
 
 __all__ = ["PDOptions"]
@@ -58,6 +59,14 @@ class PDOptions:
     NIXL sees a READ posted after a notification complete only at the peer's next progress
     point, one posted on a flushed endpoint inside the post. Ignored on transports with
     ``access_control``; ``false``: no flush READs."""
+    lease_table_slots: int = 65536
+    """Pull mode, on transports without ``access_control`` (NIXL): P keeps a table of this
+    many 8-byte slots (a power of two, at most 4,194,304; 512 KiB by default) in registered
+    host memory with a tag of each live pull lease, and D, once an optimistic READ landed
+    before P's acknowledgement, READs the lease's slot: the tag still there proves the blocks
+    were leased until after the bytes landed, and the load ends without waiting for P
+    (``kvframe.core.slots``). D uses a prefill engine's table when its handshake advertises
+    one; ``0`` keeps no table (P) and reads none (D)."""
     kept_poll_interval: float = 0.02
     """Bidirectional mode, D: while the only leases held are kept turns, step this often (a
     prefill engine's first heartbeat of a kept turn waits at most this long for its answer)
@@ -204,6 +213,18 @@ class PDOptions:
                 f"{_PATH}.permute_staging_blocks = {staging!r}; expected a whole number of "
                 "blocks from 1 to 65536 (the most blocks of permuting loads read at once)"
             )
+        table_slots = extra.get("lease_table_slots", 65536)
+        if (
+            isinstance(table_slots, bool)
+            or not isinstance(table_slots, int)
+            or table_slots < 0
+            or table_slots & (table_slots - 1)
+            or table_slots > MAX_SLOTS
+        ):
+            raise ConfigError(
+                f"{_PATH}.lease_table_slots = {table_slots!r}; expected 0 (no lease table) or a "
+                f"power of two up to {MAX_SLOTS}"
+            )
         flush = extra.get("flush_endpoints", True)
         if not isinstance(flush, bool):
             raise ConfigError(f"{_PATH}.flush_endpoints = {flush!r}; expected true or false")
@@ -221,6 +242,7 @@ class PDOptions:
             permute_staging_blocks=staging,
             warmup_timeout=float(warmup),
             flush_endpoints=flush,
+            lease_table_slots=table_slots,
             symmetric_leases=symmetric,
             kv_recompute_threshold=threshold,
             ttl_safety_margin=None if safety is None else float(safety),

@@ -61,6 +61,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from kvframe.config import KVTransferConfig
 from kvframe.connectors._reports import WorkerReports
@@ -126,6 +128,7 @@ from kvframe.core.receiver import (
     Revoke,
     SendRegistration,
 )
+from kvframe.core.slots import ENTRY_BYTES, MAX_SLOTS, LeaseSlots, slot_of, slot_tag
 from kvframe.core.tp import (
     HeadSlice,
     check_tp_pair,
@@ -143,6 +146,7 @@ from kvframe.spi.connector import EngineInfo, KVConnectorWorker, PluginLookup
 from kvframe.spi.transport import (
     BlockLayout,
     LayoutHandle,
+    MemoryKind,
     MemoryRegion,
     Op,
     Transport,
@@ -223,6 +227,10 @@ def observation_key(name: str, value: float) -> str:
     return f"{name}:le={bounds[i]!r}" if i < len(bounds) else f"{name}:le=+Inf"
 
 
+#: Lease-table READs a decode worker keeps in flight at most (one 8-byte word each); a load
+#: whose READ lands while all are busy waits for P's acknowledgement instead.
+_CHECKS = 256
+
 #: Bytes an endpoint flush READ moves: from the start of the prefill engine's first region
 #: into a scratch buffer of this worker's (nothing of value; one descriptor).
 _FLUSH_BYTES = 64
@@ -297,6 +305,27 @@ class _Flush:
     dirty: bool = True
     """A notification went to the peer since the flush READ in flight (or the last one) was
     posted."""
+
+
+@attrs.define(eq=False)
+class _Check:
+    """D: a READ of a prefill engine's lease table for one load whose bytes landed before
+    P's acknowledgement (see ``PDConnectorWorker._check_lease``)."""
+
+    handle: XferHandle
+    index: int
+    """Where in the check buffer the slot's word lands."""
+    at: float
+    """The reader's clock when it was posted (after the load's READ was seen done)."""
+
+
+@attrs.define(eq=False)
+class _TableRef:
+    """D: one prefill engine rank's lease table, prepared on the connection that uses it."""
+
+    entry: RemoteEngine
+    remote: LayoutHandle
+    slots: int
 
 
 @attrs.define(eq=False)
@@ -404,9 +433,17 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._region_bases: list[tuple[int, int, int]] = []  # (address, length, block length)
         self._block_leases: dict[int, set[str]] = {}  # block -> live lease ids (access check)
         self._engines: RemoteEngines | None = None
-        # P
+        # P. The lease table (kvframe.core.slots), in host memory (P's CPU writes it), on
+        # a transport whose READs need no code of P's (no access_control); registered with
+        # the KV caches. The holder clears a lease's entry in the call that ends it.
+        self._slots: LeaseSlots | None = None
+        self._slot_layout: BlockLayout | None = None
+        self._slot_table: npt.NDArray[np.uint64] | None = None
+        if options.lease_table_slots and config.is_producer and not caps.access_control:
+            self._slot_table = np.zeros(options.lease_table_slots, dtype=np.uint64)
+            self._slots = LeaseSlots(self._slot_table)
         self._holder: LeaseHolder[tuple[str, tuple[tuple[int, ...], ...]]] = LeaseHolder(
-            self._policy
+            self._policy, slots=self._slots
         )
         # (D engine, rank, transport metadata, session key) from the handshake thread; bounded,
         # so a flood of handshakes cannot queue unbounded work for the engine thread.
@@ -488,6 +525,14 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._flushes: dict[str, _Flush] = {}
         self._flush_local: LayoutHandle | None = None
         self._scratch: Any = None
+        # The lease table (kvframe.core.slots): P enters each pull lease's tag while it lives
+        # (None: no table); D reads a prefill engine's after an optimistic READ landed, into
+        # the check buffer, one word per check in flight (None: no checks).
+        self._check_buf: npt.NDArray[np.uint64] | None = None
+        self._check_local: LayoutHandle | None = None
+        self._check_free: list[int] = []
+        self._checks: dict[str, _Check] = {}
+        self._tables: dict[str, _TableRef] = {}  # transport peer -> its prepared table
         # Loads that ended DONE and are not yet reported: request id -> (posted, done seen),
         # perf_counter readings for the per-request timing (statistics, not decisions).
         self._timing: dict[str, tuple[float, float]] = {}
@@ -603,8 +648,27 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             first = next(iter(kv_caches.values()))
             self._scratch = first.new_zeros(-(-_FLUSH_BYTES // first.element_size()))
             scratch = MemoryRegion.from_tensor(self._scratch)
+        table_regions: list[MemoryRegion] = []
+        slots = self._options.lease_table_slots
+        if slots and not self._transport.capabilities.access_control:
+            # Host memory whatever the KV caches' device: P's CPU writes the entries.
+            if self._slot_table is not None:
+                table = self._slot_table
+                region = MemoryRegion(addr=int(table.ctypes.data), length=table.nbytes)
+                self._slot_layout = BlockLayout(
+                    regions=[region], block_lens=[ENTRY_BYTES], num_blocks=slots
+                )
+                table_regions.append(region)
+            if self._config.is_consumer:
+                self._check_buf = np.zeros(_CHECKS, dtype=np.uint64)
+                table_regions.append(
+                    MemoryRegion(
+                        addr=int(self._check_buf.ctypes.data), length=self._check_buf.nbytes
+                    )
+                )
+                self._check_free = list(range(_CHECKS))
         self._transport.register_memory(
-            [*regions, *staging_regions, *([] if scratch is None else [scratch])]
+            [*regions, *staging_regions, *([] if scratch is None else [scratch]), *table_regions]
         )
         self._local = self._transport.prepare_local(self._layout)
         if staging_regions:
@@ -618,6 +682,12 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         if scratch is not None:
             self._flush_local = self._transport.prepare_local(
                 BlockLayout(regions=[scratch], block_lens=[_FLUSH_BYTES], num_blocks=1)
+            )
+        if self._check_buf is not None:
+            self._check_local = self._transport.prepare_local(
+                BlockLayout(
+                    regions=[table_regions[-1]], block_lens=[ENTRY_BYTES], num_blocks=_CHECKS
+                )
             )
         # Read on the engine thread, before the server thread that answers with it exists.
         self._local_meta = self._transport.local_metadata()
@@ -836,6 +906,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             layout=self._layout,
             kv_lease_duration=self._policy.duration,
             incarnation=self._incarnation,
+            lease_table=self._slot_layout,
         )
 
     # -- per step ------------------------------------------------------------------------
@@ -986,6 +1057,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         wstates = self._poll_writes(list(self._writes))
         if self._flushes:
             self._poll_flushes()  # before this progress point posts any READ
+        checks = [(r, c, self._check_state(c)) for r, c in self._checks.items()]
         # The clock reading of this progress point: after every observation above, so that
         # no completion or receipt is stamped earlier than it happened.
         now = self._clock()
@@ -1013,6 +1085,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
             if self._pushes:
                 self._push_tick(now)
             self._flush_endpoints()
+            for rid, check, xstate in checks:
+                self._checked(rid, check, xstate, now)
         if self._pre:
             self._poll_pre(now)
         if self._writes or len(self._push):
@@ -1170,6 +1244,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                     engine=grant.decode_engine,
                 )
                 self._count("leases_granted")
+                # Never a kept turn's (a decoder's engine may reuse those blocks before its
+                # connector hears of the eviction): readers read those only once confirmed.
+                if self._slots is not None and not self._holder.publish(grant.lease_id):
+                    self._count("lease_table_collisions")
             else:
                 self._holder.keep(
                     grant.lease_id, now, (grant.request_id, grant.block_ids), grant.ttl
@@ -2062,6 +2140,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
                 self._staging.give(rid)
                 rd.permute_from = None
         engine = rd.spec.remote.engine_id
+        if self._check_local is not None and rd.notice is not None:
+            # An optimistic READ landed: read P's lease table before the done notice goes
+            # (that notice lets P end the lease).
+            self._check_lease(rid, rd, handle.peer, now)
         if rd.notice is not None:
             # An optimistic READ, or notification_after_data is False: the done notice goes
             # only now, after DONE (and after the heartbeat that followed the post)
@@ -2077,6 +2159,98 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         self._observe("load_wait_seconds", now - rd.posted_at)
         rd.reported = True
         self._run(self._reader.transfer_done(rid, now), now)
+        check = self._checks.get(rid)
+        if check is not None:  # usually done inside its post
+            self._checked(rid, check, self._check_state(check), now)
+
+    def _check_lease(self, rid: str, rd: _Read, peer: str, now: float) -> None:
+        """D: an optimistic READ of load ``rid`` was seen done before P confirmed its lease:
+        READ the lease's slot of P's lease table (when P has one and the load is not already
+        confirmed); what it finds goes to :meth:`LeaseReader.lease_seen
+        <kvframe.core.reader.LeaseReader.lease_seen>` once it completes, usually inside its
+        post (``_checked``). Any failure only leaves the load waiting for P's
+        acknowledgement, as without the table."""
+        if self._reader.confirmed_bound(rd.key, rd.spec.remote_request_id) > now:
+            return  # transfer_done will end it: nothing to prove
+        self._drop_check(rid)  # a READ again on a new connection: an older check proves less
+        if not self._check_free:
+            self._count("lease_checks_skipped")
+            return
+        entry = self._entry(rd.key)
+        ref = self._tables.get(peer)
+        if ref is None or ref.entry is not entry:
+            ref = self._table_of(entry, peer)
+            if ref is None:
+                return
+        slot = slot_of(slot_tag(lease_handle(rd.spec.remote_request_id)), ref.slots)
+        index = self._check_free.pop()
+        assert self._check_buf is not None
+        assert self._check_local is not None
+        self._check_buf[index] = 0
+        try:
+            handle = self._transport.post(Op.READ, self._check_local, [index], ref.remote, [slot])
+        except (TransportError, ValueError):
+            self._check_free.append(index)
+            self._count("lease_check_failures")
+            return
+        self._checks[rid] = _Check(handle=handle, index=index, at=now)
+        self._count("lease_checks_posted")
+
+    def _table_of(self, entry: RemoteEngine | None, peer: str) -> _TableRef | None:
+        # The prefill engine rank's lease table, prepared once per connection; None when it
+        # advertised none (or an unusable one: then no check is ever posted to it).
+        self._tables.pop(peer, None)
+        if entry is None or entry.peer != peer or entry.response is None:
+            return None
+        table = entry.response.lease_table
+        if table is None:
+            return None
+        n = table.num_blocks
+        if (
+            len(table.regions) != 1
+            or table.block_lens != (ENTRY_BYTES,)
+            or n & (n - 1)
+            or n > MAX_SLOTS
+            or table.regions[0].kind is not MemoryKind.HOST
+        ):
+            self._count("lease_tables_refused")
+            return None
+        try:
+            remote = self._transport.prepare_remote(peer, table)
+        except (TransportError, ValueError):
+            self._count("lease_tables_refused")
+            return None
+        ref = _TableRef(entry=entry, remote=remote, slots=n)
+        self._tables[peer] = ref
+        return ref
+
+    def _check_state(self, check: _Check) -> XferState:
+        try:
+            return self._transport.poll(check.handle).state
+        except TransportError:
+            return XferState.FAILED
+
+    def _checked(self, rid: str, check: _Check, state: XferState, now: float) -> None:
+        # A lease-table READ ended (``state``, polled before ``now`` was read, or in the
+        # progress point that posted it): what it found goes to the reader; failed, it is
+        # dropped (the load waits for P's acknowledgement).
+        if state is XferState.PENDING or self._checks.get(rid) is not check:
+            return
+        self._drop_check(rid)
+        if state is not XferState.DONE:
+            self._count("lease_check_failures")
+            return
+        assert self._check_buf is not None
+        found = int(self._check_buf[check.index])
+        self._run(self._reader.lease_seen(rid, found, check.at, max(now, check.at)), now)
+
+    def _drop_check(self, rid: str) -> None:
+        # Stop and forget load rid's lease-table READ, if any; its buffer word is free again.
+        check = self._checks.pop(rid, None)
+        if check is not None:
+            with contextlib.suppress(TransportError):
+                self._transport.release(check.handle)
+            self._check_free.append(check.index)
 
     def _stop(self, request_id: str) -> None:
         rd = self._reads.get(request_id)
@@ -2090,6 +2264,8 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _load_ended(self, action: LoadEnded, now: float) -> None:
         sub = action.request_id
         self._uncapped.pop(sub, None)
+        if sub in self._checks:
+            self._drop_check(sub)
         rd = self._reads.pop(sub, None)
         if rd is not None and rd.handle is not None:
             self._transport.release(rd.handle)
@@ -2638,7 +2814,9 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         handles += [h for x in self._writes.values() for h in x.pre]
         handles += [h for x in self._pre.values() for h in x.handles]
         handles += [x.handle for x in self._flushes.values()]
+        handles += [x.handle for x in self._checks.values()]
         self._flushes.clear()
+        self._checks.clear()
         for h in handles:
             if h is not None:
                 with contextlib.suppress(TransportError):
