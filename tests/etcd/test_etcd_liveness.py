@@ -28,7 +28,14 @@ def rec_of(drv: Driver, role: EngineRole) -> EngineRecord:
 @contextmanager
 def pair(tag: str) -> Iterator[tuple[Driver, Driver]]:
     p = Driver(f"P{tag}{time.monotonic_ns()}", "kv_producer", lease=LEASE)
-    d = Driver(f"D{tag}{time.monotonic_ns()}", "kv_consumer", lease=LEASE)
+    # No lease table: D's loads wait for P's acknowledgement, so a load is still waiting
+    # when P dies (with the table it would be done in its first step).
+    d = Driver(
+        f"D{tag}{time.monotonic_ns()}",
+        "kv_consumer",
+        lease=LEASE,
+        extra={"lease_table_slots": 0},
+    )
     try:
         yield p, d
     finally:

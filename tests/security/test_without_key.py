@@ -25,6 +25,7 @@ from tests.security.fleet import (
     fleet,
     gauges,
     prompt,
+    reference,
     wait_for,
 )
 
@@ -153,9 +154,14 @@ def test_d_a_handshake_as_the_real_d_steals_its_acks(
     assert _connect(open_fleet, attacker, open_fleet.d.engine_id)["ok"]
     attacker.call("drain")
     before = counters(open_fleet.d.url)
-    code, body = open_fleet.routed(prompt("the real D's next request"))
-    assert code == 200, body  # served (by local prefill)...
-    assert body["usage"]["external_tokens"] == 0  # ...because the load was not remote
+    asked = prompt("the real D's next request")
+    code, body = open_fleet.routed(asked)
+    assert code == 200, body
+    # P's acknowledgements of the real D's heartbeats now go to the attacker, but the real D
+    # proves its lease from P's lease table instead (a one-sided READ P's connection to the
+    # attacker does not touch): its load is still remote, and its output right.
+    assert body["usage"]["external_tokens"] > 0, body
+    assert _tokens(body) == reference([asked])[0]
     notes: list[dict[str, Any]] = []
 
     def acked() -> bool:
@@ -165,3 +171,5 @@ def test_d_a_handshake_as_the_real_d_steals_its_acks(
     assert wait_for(acked, 5.0), notes  # D's acks came to the attacker
     after = counters(open_fleet.d.url)
     assert after.get("connector.acks_received", 0) == before.get("connector.acks_received", 0)
+    proven = after.get("connector.reads_proven_by_table", 0)
+    assert proven > before.get("connector.reads_proven_by_table", 0)
