@@ -9,6 +9,8 @@ a clock, sleeps, starts a thread, opens a socket or logs.
 - :mod:`kvframe.core.wire` — the heartbeat / lease-ack wire format.
 - :mod:`kvframe.core.holder` — P's side of the P/D protocol (:class:`LeaseHolder`).
 - :mod:`kvframe.core.reader` — D's side of the P/D protocol (:class:`LeaseReader`).
+- :mod:`kvframe.core.slots` — the holder's lease table that readers READ to prove a lease
+  without asking (:class:`LeaseSlots`).
 - :mod:`kvframe.core.push` — push mode: the registration wire format and P's matching
   (:class:`~kvframe.core.push.PushSource`).
 - :mod:`kvframe.core.receiver` — push mode, D's side
@@ -58,6 +60,7 @@ from kvframe.core.requests import (
     DecodeRequestState,
     PrefillRequestState,
 )
+from kvframe.core.slots import LeaseSlots, slot_tag
 
 __all__ = [
     "DECODE_REQUEST_TRANSITIONS",
@@ -80,6 +83,7 @@ __all__ = [
     "LeaseHolder",
     "LeasePolicy",
     "LeaseReader",
+    "LeaseSlots",
     "LeaseState",
     "LeaseTable",
     "MonotonicClamp",
@@ -96,6 +100,7 @@ __all__ = [
     "lease_handle",
     "next_state",
     "rebase_deadline",
+    "slot_tag",
     "state_diagram",
     "transition_table",
     "wire",
