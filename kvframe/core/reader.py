@@ -476,6 +476,9 @@ class _Load:
     an older confirmation's)."""
     done_at: float = math.inf
     """Verifying: when the READ was seen complete (reader's clock)."""
+    done_now: float = math.inf
+    """Verifying: the caller's own ``now`` of that report, before this reader's clamp (what a
+    lease-table READ's post time is compared with)."""
     may_post_early: bool = False
     """Optimistic reads allowed for this load."""
 
@@ -729,6 +732,7 @@ class LeaseReader:
             # Optimistic, and no acknowledgement since the post: the bytes wait for one.
             self._fire(load, ReadEvent.TRANSFER_UNCONFIRMED, t)
             load.done_at = t
+            load.done_now = now
             self._count("reads_verifying")
         else:
             self._end(
@@ -745,7 +749,9 @@ class LeaseReader:
         """A READ of the holder's lease table, posted at ``checked_at`` (this reader's clock,
         read after the transport reported load ``request_id``'s READ complete), found ``tag``
         in the slot of the load's lease (:mod:`kvframe.core.slots`). When the load is
-        verifying, ``checked_at`` is not before its completion, the lease is not reported
+        verifying, ``checked_at`` is not before the ``now`` its :meth:`transfer_done` was
+        given (the same reading will do: the check READ is posted after it), the lease is not
+        reported
         lost and ``tag`` is the lease's :func:`~kvframe.core.slots.slot_tag`, the load is done
         (``SEEN_LIVE``; counted as ``reads_proven_by_table``). Otherwise nothing changes
         (``lease_checks_unproven``): the load still waits for the holder's acknowledgement.
@@ -766,7 +772,7 @@ class LeaseReader:
         ticket = self._tickets[(load.engine, load.lease_id)]
         if (
             ticket.lost is None
-            and load.done_at <= checked_at
+            and load.done_now <= checked_at
             and load.done_at < ticket.cap
             and tag == slot_tag(ticket.handle)
         ):

@@ -802,6 +802,18 @@ def test_anything_but_the_tag_read_after_the_completion_proves_nothing(
     assert out == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]
 
 
+def test_the_table_read_is_compared_with_the_callers_own_reading() -> None:
+    """A worker reports the completion with a reading taken in its progress point, after an
+    earlier call of the same point gave a later one (the reader's clock is clamped to that):
+    a table READ posted at the completion's own reading still counts."""
+    r = make(optimistic=True)
+    early(r, rid="q")
+    r.add("q2", E, "L2", 0.5, incarnation=INC)  # the reader's clock is now 0.5
+    assert r.transfer_done("q", 0.4) == []  # clamped to 0.5
+    out = r.lease_seen("q", TAG, 0.4, 0.4)
+    assert out == [LoadEnded(request_id="q", engine=E, state=ReadState.DONE)]
+
+
 def test_the_tag_proves_nothing_past_the_tickets_cap() -> None:
     """A kept turn's cap (the decoder's expiry on this clock) earlier than the completion:
     the table's answer does not lift it."""
