@@ -346,17 +346,9 @@ class LeaseHolder(Generic[_PayloadT]):
     def expire(self, now: float) -> HolderOutput[_PayloadT]:
         """Reclaim every lease whose expiry is ``<= now``."""
         ended = self._table.expire(now)
-        claims = self._claims
-        if self._slots is not None:
+        if self._slots is not None or self._claims or self._revoked or self._kept or self._meant:
             for handle in ended.handles:
-                self._slots.withdraw(handle)
-        if claims or self._revoked or self._kept or self._meant:
-            for handle in ended.handles:
-                claims.pop(handle, None)
-                self._revoked.discard(handle)
-                self._kept.discard(handle)
-                self._reported.pop(handle, None)
-                self._meant.pop(handle, None)
+                self._forget(handle)
         return HolderOutput(ended=tuple(ended))
 
     def abort(self, lease_id: str, now: float) -> HolderOutput[_PayloadT]:
@@ -364,7 +356,14 @@ class LeaseHolder(Generic[_PayloadT]):
         ended ids are a no-op."""
         if self._table.state(lease_id) is not LeaseState.LIVE:
             return HolderOutput()
-        handle = lease_handle(lease_id)
+        self._forget(lease_handle(lease_id))
+        return HolderOutput(ended=(self._table.abort(lease_id, now),))
+
+    def _forget(self, handle: int) -> None:
+        """Everything kept about the live lease ``handle`` besides the table's own record,
+        dropped as it ends: its lease-table entry first (before the ending call returns the
+        lease, so before its blocks can be reported free), then its claim, revocation, kept
+        mark, group reports and intended engine."""
         if self._slots is not None:
             self._slots.withdraw(handle)
         self._claims.pop(handle, None)
@@ -372,7 +371,6 @@ class LeaseHolder(Generic[_PayloadT]):
         self._kept.discard(handle)
         self._reported.pop(handle, None)
         self._meant.pop(handle, None)
-        return HolderOutput(ended=(self._table.abort(lease_id, now),))
 
     def claimed_by(self, reader: str) -> tuple[str, ...]:
         """The live leases ``reader``'s group has claimed (named in a heartbeat), by lease
@@ -525,12 +523,7 @@ class LeaseHolder(Generic[_PayloadT]):
                 del self._reported[h]
                 if any(r is not wire.DoneReason.READ for r in reports.values()):
                     reason = wire.DoneReason.RELEASED
-            if self._slots is not None:
-                self._slots.withdraw(h)
-            self._claims.pop(h, None)
-            self._revoked.discard(h)
-            self._kept.discard(h)
-            self._meant.pop(h, None)
+            self._forget(h)
             if reason is wire.DoneReason.READ:
                 ended.append(table.consume(rid, now))
             else:
