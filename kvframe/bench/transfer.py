@@ -84,6 +84,7 @@ __all__ = [
     "FAST_POLL",
     "FULL",
     "METHOD_FACTORIES",
+    "PD_PHASES",
     "QUICK",
     "STEP_POLL",
     "BenchConfig",
@@ -686,24 +687,39 @@ class _PDEngine:
         self.failures: dict[str, str] = {}
         self.counters: dict[str, float] = {}  # the worker's counters, summed over steps
         self.events: list[Any] = []  # the worker's events (KVEvent), in order
+        # Seconds per part of the engine's work (PD_PHASES), summed while not None.
+        self.phases: dict[str, float] | None = None
 
     def step(self, timed: bool = False) -> float:
         """One engine step; returns the seconds ``start_load_kv`` took (the launch cost)."""
         from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
         from kvframe.spi.connector import SchedulerStep
 
+        clock = time.perf_counter
+        t0 = clock()
         meta = self.sched.build_connector_meta(SchedulerStep(step=self.n, now=time.monotonic()))
         self.n += 1
-        self.worker.bind_connector_metadata(
-            self.codec.decode_as(self.codec.encode(meta), ConnectorMetadata)
-        )
-        t0 = time.perf_counter()
+        t1 = clock()
+        wire = self.codec.decode_as(self.codec.encode(meta), ConnectorMetadata)
+        t2 = clock()
+        self.worker.bind_connector_metadata(wire)
+        t3 = clock()
         self.worker.start_load_kv(None)
-        launch = time.perf_counter() - t0
+        t4 = clock()
         out = self.worker.build_connector_worker_output()
         self.worker.clear_connector_metadata()
+        t5 = clock()
         out = self.codec.decode_as(self.codec.encode(out), ConnectorOutput)
+        t6 = clock()
         self.sched.update_connector_output(out)
+        t7 = clock()
+        if self.phases is not None:
+            for name, a, b in zip(
+                PD_PHASES[1:-1], (t0, t1, t2, t4, t5, t6), (t1, t2, t4, t5, t6, t7), strict=True
+            ):
+                self.phases[name] += b - a
+            self.phases["steps"] += 1
+        launch = t4 - t3
         self.finished_recving |= out.finished_recving
         self.failures.update(out.failures)
         for name, value in out.stats.counters.items():
@@ -727,6 +743,7 @@ class _PDEngine:
     def schedule(self, rid: str, params: dict[str, Any], blocks: list[int]) -> None:
         from kvframe.spi.request import RequestView
 
+        t0 = time.perf_counter()
         view = RequestView(
             request_id=rid,
             num_prompt_tokens=len(blocks) + 1,
@@ -736,6 +753,8 @@ class _PDEngine:
         self.sched.on_new_request(view)
         n, _ = self.sched.get_num_new_matched_tokens(view, 0)
         self.sched.update_state_after_alloc(view, (tuple(blocks),), n or 0)
+        if self.phases is not None:
+            self.phases["schedule"] += time.perf_counter() - t0
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -756,6 +775,7 @@ class _PDConnectorMethod:
         self.engine: _PDEngine | None = None
         self.params: dict[str, Any] | None = None
         self.ids = 0
+        self.phases: list[dict[str, float]] = []  # per timed load: seconds per PD_PHASES
 
     def setup(self, block_size: int, num_blocks: int) -> None:
         if self.engine is not None:
@@ -775,7 +795,18 @@ class _PDConnectorMethod:
         )
 
     def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
-        self._load(dst)
+        assert self.engine is not None
+        self.engine.phases = dict.fromkeys(PD_PHASES, 0.0)
+        try:
+            self._load(dst)
+            self.phases.append(self.engine.phases)
+        finally:
+            self.engine.phases = None
+
+    def take_phases(self) -> list[dict[str, float]]:
+        """The timed loads' phases since the last call (seconds, ``steps`` a count)."""
+        out, self.phases = self.phases, []
+        return out
 
     def _load(self, dst: npt.NDArray[np.int64]) -> float:
         assert self.engine is not None
@@ -804,6 +835,26 @@ class _PDConnectorMethod:
 
 def _kvframe_inline(env: BenchEnv) -> _KvframeMethod:
     return _KvframeMethod(env, name="kvframe_inline", options={"post_thread": False})
+
+
+#: The parts of one P/D connector load that the benchmark times (``pd_phases_us`` in its
+#: report), in order: D's scheduler taking the request (``on_new_request``, matched tokens,
+#: allocation); then per engine step, summed over the load's steps: the step's metadata built
+#: (``build_connector_meta``), its codec round trip, the worker's ``bind_connector_metadata`` +
+#: ``start_load_kv`` (the READ and the lease traffic are posted here), its output
+#: (``build_connector_worker_output``, with ``get_finished`` and the statistics), the output's
+#: codec round trip, and the scheduler's ``update_connector_output``; ``steps`` counts the
+#: engine steps. Their sum is the load's time less the loop around them.
+PD_PHASES: tuple[str, ...] = (
+    "schedule",
+    "metadata",
+    "metadata_codec",
+    "start_load",
+    "output",
+    "output_codec",
+    "update",
+    "steps",
+)
 
 
 #: The throughput table's columns, in order. The first is the subject of the ratios.
@@ -894,6 +945,9 @@ def _throughput(
             if progress is not None:
                 progress(f"throughput, {n} × {_fmt_size(bs)} blocks")
             times: dict[str, list[float]] = {m.name: [] for m in methods}
+            for m in methods:
+                if isinstance(m, _PDConnectorMethod):
+                    m.take_phases()  # only this row's loads below
             for order in _rounds(methods, config.repeats):
                 dst = rng.permutation(pool_blocks)[:n].astype(np.int64)
                 src = rng.permutation(pool_blocks)[:n].astype(np.int64)
@@ -935,6 +989,15 @@ def _throughput(
                 "results": results,
                 "ratios": ratios,
             }
+            for m in methods:
+                if isinstance(m, _PDConnectorMethod):
+                    kept_phases = m.take_phases()[1:]  # the first round warmed up
+                    if kept_phases:
+                        row["pd_phases_us"] = {
+                            name: statistics.median(p[name] for p in kept_phases)
+                            * (1 if name == "steps" else 1e6)
+                            for name in PD_PHASES
+                        }
             if "pd_connector" in results and "raw_nixl" in results:
                 # What the connector adds per request over the bare READ of the same blocks,
                 # measured in the same rounds.
@@ -1438,6 +1501,24 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{pdc['median_s'] * 1e6:.0f} | {pdc['p90_s'] * 1e6:.0f} | "
                 f"{row['fixed_cost_us']:.0f} | {row['ratios']['pd_connector/raw_nixl']:.2f} |"
             )
+    if any("pd_phases_us" in row for row in report["throughput"]):
+        lines += [
+            "",
+            "Where the P/D connector's time goes, per request (µs, medians over the rounds; "
+            "each step's parts summed over the load's steps)",
+            "",
+            "| block | blocks | " + " | ".join(n.replace("_", " ") for n in PD_PHASES) + " |",
+            "|---|---|" + "---|" * len(PD_PHASES),
+        ]
+        for row in report["throughput"]:
+            if "pd_phases_us" not in row:
+                continue
+            ph = row["pd_phases_us"]
+            lines.append(
+                f"| {_fmt_size(row['block_bytes'])} | {row['blocks']} | "
+                + " | ".join(f"{ph[n]:.0f}" for n in PD_PHASES)
+                + " |"
+            )
     lines += [
         "",
         "Per-request post cost (µs, 16 KiB blocks) against descriptors",
@@ -1531,7 +1612,8 @@ def run(args: argparse.Namespace) -> int:
                          "results": {method: {"median_s", "p90_s", "gbps"}},
                          "ratios": {"kvframe/<method>": float,
                                     "pd_connector/raw_nixl": float, ...},
-                         "fixed_cost_us": float}],  # pd_connector - raw_nixl medians
+                         "fixed_cost_us": float,  # pd_connector - raw_nixl medians
+                         "pd_phases_us": {phase: float}}],  # PD_PHASES, medians
          "post_cost": [{"descriptors", "kvframe_inline_post_us", "kvframe_post_thread_us",
                         "raw_make_us", "raw_make_transfer_us",
                         "pd_connector_launch_us"}],

@@ -12,6 +12,8 @@ pytestmark = pytest.mark.nixl
 
 
 def test_quick_json_shape() -> None:
+    from kvframe.bench.transfer import PD_PHASES
+
     proc = subprocess.run(
         [sys.executable, "-m", "kvframe.cli", "bench", "transfer", "--quick", "--json"],
         capture_output=True,
@@ -38,6 +40,14 @@ def test_quick_json_shape() -> None:
             "pd_connector/raw_nixl",
             "pd_connector/memcpy",
         }
+        # Where the connector's time went: every part timed, each step counted; the parts
+        # are a share of the connector's median time (the loop around them is not counted).
+        phases = row["pd_phases_us"]
+        assert tuple(phases) == PD_PHASES
+        assert phases["steps"] >= 1
+        assert all(phases[name] > 0 for name in PD_PHASES)
+        parts = sum(v for name, v in phases.items() if name != "steps")
+        assert parts < 3 * row["results"]["pd_connector"]["median_s"] * 1e6
     assert [r["descriptors"] for r in report["post_cost"]] == cfg["descriptor_counts"]
     for row in report["post_cost"]:
         assert set(row) == {
