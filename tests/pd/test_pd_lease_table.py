@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from kvframe.core.lease import lease_handle
-from kvframe.core.slots import slot_of, slot_tag
+from kvframe.core.slots import ENTRY_BYTES, slot_of, slot_tag
 from kvframe.testing.clock import FakeClock
+from kvframe.testing.faults import Faults
 from tests.pd.driver import Driver
 from tests.pd.test_pd_fake_clock import LEASE, _arrive, _ended, _prefill, _schedule, _steps
 
@@ -103,3 +104,29 @@ def test_a_prefill_engine_without_a_table_leaves_its_decoders_to_the_acknowledge
     finally:
         d.shutdown()
         p.shutdown()
+
+
+def test_a_check_outrun_by_ps_acknowledgement_is_counted_unused(
+    pd: tuple[Driver, Driver], clock: FakeClock
+) -> None:
+    """The table READ is held back (an 8-byte READ of D's, delayed far beyond the test), so P's
+    acknowledgement ends the load first: the load is done, and the pending check is dropped
+    and counted once, as unused. Every posted check ends counted once: proven, unproven,
+    failed or unused."""
+    p, d = pd
+    Faults.of(d.worker.transport.fabric).delay_transfers(
+        10**9, endpoint=d.worker.transport.name, when=lambda e: e.nbytes == ENTRY_BYTES
+    )
+    params = _prefill(p, "r", [1, 2])
+    _arrive(d, "q", params, clock)
+    _schedule(d, "q", params, [5, 6])
+    _steps([d, p], lambda: _ended(d, "q", "finished_recving"))
+    assert not any(o.failures for o in d.outputs)
+    for a, b in zip(p.blocks([1, 2]), d.blocks([5, 6]), strict=True):
+        assert np.array_equal(a.numpy(), b.numpy())
+    assert _counter(d, "lease_checks_posted") == 1
+    assert _counter(d, "reads_proven_by_table") == 0
+    assert _counter(d, "acks") >= 1
+    ends = ("reads_proven_by_table", "lease_checks_unproven", "lease_check_failures")
+    assert sum(_counter(d, name) for name in ends) == 0
+    assert _counter(d, "lease_checks_unused") == 1

@@ -2172,7 +2172,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         acknowledgement, as without the table."""
         if self._reader.confirmed_bound(rd.key, rd.spec.remote_request_id) > now:
             return  # transfer_done will end it: nothing to prove
-        self._drop_check(rid)  # a READ again on a new connection: an older check proves less
+        if rid in self._checks:
+            # A READ again on a new connection: an older check proves less.
+            self._drop_check(rid)
+            self._count("lease_checks_unused")
         if not self._check_free:
             self._count("lease_checks_skipped")
             return
@@ -2265,7 +2268,10 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         sub = action.request_id
         self._uncapped.pop(sub, None)
         if sub in self._checks:
+            # Ended (P's acknowledgement came first, or it failed) before its table READ
+            # answered: every posted check is counted once, this one as unused.
             self._drop_check(sub)
+            self._count("lease_checks_unused")
         rd = self._reads.pop(sub, None)
         if rd is not None and rd.handle is not None:
             self._transport.release(rd.handle)
