@@ -48,6 +48,9 @@ def test_quick_json_shape() -> None:
         assert all(phases[name] > 0 for name in PD_PHASES)
         parts = sum(v for name, v in phases.items() if name != "steps")
         assert parts < 3 * row["results"]["pd_connector"]["median_s"] * 1e6
+        p90 = row["pd_phases_p90_us"]
+        assert tuple(p90) == PD_PHASES
+        assert all(p90[name] >= phases[name] for name in PD_PHASES)
     assert [r["descriptors"] for r in report["post_cost"]] == cfg["descriptor_counts"]
     for row in report["post_cost"]:
         assert set(row) == {
