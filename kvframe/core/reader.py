@@ -751,11 +751,11 @@ class LeaseReader:
         in the slot of the load's lease (:mod:`kvframe.core.slots`). When the load is
         verifying, ``checked_at`` is not before the ``now`` its :meth:`transfer_done` was
         given (the same reading will do: the check READ is posted after it), the lease is not
-        reported
-        lost and ``tag`` is the lease's :func:`~kvframe.core.slots.slot_tag`, the load is done
-        (``SEEN_LIVE``; counted as ``reads_proven_by_table``). Otherwise nothing changes
-        (``lease_checks_unproven``): the load still waits for the holder's acknowledgement.
-        A load that ended or is not verifying (an acknowledgement came first): a no-op.
+        reported lost and ``tag`` is the lease's :func:`~kvframe.core.slots.slot_tag`, the load
+        is done (``SEEN_LIVE``; counted as ``reads_proven_by_table``). Otherwise nothing
+        changes (``lease_checks_unproven``): the load still waits for the holder's
+        acknowledgement. A load that ended or is not verifying (an acknowledgement came
+        first): a no-op (``lease_checks_unused``).
         ``now`` is this reader's clock, not earlier than ``checked_at``; it decides nothing
         here (the READ's place after the completion does).
 

@@ -11,9 +11,14 @@ import numpy as np
 
 from kvframe.bench import transfer as bench
 
+BLOCK = 16 * 1024
+"""The block size the NIXL P/D test modules use."""
+POOL = 4 * 1024 * 1024
+"""Their pool's bytes (on both sides)."""
+
 
 @contextlib.contextmanager
-def bench_env(block: int, pool_bytes: int) -> Iterator[bench.BenchEnv]:
+def bench_env(block: int = BLOCK, pool_bytes: int = POOL) -> Iterator[bench.BenchEnv]:
     """A one-block-size benchmark environment (``pool_bytes`` of ``block``-byte blocks); the
     child is closed on exit."""
     bench._quiet_nixl()

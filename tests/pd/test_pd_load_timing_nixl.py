@@ -19,12 +19,9 @@ from kvframe.core.reader import ReadState
 from kvframe.protocol.messages import ConnectorMetadata, ConnectorOutput
 from kvframe.spi.connector import SchedulerStep
 from kvframe.spi.request import RequestView
-from tests.pd.nixl_bench_env import bench_env
+from tests.pd.nixl_bench_env import BLOCK, POOL, bench_env
 
 pytestmark = pytest.mark.nixl
-
-BLOCK = 16 * 1024
-POOL = 4 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,9 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="the NIXL transport needs nixl-cu12")
 
 from kvframe.bench import transfer as bench
-from tests.pd.nixl_bench_env import bench_env
+from tests.pd.nixl_bench_env import BLOCK, POOL, bench_env
 
 pytestmark = pytest.mark.nixl
-
-BLOCK = 16 * 1024
-POOL = 4 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")

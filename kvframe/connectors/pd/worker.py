@@ -2172,10 +2172,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         acknowledgement, as without the table."""
         if self._reader.confirmed_bound(rd.key, rd.spec.remote_request_id) > now:
             return  # transfer_done will end it: nothing to prove
-        if rid in self._checks:
-            # A READ again on a new connection: an older check proves less.
-            self._drop_check(rid)
-            self._count("lease_checks_unused")
+        self._abandon_check(rid)  # a READ again on a new connection: an older check proves less
         if not self._check_free:
             self._count("lease_checks_skipped")
             return
@@ -2247,6 +2244,13 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
         found = int(self._check_buf[check.index])
         self._run(self._reader.lease_seen(rid, found, check.at, max(now, check.at)), now)
 
+    def _abandon_check(self, rid: str) -> None:
+        # Load rid's lease-table READ, if any, will never be answered: dropped and counted
+        # unused (so every posted check is counted once: proven, unproven, failed or unused).
+        if rid in self._checks:
+            self._drop_check(rid)
+            self._count("lease_checks_unused")
+
     def _drop_check(self, rid: str) -> None:
         # Stop and forget load rid's lease-table READ, if any; its buffer word is free again.
         check = self._checks.pop(rid, None)
@@ -2267,11 +2271,7 @@ class PDConnectorWorker(WorkerReports, KVConnectorWorker):
     def _load_ended(self, action: LoadEnded, now: float) -> None:
         sub = action.request_id
         self._uncapped.pop(sub, None)
-        if sub in self._checks:
-            # Ended (P's acknowledgement came first, or it failed) before its table READ
-            # answered: every posted check is counted once, this one as unused.
-            self._drop_check(sub)
-            self._count("lease_checks_unused")
+        self._abandon_check(sub)  # ended first (P's acknowledgement came first, or it failed)
         rd = self._reads.pop(sub, None)
         if rd is not None and rd.handle is not None:
             self._transport.release(rd.handle)
