@@ -166,7 +166,11 @@ def test_a_step_every_rank_refuses_fails_alone_and_the_workers_go_on(
         e.check_no_leaks()
 
 
-def test_server_with_dead_workers_answers_500_then_health_503() -> None:
+@pytest.mark.parametrize("seen_when", ["sending", "either"])
+def test_server_with_dead_workers_answers_500_then_health_503(seen_when: str) -> None:
+    # "sending": the rank has exited before the next step, so the step's order meets a broken
+    # pipe; "either": the next request races the kill, so the death may be seen while sending
+    # the order or while reading the reply. Both name the rank the same way.
     with engine_server(None, tp_size=2) as served:
         assert served.service is not None
         code, body = complete(served, {"prompt": [1, 2, 3], "max_tokens": 2})
@@ -174,9 +178,14 @@ def test_server_with_dead_workers_answers_500_then_health_503() -> None:
         workers = served.service.engine.workers
         assert workers is not None
         os.kill(workers.pids()[0], signal.SIGKILL)
+        if seen_when == "sending":
+            workers._procs[0].wait(timeout=10)
         code, body = complete(served, {"prompt": [1, 2, 3], "max_tokens": 2})
         assert code == 500, body
         assert "worker rank 0" in body["error"]["message"]
+        if seen_when == "sending":
+            assert "worker rank 0 exited with status -9" in body["error"]["message"]
+            assert "Broken pipe" in body["error"]["message"]
         code, body = request(served, "GET", "/health")
         assert code == 503, body
         assert body["error"]["type"] == "tp_workers_failed"

@@ -355,8 +355,14 @@ class TPWorkers:
             try:
                 send_frame(sock, message)
             except OSError as exc:
-                self._break(f"{what}: rank {rank} is gone ({exc})")
+                self._break(f"{what}: worker rank {rank} {self._how_gone(rank)} ({exc})")
         return self._gather(kind, what, self._timeout)
+
+    def _how_gone(self, rank: int) -> str:
+        # One wording whichever side sees a dead rank first: sending the order (broken pipe) or
+        # reading the reply (end of stream).
+        code = self._procs[rank].poll()
+        return "stopped answering" if code is None else f"exited with status {code}"
 
     def _gather(self, kind: type[_T], what: str, timeout: float) -> list[_T]:
         # One reply per rank, waiting on all at once: a rank that dies is seen at once (its
@@ -378,9 +384,10 @@ class TPWorkers:
                 try:
                     msg = recv_frame(sock)
                 except (EOFError, OSError) as exc:
-                    code = self._procs[rank].poll()
-                    how = "stopped answering" if code is None else f"exited with status {code}"
-                    self._break(f"{what}: worker rank {rank} {how} ({type(exc).__name__}: {exc})")
+                    self._break(
+                        f"{what}: worker rank {rank} {self._how_gone(rank)} "
+                        f"({type(exc).__name__}: {exc})"
+                    )
                 except Exception as exc:  # a CodecError: the wire is not to be trusted
                     self._break(f"{what}: rank {rank} sent a malformed message ({exc})")
                 if isinstance(msg, WorkerReady) and msg.error is not None:
