@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -73,6 +74,7 @@ class Peer:
         )
         os.close(w)
         self._fd = r
+        self._killing = threading.Lock()
         self._unpacker = msgpack.Unpacker(raw=False)
         hello = self._read(30.0, None)
         self.meta: bytes = hello["meta"]
@@ -118,11 +120,13 @@ class Peer:
                 self._unpacker.feed(os.read(self._fd, 1 << 22))
 
     def kill(self) -> None:
-        """SIGKILL the child, reap it and close the pipes (idempotent)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-        self._close_pipes()
+        """SIGKILL the child, reap it and close the pipes (idempotent, and safe to call from a
+        timer thread while the test's thread calls it too: each pipe is closed once)."""
+        with self._killing:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+            self._close_pipes()
 
     def stop(self) -> None:
         """Ask the child to close its transport and exit; kill it if it does not."""
@@ -137,9 +141,9 @@ class Peer:
     def _close_pipes(self) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class Local:

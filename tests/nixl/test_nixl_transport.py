@@ -440,8 +440,12 @@ def test_peer_killed_mid_transfer_then_restarted(local: Local, peer: tuple[Peer,
         assert wait(local, h).state is XferState.DONE
         local.t.release(h)
         np.testing.assert_array_equal(big[:MIB], victim.expected(0)[5 * MIB : 6 * MIB])
-        threading.Timer(0.05, victim.kill).start()
+        killer = threading.Timer(0.05, victim.kill)
+        killer.start()
         took, err = _post_until_failure(local, remote, timeout=5.0, lh=big_local)
+        # The failure can be seen while the timer's kill is still closing the pipes: let it end
+        # before this thread touches the victim again.
+        killer.join(15)
         assert isinstance(err, PeerUnreachableError), err
         assert took < 2.0
         victim.kill()
