@@ -28,6 +28,13 @@ the child also drives the worker's ``progress()`` every :data:`FAST_POLL` second
 steps, as a driver thread would (``KVFRAME_BENCH_P_FAST_POLL=0.0005`` turns that off). D's
 engine steps back to back until the load is reported.
 
+**The protocol floor column** (``pd_floor``): the P/D protocol's own steps for one load
+(the metadata and output round trips, the data READ, the heartbeat, the lease-table READ, the
+done notice) in straight-line Python with NIXL called directly, nothing else
+(:class:`_ProtocolFloorMethod`). ``floor_fixed_cost_us`` (its median less raw NIXL's) is the
+least a Python connector speaking this protocol can add to a READ under the same conditions;
+``fixed_cost_us`` less it is what the connector's framework costs.
+
 **The cold path** (``cold``): for each of ``cold_trials`` trials, a new decoder's first
 request to P (its handshake included, and measured apart) against the median of its later
 ones, for raw NIXL and the P/D connector with and without its warm-up
@@ -54,6 +61,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import mmap
 import os
 import select
 import statistics
@@ -561,12 +569,12 @@ def _descs(
 class _RawNixlMethod:
     name = "raw_nixl"
 
-    def __init__(self, env: BenchEnv) -> None:
+    def __init__(self, env: BenchEnv, agent: str = "raw") -> None:
         import nixl_cu12
 
         self.env = env
         self.agent: Any = nixl_cu12.nixl_agent(
-            f"bench-D-raw-{os.getpid()}", nixl_cu12.nixl_agent_config(enable_prog_thread=False)
+            f"bench-D-{agent}-{os.getpid()}", nixl_cu12.nixl_agent_config(enable_prog_thread=False)
         )
         mem = env.memory
         self.reg = self.agent.register_memory(
@@ -837,6 +845,111 @@ def _kvframe_inline(env: BenchEnv) -> _KvframeMethod:
     return _KvframeMethod(env, name="kvframe_inline", options={"post_thread": False})
 
 
+class _ProtocolFloorMethod:
+    """The P/D protocol's own steps for one load, written as straight-line Python with NIXL
+    called directly and nothing else (``name="pd_floor"``): the lower bound of any Python
+    connector that speaks this protocol, not a connector.
+
+    Per request, as the P/D connector does them (unauthenticated, as the benchmark's engines
+    run): the step's metadata (one load: request id, lease handle, block ids) through a msgpack
+    round trip; the data READ with raw NIXL (as :class:`_RawNixlMethod`); the heartbeat naming
+    the lease, sent from a second agent (the NIXL transport's notification agent, so that no
+    notification precedes a READ on the data endpoint); the 8-byte READ of the lease's slot
+    in P's memory (the lease-table check) into a registered scratch word; the done notice; the
+    worker's output (the request received) through a msgpack round trip. No request admission,
+    no validation of the ticket, no lease state machine, no bound, no statistics: what the
+    connector adds beyond this floor is its framework, and what this floor adds beyond raw
+    NIXL is the protocol. P drains the notifications and answers none (the connector's P
+    answers off D's path too, since D proves the lease from the table)."""
+
+    name = "pd_floor"
+
+    def __init__(self, env: BenchEnv) -> None:
+        import nixl_cu12
+
+        self.raw = _RawNixlMethod(env, agent="floor")
+        self.agent = self.raw.agent
+        pid = os.getpid()
+        self.notify: Any = nixl_cu12.nixl_agent(
+            f"bench-D-floor-notify-{pid}", nixl_cu12.nixl_agent_config(enable_prog_thread=False)
+        )
+        self.notify_peer = _as_str(self.notify.add_remote_agent(env.child.hello["raw_meta"]))
+        env.child.call(
+            self.notify.get_new_notifs, "add_raw", meta=bytes(self.notify.get_agent_metadata())
+        )
+        mem = env.memory
+        self.scratch = mem.place(np.zeros(mmap.PAGESIZE, dtype=np.uint8))
+        addr = mem.addr(self.scratch)
+        self.scratch_reg = self.agent.register_memory(
+            np.array([[addr, mmap.PAGESIZE, mem.device_id]], dtype=np.uint64), mem.nixl
+        )
+        self.word_local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _descs(addr, 8, 1, mem.device_id), mem.nixl
+        )
+        self.slots = 1024
+        self.word_remote = self.agent.prep_xfer_dlist(
+            self.raw.peer, _descs(env.remote_addr, 8, self.slots, mem.device_id), mem.nixl
+        )
+        self.seq = 0
+
+    def setup(self, block_size: int, num_blocks: int) -> None:
+        self.raw.setup(block_size, num_blocks)
+
+    def _read(self, local: Any, dst: Any, remote: Any, src: Any) -> None:
+        h = self.agent.make_prepped_xfer("READ", local, dst, remote, src)
+        state = self.agent.transfer(h)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(h)
+        h.release()
+        if state != "DONE":
+            raise RuntimeError(f"protocol floor READ ended in state {state}")
+
+    def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
+        self.seq += 1
+        seq = self.seq
+        handle = 0x5DEECE66D * seq & 0xFFFF_FFFF_FFFF_FFFF
+        meta = msgpack.unpackb(
+            msgpack.packb(
+                {
+                    "step": seq,
+                    "loads": [
+                        {
+                            "request_id": f"d{seq}",
+                            "engine": self.raw.peer,
+                            "handle": handle,
+                            "local": dst.tolist(),
+                            "remote": src.tolist(),
+                        }
+                    ],
+                }
+            )
+        )
+        load = meta["loads"][0]
+        self._read(
+            self.raw.local,
+            np.asarray(load["local"], dtype=np.int32),
+            self.raw.remote,
+            np.asarray(load["remote"], dtype=np.int32),
+        )
+        now = time.monotonic()
+        self.notify.send_notif(self.notify_peer, msgpack.packb([1, seq, now, [load["handle"]]]))
+        slot = np.array([load["handle"] % self.slots], dtype=np.int32)
+        self._read(self.word_local, np.zeros(1, dtype=np.int32), self.word_remote, slot)
+        self.notify.send_notif(self.notify_peer, msgpack.packb([2, seq, now, [load["handle"]]]))
+        out = msgpack.unpackb(
+            msgpack.packb({"finished_recving": [load["request_id"]], "failures": {}})
+        )
+        if out["finished_recving"] != [f"d{seq}"]:
+            raise RuntimeError("protocol floor: the output lost the request")
+
+    def close(self) -> None:
+        for h in (self.word_local, self.word_remote):
+            h.release()
+        self.agent.deregister_memory(self.scratch_reg)
+        self.notify.remove_remote_agent(self.notify_peer)
+        self.raw.close()
+
+
 #: The parts of one P/D connector load that the benchmark times (``pd_phases_us`` in its
 #: report), in order: D's scheduler taking the request (``on_new_request``, matched tokens,
 #: allocation); then per engine step, summed over the load's steps: the step's metadata built
@@ -865,6 +978,7 @@ METHOD_FACTORIES: list[Callable[[BenchEnv], Method]] = [
     _RawNixlMethod,
     _MemcpyMethod,
     _PDConnectorMethod,
+    _ProtocolFloorMethod,
 ]
 
 
@@ -982,6 +1096,11 @@ def _throughput(
                         ratios[f"pd_connector/{other}"] = (
                             results["pd_connector"]["gbps"] / results[other]["gbps"]
                         )
+            if "pd_floor" in results and "raw_nixl" in results:
+                # The protocol's own steps in straight-line Python against the bare READ.
+                ratios["pd_floor/raw_nixl"] = (
+                    results["pd_floor"]["gbps"] / results["raw_nixl"]["gbps"]
+                )
             row = {
                 "block_bytes": bs,
                 "blocks": n,
@@ -1007,6 +1126,12 @@ def _throughput(
                 # measured in the same rounds.
                 row["fixed_cost_us"] = (
                     results["pd_connector"]["median_s"] - results["raw_nixl"]["median_s"]
+                ) * 1e6
+            if "pd_floor" in results and "raw_nixl" in results:
+                # What the protocol's steps alone add, in the same rounds: the least any Python
+                # connector's fixed cost can be here.
+                row["floor_fixed_cost_us"] = (
+                    results["pd_floor"]["median_s"] - results["raw_nixl"]["median_s"]
                 ) * 1e6
             rows.append(row)
     return rows
@@ -1489,21 +1614,30 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [
             "",
             "The P/D connector against raw NIXL, per request (µs): median and p90 of each; fixed "
-            "cost = connector median - raw median; ratio = raw median / connector median",
+            "cost = connector median - raw median; ratio = raw median / connector median; the "
+            "protocol floor is the protocol's own steps in straight-line Python (pd_floor), its "
+            "fixed cost the least any Python connector's can be",
             "",
             "| block | blocks | raw NIXL median | raw NIXL p90 | connector median "
-            "| connector p90 | fixed cost | connector / raw |",
-            "|---|---|---|---|---|---|---|---|",
+            "| connector p90 | fixed cost | connector / raw | floor median | floor fixed cost |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in report["throughput"]:
             if "fixed_cost_us" not in row:
                 continue
             raw, pdc = row["results"]["raw_nixl"], row["results"]["pd_connector"]
+            floor = row["results"].get("pd_floor")
+            floor_cells = (
+                f"{floor['median_s'] * 1e6:.0f} | {row['floor_fixed_cost_us']:.0f}"
+                if floor is not None and "floor_fixed_cost_us" in row
+                else "- | -"
+            )
             lines.append(
                 f"| {_fmt_size(row['block_bytes'])} | {row['blocks']} | "
                 f"{raw['median_s'] * 1e6:.0f} | {raw['p90_s'] * 1e6:.0f} | "
                 f"{pdc['median_s'] * 1e6:.0f} | {pdc['p90_s'] * 1e6:.0f} | "
-                f"{row['fixed_cost_us']:.0f} | {row['ratios']['pd_connector/raw_nixl']:.2f} |"
+                f"{row['fixed_cost_us']:.0f} | {row['ratios']['pd_connector/raw_nixl']:.2f} | "
+                f"{floor_cells} |"
             )
     if any("pd_phases_us" in row for row in report["throughput"]):
         lines += [
@@ -1615,8 +1749,10 @@ def run(args: argparse.Namespace) -> int:
          "throughput": [{"block_bytes", "blocks", "bytes",
                          "results": {method: {"median_s", "p90_s", "gbps"}},
                          "ratios": {"kvframe/<method>": float,
-                                    "pd_connector/raw_nixl": float, ...},
+                                    "pd_connector/raw_nixl": float,
+                                    "pd_floor/raw_nixl": float, ...},
                          "fixed_cost_us": float,  # pd_connector - raw_nixl medians
+                         "floor_fixed_cost_us": float,  # pd_floor - raw_nixl medians
                          "pd_phases_us": {phase: float},  # PD_PHASES, medians
                          "pd_phases_p90_us": {phase: float}}],  # and their p90
          "post_cost": [{"descriptors", "kvframe_inline_post_us", "kvframe_post_thread_us",

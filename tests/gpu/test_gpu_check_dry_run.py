@@ -101,7 +101,7 @@ def test_dry_run_moved_and_checked_bytes_on_host_memory(dry_run: dict[str, Any])
         assert row["pd_connector/raw_nixl"] > 0
         assert row["kvframe/raw_nixl"] > 0
     verify = transfer["verify"]
-    methods = 5  # kvframe, kvframe_inline, raw_nixl, memcpy, pd_connector
+    methods = 6  # kvframe, kvframe_inline, raw_nixl, memcpy, pd_connector, pd_floor
     assert verify["transfers"] == len(cells) * methods * (sizes["repeats"] + 1)
     assert verify["bytes"] == methods * (sizes["repeats"] + 1) * sum(b * n for b, n in cells)
     assert verify["mismatches"] == []

@@ -26,7 +26,14 @@ def test_quick_json_shape() -> None:
     assert report["benchmark"] == "transfer"
     assert report["version"] == 1
     assert report["quick"] is True
-    assert report["methods"][:4] == ["kvframe", "kvframe_inline", "raw_nixl", "memcpy"]
+    assert report["methods"] == [
+        "kvframe",
+        "kvframe_inline",
+        "raw_nixl",
+        "memcpy",
+        "pd_connector",
+        "pd_floor",
+    ]
     cfg = report["config"]
     rows = report["throughput"]
     assert len(rows) == len(cfg["block_sizes"]) * len(cfg["blocks"])
@@ -39,7 +46,12 @@ def test_quick_json_shape() -> None:
         assert set(row["ratios"]) == {f"kvframe/{m}" for m in report["methods"][1:]} | {
             "pd_connector/raw_nixl",
             "pd_connector/memcpy",
+            "pd_floor/raw_nixl",
         }
+        # The protocol floor ran beside the connector and raw NIXL in the same rounds.
+        floor = row["results"]["pd_floor"]["median_s"]
+        raw = row["results"]["raw_nixl"]["median_s"]
+        assert row["floor_fixed_cost_us"] == pytest.approx((floor - raw) * 1e6)
         # Where the connector's time went: every part timed, each step counted; the parts
         # are a share of the connector's median time (the loop around them is not counted).
         phases = row["pd_phases_us"]
