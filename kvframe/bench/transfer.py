@@ -601,9 +601,12 @@ class _RawNixlMethod:
         self.lists = [self.local, self.remote]
 
     def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
-        h = self.agent.make_prepped_xfer(
-            "READ", self.local, dst.astype(np.int32), self.remote, src.astype(np.int32)
-        )
+        self.read(self.local, dst.astype(np.int32), self.remote, src.astype(np.int32))
+
+    def read(self, local: Any, dst: Any, remote: Any, src: Any) -> None:
+        """READ ``remote``'s entries ``src`` into ``local``'s ``dst`` (prepared lists, int32
+        indices); return when done. Raise ``RuntimeError`` when it fails."""
+        h = self.agent.make_prepped_xfer("READ", local, dst, remote, src)
         state = self.agent.transfer(h)
         while state == "PROC":
             state = self.agent.check_xfer_state(h)
@@ -895,15 +898,6 @@ class _ProtocolFloorMethod:
     def setup(self, block_size: int, num_blocks: int) -> None:
         self.raw.setup(block_size, num_blocks)
 
-    def _read(self, local: Any, dst: Any, remote: Any, src: Any) -> None:
-        h = self.agent.make_prepped_xfer("READ", local, dst, remote, src)
-        state = self.agent.transfer(h)
-        while state == "PROC":
-            state = self.agent.check_xfer_state(h)
-        h.release()
-        if state != "DONE":
-            raise RuntimeError(f"protocol floor READ ended in state {state}")
-
     def run_once(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64]) -> None:
         self.seq += 1
         seq = self.seq
@@ -925,7 +919,7 @@ class _ProtocolFloorMethod:
             )
         )
         load = meta["loads"][0]
-        self._read(
+        self.raw.read(
             self.raw.local,
             np.asarray(load["local"], dtype=np.int32),
             self.raw.remote,
@@ -934,7 +928,7 @@ class _ProtocolFloorMethod:
         now = time.monotonic()
         self.notify.send_notif(self.notify_peer, msgpack.packb([1, seq, now, [load["handle"]]]))
         slot = np.array([load["handle"] % self.slots], dtype=np.int32)
-        self._read(self.word_local, np.zeros(1, dtype=np.int32), self.word_remote, slot)
+        self.raw.read(self.word_local, np.zeros(1, dtype=np.int32), self.word_remote, slot)
         self.notify.send_notif(self.notify_peer, msgpack.packb([2, seq, now, [load["handle"]]]))
         out = msgpack.unpackb(
             msgpack.packb({"finished_recving": [load["request_id"]], "failures": {}})
